@@ -1,0 +1,5 @@
+"""`python -m deepinfer` runs the command line."""
+
+from deepinfer_cli.app import main
+
+main()

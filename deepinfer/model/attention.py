@@ -1,0 +1,188 @@
+"""V4 attention: shared-KV MQA over a sliding window plus (CSA/HCA) compressed entries.
+
+* q: wq_a -> q_norm -> wq_b, per-head unweighted RMSNorm, RoPE on the last `rope_head_dim` dims.
+* kv: one head, K = V: wkv -> kv_norm -> RoPE; official numerics FP8-simulate its no-RoPE dims.
+* SWA sees the last `window_size` tokens; HCA adds every complete compressed entry; CSA adds the
+  entries the lightning indexer picks (top-k). Entry j is visible to query t iff j < (t+1) // ratio.
+* softmax with a learned per-head sink in the denominator; the output's RoPE dims get the inverse
+  rotation; grouped low-rank output projection wo_a (per group) then wo_b.
+
+Cache per layer (R rows): `kv_cache` [R, window + max_entries, head_dim] = window ring buffer (position
+p at slot p % window) followed by the compressed entries; the indexer keeps its own key buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config import ModelConfig
+from deepinfer.debug.capture import tap
+from deepinfer.model.compressor import Compressor
+from deepinfer.model.rope import rope_kind
+from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.ops import ops
+
+
+class StepContext:
+    """What one forward step needs besides the activations.
+
+    prefill: every row starts at position 0 and has S tokens; decode: S == 1 at per-row `pos` [B].
+    """
+
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor, rope, prefill: bool):
+        self.positions = positions  # [B, S] int64
+        self.rows = rows  # [B] int64 cache rows
+        self.rope = rope
+        self.prefill = prefill
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.positions[:, -1]
+
+
+def _window_idx_prefill(S: int, win: int, device) -> torch.Tensor:
+    """[S, min(S, win)]: query t sees positions max(0, t-win+1) .. t; -1 pads (official layout)."""
+    base = torch.arange(S, device=device).unsqueeze(1)
+    m = (base - win + 1).clamp_min(0) + torch.arange(min(S, win), device=device)
+    return torch.where(m > base, -1, m)
+
+
+class Indexer:
+    """Lightning indexer: picks the top-k compressed entries per query for CSA."""
+
+    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, ratio: int, numerics: Numerics):
+        self.n_heads, self.d, self.rd = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
+        self.topk, self.ratio, self.numerics = cfg.index_topk, ratio, numerics
+        self.wq_b = W.linear(prefix + "wq_b")
+        self.weights_proj = W.linear(prefix + "weights_proj", force_float=True)
+        self.scale = self.d ** -0.5 * self.n_heads ** -0.5
+        self.compressor = Compressor(W, prefix + "compressor.", ratio, self.d, self.rd, overlap=True, rotate=True,
+                                     numerics=numerics, norm_eps=cfg.norm_eps)
+
+    def allocate(self, rows: int, max_entries: int, device, dtype) -> None:
+        self.compressor.cache = torch.zeros(rows, max_entries, self.d, dtype=dtype, device=device)
+        self.compressor.allocate(rows, device)
+
+    def __call__(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, name: str) -> torch.Tensor:
+        """x [B, S, D], qr [B, S, q_lora] -> entry indices [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.d))
+        cos, sin = ctx.rope.get("compress", ctx.positions)
+        q = torch.cat([q[..., :-self.rd], ops.rope(q[..., -self.rd:], cos, sin)], -1)
+        if self.numerics.official:
+            q = ops.fp4_fake_quant(ops.hadamard(q), 32)
+        if ctx.prefill:
+            keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
+        else:
+            self.compressor.decode(x, ctx.pos, ctx.rows, ctx.rope)
+            keys = self.compressor.cache[ctx.rows]
+        w = self.weights_proj(x).float() * self.scale
+        scores = ops.indexer_scores(q, keys, w)  # [B, S, T]
+        n_valid = (ctx.positions + 1) // self.ratio
+        idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
+        tap(name + ".q", q)
+        tap(name + ".kv", keys)
+        tap(name + ".scores", scores.masked_fill(torch.arange(scores.size(-1), device=scores.device)
+                                                 >= n_valid.unsqueeze(-1), float("-inf")))
+        tap(name + ".topk", idx)
+        return idx
+
+
+class Attention:
+    """One layer's attention (kind swa | csa | hca) with its cache."""
+
+    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, layer_id: int, numerics: Numerics):
+        self.cfg, self.numerics, self.name = cfg, numerics, prefix.rstrip(".")
+        self.kind, self.ratio = cfg.attn_kinds[layer_id], cfg.compress_ratios[layer_id]
+        self.n_heads, self.hd, self.rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.win, self.eps, self.groups = cfg.window_size, cfg.norm_eps, cfg.o_groups
+        self.rope_kind = rope_kind(self.kind)
+        self.sink = W.f32(prefix + "attn_sink")
+        self.wq_a = W.linear(prefix + "wq_a")
+        self.q_norm = W.f32(prefix + "q_norm.weight")
+        self.wq_b = W.linear(prefix + "wq_b")
+        self.wkv = W.linear(prefix + "wkv")
+        self.kv_norm = W.f32(prefix + "kv_norm.weight")
+        # The official convert.py dequantises wo_a to bf16: the grouped projection is a plain einsum.
+        wo_a = W.linear(prefix + "wo_a", force_float=True).weight
+        self.wo_a = wo_a.view(self.groups, cfg.o_lora_rank, -1)
+        self.wo_b = W.linear(prefix + "wo_b")
+        self.scale = self.hd ** -0.5
+        self.compressor = self.indexer = None
+        if self.kind != "swa":
+            self.compressor = Compressor(W, prefix + "compressor.", self.ratio, self.hd, self.rd,
+                                         overlap=self.kind == "csa", rotate=False, numerics=numerics,
+                                         norm_eps=cfg.norm_eps)
+        if self.kind == "csa":
+            self.indexer = Indexer(cfg, W, prefix + "indexer.", self.ratio, numerics)
+        self.kv_cache = None
+
+    def allocate(self, rows: int, max_seq_len: int, device, dtype) -> None:
+        # +1: the entry being filled has a slot too (decode writes it back unchanged until complete)
+        n_entries = max_seq_len // self.ratio + 1 if self.ratio else 0
+        self.kv_cache = torch.zeros(rows, self.win + n_entries, self.hd, dtype=dtype, device=device)
+        if self.compressor is not None:
+            self.compressor.cache = self.kv_cache[:, self.win:]
+            self.compressor.allocate(rows, device)
+        if self.indexer is not None:
+            self.indexer.allocate(rows, n_entries, device, dtype)
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x [B, S, D] (after attn_norm) -> [B, S, D]."""
+        B, S, _ = x.shape
+        rd, n = self.rd, self.name
+        cos, sin = ctx.rope.get(self.rope_kind, ctx.positions)
+        qr = ops.rms_norm(self.wq_a(x), self.q_norm, self.eps)
+        q = ops.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
+        q = torch.cat([q[..., :-rd], ops.rope(q[..., -rd:], cos, sin)], -1)
+        kv = ops.rms_norm(self.wkv(x), self.kv_norm, self.eps)
+        kv = torch.cat([kv[..., :-rd], ops.rope(kv[..., -rd:], cos, sin)], -1)
+        if self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
+            kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+        tap(n + ".q", q)
+        tap(n + ".kv", kv)
+        if ctx.prefill:
+            o = self._prefill(x, q, kv, qr, ctx)
+        else:
+            o = self._decode(x, q, kv, qr, ctx)
+        o = torch.cat([o[..., :-rd], ops.rope(o[..., -rd:], cos, sin, inverse=True)], -1)
+        tap(n + ".core", o)
+        og = torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, self.groups, -1), self.wo_a.to(o.dtype))
+        return self.wo_b(og.flatten(2))
+
+    def _prefill(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+        B, S, _ = x.shape
+        dev = x.device
+        idx = _window_idx_prefill(S, self.win, dev).unsqueeze(0).expand(B, -1, -1)
+        kv_all = kv
+        if self.compressor is not None:
+            entries = self.compressor.prefill(x, ctx.rows, ctx.rope)  # [B, S//r, hd]
+            tap(self.name + ".compressed_kv", entries)
+            kv_all = torch.cat([kv, entries.to(kv.dtype)], 1)
+            if self.indexer is not None:
+                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
+            else:  # HCA: every complete entry
+                j = torch.arange(entries.size(1), device=dev)
+                sel = torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + S, -1)], -1)
+        o = ops.sparse_attn(q, kv_all, self.sink, idx, self.scale)
+        # ring buffer: the last min(S, win) positions at slot p % win
+        keep = min(S, self.win)
+        p = torch.arange(S - keep, S, device=dev)
+        rows = ctx.rows.repeat_interleave(keep)
+        ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].reshape(-1, self.hd))
+        return o
+
+    def _decode(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+        pos, rows, dev = ctx.pos, ctx.rows, x.device
+        ops.kv_store(self.kv_cache, rows, pos % self.win, kv[:, 0])
+        w = torch.arange(self.win, device=dev)
+        idx = torch.where(w <= pos.unsqueeze(-1), w, -1).unsqueeze(1)  # [B, 1, win]
+        if self.compressor is not None:
+            self.compressor.decode(x, pos, rows, ctx.rope)
+            if self.indexer is not None:
+                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
+            else:
+                j = torch.arange(self.kv_cache.size(1) - self.win, device=dev)
+                sel = torch.where(j < ((pos + 1) // self.ratio).unsqueeze(-1), j, -1).unsqueeze(1)
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + self.win, -1)], -1)
+        return ops.sparse_attn(q, self.kv_cache[rows], self.sink, idx, self.scale)

@@ -1,0 +1,120 @@
+"""KV compressor of CSA/HCA layers and of the lightning indexer.
+
+Each window of `ratio` tokens pools into one compressed entry: a per-channel softmax over the window of
+`wgate(x) + ape` weighting `wkv(x)`, then RMSNorm, RoPE at the window's first position, and (official
+numerics) the same QAT simulation as the cache it feeds. CSA (`overlap`) projects two series per token:
+entry w pools window w-1's first half of channels with window w's second half (2·ratio slots).
+
+Decode carries the partial window and the overlap half between steps in `kv_state` / `score_state`
+[R, coff·ratio, coff·d] (float32; -inf scores mark empty slots, which softmax weights 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.ops import ops
+
+
+class Compressor:
+    """One compressor. `cache` is a [R, max_entries, d] view the owner allocates (attention: the tail
+    of its KV buffer; indexer: its key buffer)."""
+
+    def __init__(self, W: WeightSource, prefix: str, ratio: int, head_dim: int, rope_dim: int,
+                 overlap: bool, rotate: bool, numerics: Numerics, norm_eps: float):
+        self.ratio, self.d, self.rd = ratio, head_dim, rope_dim
+        self.overlap, self.rotate, self.numerics, self.eps = overlap, rotate, numerics, norm_eps
+        self.coff = 2 if overlap else 1
+        # The official code keeps the compressor in float32 (the checkpoint stores bf16).
+        self.ape = W.f32(prefix + "ape")  # [ratio, coff·d]
+        self.wkv = W.linear(prefix + "wkv", force_float=True, dtype=torch.float32)
+        self.wgate = W.linear(prefix + "wgate", force_float=True, dtype=torch.float32)
+        self.norm = W.f32(prefix + "norm.weight")
+        self.cache: torch.Tensor | None = None
+        self.kv_state = self.score_state = None
+
+    def allocate(self, rows: int, device) -> None:
+        shape = (rows, self.coff * self.ratio, self.coff * self.d)
+        self.kv_state = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.score_state = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------------------------------
+    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope) -> torch.Tensor:
+        """pooled [B, W, d] f32, first_pos [B, W] -> entries [B, W, d] in the compute dtype."""
+        kv = ops.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
+        cos, sin = rope.get("compress", first_pos)
+        kv = torch.cat([kv[..., :-self.rd], ops.rope(kv[..., -self.rd:], cos, sin)], -1)
+        if self.numerics.official:
+            if self.rotate:  # indexer keys: Hadamard, then FP4 simulation
+                kv = ops.fp4_fake_quant(ops.hadamard(kv), 32)
+            else:  # attention entries: FP8 simulation of the no-RoPE dims
+                kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
+        return kv
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf)
+
+    def prefill(self, x: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
+        """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d]; also writes
+        them to `cache` and leaves the carry-over (overlap half, partial window) in the state."""
+        B, S, _ = x.shape
+        r, d = self.ratio, self.d
+        kv, score = self._project(x)
+        cutoff = S - S % r
+        # fresh sequence in these rows: empty state
+        st_kv = torch.zeros_like(self.kv_state[rows])
+        st_sc = torch.full_like(self.score_state[rows], float("-inf"))
+        off = r if self.overlap else 0
+        if self.overlap and cutoff >= r:
+            st_kv[:, :r] = kv[:, cutoff - r:cutoff]
+            st_sc[:, :r] = score[:, cutoff - r:cutoff] + self.ape
+        if S % r:
+            st_kv[:, off:off + S % r] = kv[:, cutoff:]
+            st_sc[:, off:off + S % r] = score[:, cutoff:] + self.ape[:S % r]
+        self.kv_state[rows], self.score_state[rows] = st_kv, st_sc
+        n = cutoff // r
+        if n == 0:
+            return kv.new_zeros(B, 0, d).to(self.numerics.dtype)
+        kvw = kv[:, :cutoff].unflatten(1, (n, r))
+        scw = score[:, :cutoff].unflatten(1, (n, r)) + self.ape
+        if self.overlap:  # slots: previous window's first half | this window's second half
+            kv2 = kvw.new_zeros(B, n, 2 * r, d)
+            sc2 = scw.new_full((B, n, 2 * r, d), float("-inf"))
+            kv2[:, :, r:], sc2[:, :, r:] = kvw[..., d:], scw[..., d:]
+            kv2[:, 1:, :r], sc2[:, 1:, :r] = kvw[:, :-1, :, :d], scw[:, :-1, :, :d]
+            kvw, scw = kv2, sc2
+        pooled = ops.compress_pool(kvw, scw)
+        first = (torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
+        entries = self._finish(pooled, first, rope)
+        self.cache[rows, :n] = entries.to(self.cache.dtype)
+        return entries
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
+        """x [B, 1, D] at per-row positions pos [B]: update the state; where a window completes, write
+        its entry to `cache[row, pos // ratio]`. Branch-free over rows (no host sync)."""
+        r, d = self.ratio, self.d
+        kv, score = self._project(x)
+        kv, score = kv[:, 0], score[:, 0] + self.ape[pos % r]
+        slot = (r if self.overlap else 0) + pos % r
+        st_kv, st_sc = self.kv_state[rows], self.score_state[rows]
+        ar = torch.arange(len(rows), device=x.device)
+        st_kv[ar, slot], st_sc[ar, slot] = kv, score
+        done = (pos + 1) % r == 0
+        if self.overlap:
+            kvw = torch.cat([st_kv[:, :r, :d], st_kv[:, r:, d:]], 1)
+            scw = torch.cat([st_sc[:, :r, :d], st_sc[:, r:, d:]], 1)
+            # after a completed window its second half becomes the next window's overlap half
+            m = done.view(-1, 1, 1)
+            self.kv_state[rows] = torch.where(m, torch.cat([st_kv[:, r:], st_kv[:, r:]], 1), st_kv)
+            self.score_state[rows] = torch.where(m, torch.cat([st_sc[:, r:], st_sc[:, r:]], 1), st_sc)
+        else:
+            kvw, scw = st_kv, st_sc
+            self.kv_state[rows], self.score_state[rows] = st_kv, st_sc
+        pooled = ops.compress_pool(kvw.unsqueeze(1), scw.unsqueeze(1))  # [B, 1, d]
+        first = (pos + 1 - r).clamp_min(0).unsqueeze(1)
+        entry = self._finish(pooled, first, rope)[:, 0]
+        idx = (pos // r).clamp_max(self.cache.size(1) - 1)
+        old = self.cache[rows, idx]
+        self.cache[rows, idx] = torch.where(done.unsqueeze(-1), entry.to(self.cache.dtype), old)

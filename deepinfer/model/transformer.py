@@ -1,0 +1,172 @@
+"""DeepSeek-V4 in plain PyTorch: embed -> hc_mult streams -> blocks (mHC around attention and MoE)
+-> hc head -> RMSNorm -> float32 LM head; plus the MTP block (a forward pass; no speculation yet).
+
+Every numerically significant op goes through `deepinfer.ops.ops`, so a backend can replace it.
+Tap names (see `dumps/README.md`) are stable across backends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.config import ModelConfig
+from deepinfer.debug.capture import tap
+from deepinfer.model.attention import Attention, StepContext
+from deepinfer.model.moe import MoE
+from deepinfer.model.rope import RopeTables
+from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.ops import ops
+
+
+class HCParams:
+    """mHC mixing parameters (fn, base, scale) of one sub-layer or head, float32."""
+
+    def __init__(self, W: WeightSource, prefix: str):
+        self.fn, self.base, self.scale = (W.f32(prefix + s) for s in ("_fn", "_base", "_scale"))
+
+
+class Block:
+    """One transformer block with hyper-connection streams around attention and MoE."""
+
+    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, layer_id: int, numerics: Numerics,
+                 hash_routed: bool):
+        self.cfg, self.name = cfg, prefix.rstrip(".")
+        self.attn = Attention(cfg, W, prefix + "attn.", layer_id, numerics)
+        self.ffn = MoE(cfg, W, prefix + "ffn.", hash_routed)
+        self.attn_norm = W.f32(prefix + "attn_norm.weight")
+        self.ffn_norm = W.f32(prefix + "ffn_norm.weight")
+        self.hc_attn = HCParams(W, prefix + "hc_attn")
+        self.hc_ffn = HCParams(W, prefix + "hc_ffn")
+
+    def __call__(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
+        """h [B, S, hc, D] streams -> [B, S, hc, D]."""
+        c, n = self.cfg, self.name
+        for sub, hcp, norm in (("attn", self.hc_attn, self.attn_norm), ("ffn", self.hc_ffn, self.ffn_norm)):
+            tap(f"{n}.hc_{sub}.in", h)
+            x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+            tap(f"{n}.hc_{sub}.post", post)
+            tap(f"{n}.hc_{sub}.comb", comb)
+            x = ops.rms_norm(x, norm, c.norm_eps)
+            tap(f"{n}.{sub}.in", x)
+            x = self.attn(x, ctx) if sub == "attn" else self.ffn(x, input_ids)
+            tap(f"{n}.{sub}.out", x)
+            h = ops.hc_post(x, h, post, comb)
+            tap(f"{n}.hc_{sub}.out", h)
+        return h
+
+
+class Head:
+    """hc head (stream collapse) -> RMSNorm -> float32 LM head."""
+
+    def __init__(self, cfg: ModelConfig, hc: HCParams, norm: torch.Tensor, weight: torch.Tensor):
+        self.cfg, self.hc, self.norm, self.weight = cfg, hc, norm, weight
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, S, hc, D] -> logits [B, S, V] float32."""
+        c = self.cfg
+        x = ops.hc_head(h, self.hc.fn, self.hc.scale, self.hc.base, c.norm_eps, c.hc_eps)
+        x = ops.rms_norm(x, self.norm, c.norm_eps)
+        return F.linear(x.float(), self.weight)
+
+
+class MTPBlock:
+    """Multi-token prediction: embed(next token) and the streams, normalised, projected and summed,
+    then one full block, its own hc head and norm, and the shared LM head."""
+
+    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, layer_id: int, numerics: Numerics,
+                 embed: torch.Tensor, head_weight: torch.Tensor):
+        self.cfg, self.embed = cfg, embed
+        self.block = Block(cfg, W, prefix, layer_id, numerics, hash_routed=False)
+        self.e_proj, self.h_proj = W.linear(prefix + "e_proj"), W.linear(prefix + "h_proj")
+        self.enorm, self.hnorm = W.f32(prefix + "enorm.weight"), W.f32(prefix + "hnorm.weight")
+        self.head = Head(cfg, HCParams(W, prefix + "hc_head"), W.f32(prefix + "norm.weight"), head_weight)
+
+    def __call__(self, h: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [B, S, hc, D] main-model streams, next_ids [B, S] (token t+1 at t) -> logits [B, S, V]."""
+        eps = self.cfg.norm_eps
+        e = ops.rms_norm(F.embedding(next_ids, self.embed), self.enorm, eps)
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(ops.rms_norm(h, self.hnorm, eps))
+        return self.head(self.block(x, ctx, next_ids))
+
+
+class Transformer:
+    """The whole model. Build with `Transformer(cfg, state, numerics, device)`; `allocate` the caches
+    (rows = concurrent sequences, max_seq_len = longest prompt + generation) before running."""
+
+    def __init__(self, cfg: ModelConfig, state: dict, numerics: Numerics, device="cpu"):
+        self.cfg, self.numerics, self.device = cfg, numerics, torch.device(device)
+        W = WeightSource(state, numerics, device)
+        self.embed = W.compute("embed.weight")
+        self.layers = [Block(cfg, W, f"layers.{i}.", i, numerics, cfg.hash_layers[i]) for i in range(cfg.n_layers)]
+        head_w = W.f32("head.weight")
+        self.head = Head(cfg, HCParams(W, "hc_head"), W.f32("norm.weight"), head_w)
+        self.mtp = [MTPBlock(cfg, W, f"mtp.{m}.", cfg.n_layers + m, numerics, self.embed, head_w)
+                    for m in range(cfg.n_mtp_layers)]
+        unused = set(state) - W.taken
+        if unused:  # the validator should have caught these; never ignore weights silently
+            raise ValueError(f"{len(unused)} checkpoint tensors were not used by the model: {sorted(unused)[:5]}")
+        self.rope = None
+        self.rows = self.max_seq_len = 0
+
+    def attentions(self):
+        return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
+
+    def allocate(self, rows: int, max_seq_len: int) -> None:
+        """(Re)allocate every layer's cache for `rows` sequences of up to `max_seq_len` tokens."""
+        self.rope = RopeTables(self.cfg, max_seq_len, self.device)
+        for a in self.attentions():
+            a.allocate(rows, max_seq_len, self.device, self.numerics.dtype)
+        self.rows, self.max_seq_len = rows, max_seq_len
+
+    def _ctx(self, input_ids, rows, positions, prefill):
+        if self.rope is None:
+            raise RuntimeError("call allocate(rows, max_seq_len) before running the model")
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len {self.max_seq_len}")
+        return StepContext(positions, rows, self.rope, prefill)
+
+    def _body(self, input_ids, ctx) -> torch.Tensor:
+        tap("input_ids", input_ids)
+        x = F.embedding(input_ids, self.embed)
+        h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        for layer in self.layers:
+            h = layer(h, ctx, input_ids)
+        return h
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None, all_logits: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, S] from position 0 into cache `rows` [B] -> (logits [B, S or 1, V] f32, streams)."""
+        B, S = input_ids.shape
+        rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
+        positions = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
+        ctx = self._ctx(input_ids, rows, positions, prefill=True)
+        h = self._body(input_ids.to(self.device), ctx)
+        logits = self.head(h if all_logits else h[:, -1:])
+        tap("logits", logits)
+        return logits, h
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """One token per row: input_ids [B, 1] at positions [B] (per row) -> logits [B, 1, V] f32."""
+        B = input_ids.size(0)
+        rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
+        ctx = self._ctx(input_ids, rows, positions.to(self.device).view(B, 1), prefill=False)
+        h = self._body(input_ids.to(self.device), ctx)
+        logits = self.head(h)
+        tap("logits", logits)
+        return logits
+
+    @torch.inference_mode()
+    def mtp_prefill(self, streams: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """MTP forward over a prompt: streams [B, S, hc, D] from `prefill`, next_ids [B, S] -> logits."""
+        if not self.mtp:
+            raise ValueError("this checkpoint has no MTP block")
+        B, S = next_ids.shape
+        rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
+        positions = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
+        ctx = self._ctx(next_ids, rows, positions, prefill=True)
+        return self.mtp[0](streams, next_ids.to(self.device), ctx)

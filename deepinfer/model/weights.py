@@ -1,0 +1,111 @@
+"""Weights as the model holds them, and the numerics mode that decides their form.
+
+`official` keeps FP8/FP4 weights in their checkpoint formats and quantises activations on the way into
+each GEMM (what the official inference code computes). `exact` dequantises every weight once, at load,
+to the compute dtype and quantises nothing (what transformers computes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.ops import ops
+from deepinfer.quant.formats import fp4_unpack
+
+NUMERICS = ("official", "exact")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a run computes: `mode` official|exact, `dtype` the activation/compute dtype."""
+
+    mode: str = "official"
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def official(self) -> bool:
+        return self.mode == "official"
+
+
+def _dequant_fp8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    s = s.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return w.float() * s
+
+
+class Linear:
+    """y = x Wᵀ for one weight in one of three forms.
+
+    fmt "float": weight [N, K] in the compute dtype. fmt "fp8": weight [N, K] float8_e4m3fn, scale
+    [ceil(N/128), ceil(K/128)] f32. fmt "fp4": weight [N, K/2] int8 (e2m1 pairs), scale [N, K/32] f32.
+    Quantised forms quantise the input per 128 along K (power-of-two scales) and call the FP8/FP4 GEMM.
+    """
+
+    __slots__ = ("weight", "scale", "fmt", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, fmt: str):
+        self.weight, self.scale, self.fmt = weight, scale, fmt
+        self.out_features = weight.size(0)
+        self.in_features = weight.size(1) * (2 if fmt == "fp4" else 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "float":
+            return ops.linear(x, self.weight)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        q, s = ops.act_quant(x2, 128)
+        gemm = ops.fp8_gemm if self.fmt == "fp8" else ops.fp4_gemm
+        y = gemm(q, s, self.weight, self.scale, out_dtype=x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a [N, K] float tensor (exact for FP8/FP4: the scales are powers of two)."""
+        if self.fmt == "float":
+            return self.weight.to(dtype)
+        if self.fmt == "fp8":
+            return _dequant_fp8(self.weight, self.scale).to(dtype)
+        return (fp4_unpack(self.weight) * self.scale.float().repeat_interleave(32, -1)).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + (
+            self.scale.numel() * self.scale.element_size() if self.scale is not None else 0)
+
+
+class WeightSource:
+    """Hands each module its tensors by official name, converted for the chosen numerics.
+
+    `state` maps official names to tensors as `load_state` returns them: FP8 as float8_e4m3fn, FP4 as
+    packed int8, scales already decoded to float32, floats as stored.
+    """
+
+    def __init__(self, state: dict, numerics: Numerics, device: torch.device | str):
+        self.state, self.numerics, self.device = state, numerics, torch.device(device)
+        self.taken: set[str] = set()
+
+    def raw(self, name: str) -> torch.Tensor:
+        self.taken.add(name)
+        return self.state[name].to(self.device)
+
+    def f32(self, name: str) -> torch.Tensor:
+        """Norm weights, hc_*, ape, attn_sink, gate weight/bias, LM head: float32 as the official code."""
+        return self.raw(name).float()
+
+    def compute(self, name: str) -> torch.Tensor:
+        return self.raw(name).to(self.numerics.dtype)
+
+    def linear(self, prefix: str, force_float: bool = False, dtype: torch.dtype | None = None) -> Linear:
+        """The Linear at `prefix` (`prefix.weight` and, when quantised, `prefix.scale`)."""
+        w = self.raw(prefix + ".weight")
+        dtype = dtype or self.numerics.dtype
+        if w.dtype == torch.float8_e4m3fn:
+            lin = Linear(w, self.raw(prefix + ".scale").float(), "fp8")
+        elif w.dtype in (torch.int8, torch.uint8):
+            lin = Linear(w.view(torch.int8), self.raw(prefix + ".scale").float(), "fp4")
+        else:
+            return Linear(w.to(dtype), None, "float")
+        if force_float or not self.numerics.official:
+            return Linear(lin.dequantized(dtype), None, "float")
+        return lin

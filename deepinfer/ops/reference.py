@@ -1,0 +1,385 @@
+"""Plain-PyTorch reference of every op: the spec each kernel is tested against.
+
+Written to read like the paper and the official inference code (`inference/model.py`, `kernel.py`),
+computing in float32 where the official kernels accumulate in float32. Shapes use B batch, S query
+positions, H heads, D head dim, T compressed entries, K selected entries, E experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.ops.registry import defop
+from deepinfer.quant.formats import fp4_round, fp4_unpack
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(x)) for positive float32 x, exactly (frexp avoids log2 rounding at powers of two)."""
+    m, e = torch.frexp(x)
+    # x = m * 2^e with m in [0.5, 1): a power of two has m == 0.5 and is its own ceiling.
+    e = torch.where(m == 0.5, e - 1, e)
+    return torch.ldexp(torch.ones_like(x), e)
+
+
+# --------------------------------------------------------------------------------------------- norms
+@defop("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32; `weight=None` is the unweighted form (V4's q head norm)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- quantisation
+@defop("act_quant", tol={"float32": (0.0, 0.0), "float8_e4m3fn": (0.0, 0.0)})
+def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 activation quantisation per `block` along the last dim, power-of-two (ue8m0) scales.
+
+    x [..., K] -> (q float8_e4m3fn [..., K], s float32 [..., K/block]); x ≈ q * s.
+    amax is floored at 1e-4 as the official kernel does, so a zero block gets a finite scale.
+    """
+    K = x.size(-1)
+    assert K % block == 0, f"act_quant: last dim {K} is not a multiple of {block}"
+    xb = x.float().unflatten(-1, (K // block, block))
+    amax = xb.abs().amax(-1).clamp_min(1e-4)
+    s = _pow2_ceil(amax / FP8_MAX)
+    q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+@defop("fp8_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
+def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Quantise-dequantise through FP8 e4m3 per `block` (power-of-two scales); returns x's dtype.
+
+    The official code applies this to the KV cache's no-RoPE dims (block 64) to match its QAT.
+    """
+    q, s = act_quant(x, block)
+    y = q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)
+    return y.flatten(-2).to(x.dtype)
+
+
+@defop("fp4_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Quantise-dequantise through FP4 e2m1 per `block` with power-of-two scales (indexer q/k QAT)."""
+    K = x.size(-1)
+    xb = x.float().unflatten(-1, (K // block, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    s = _pow2_ceil(amax / FP4_MAX)
+    y = fp4_round((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s
+    return y.flatten(-2).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_matrix(n: int, device: str) -> torch.Tensor:
+    assert n & (n - 1) == 0, f"Hadamard size {n} is not a power of two"
+    h = torch.ones(1, 1)
+    while h.size(0) < n:  # Sylvester construction: natural order, as fast_hadamard_transform uses
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * n**-0.5).to(device)
+
+
+@defop("hadamard")
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of the last dim (size a power of two), x's dtype out."""
+    h = _hadamard_matrix(x.size(-1), str(x.device))
+    return (x.float() @ h).to(x.dtype)
+
+
+# -------------------------------------------------------------------------------------------- GEMMs
+def _expand_block_scale(s: torch.Tensor, n: int, k: int, block: int = 128) -> torch.Tensor:
+    return s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+
+
+@defop("fp8_gemm", tol={"float32": (1e-5, 1e-5)})
+def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """C = A Wᵀ with FP8 A (per-128 K scales) and FP8 W (128x128 block scales), fp32 accumulate.
+
+    a [M, K] float8_e4m3fn, a_s [M, K/128] f32, w [N, K] float8_e4m3fn, w_s [ceil(N/128), ceil(K/128)] f32
+    -> [M, N] out_dtype. Scales are powers of two, so scaling before the product is exact.
+    """
+    M, K = a.shape
+    N = w.size(0)
+    af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
+    wf = w.float() * _expand_block_scale(w_s, N, K)
+    return (af @ wf.t()).to(out_dtype)
+
+
+@defop("fp4_gemm", tol={"float32": (1e-5, 1e-5)})
+def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """C = A Wᵀ with FP8 A (per-128 K scales) and FP4 e2m1 W (int8-packed, per-32 K scales).
+
+    a [M, K] float8_e4m3fn, a_s [M, K/128] f32, w [N, K/2] int8, w_s [N, K/32] f32 -> [M, N] out_dtype.
+    """
+    K = a.size(-1)
+    af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
+    wf = fp4_unpack(w) * w_s.repeat_interleave(32, -1)
+    return (af @ wf.t()).to(out_dtype)
+
+
+@defop("linear")
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Plain y = x Wᵀ in x's dtype (bf16/fp32 weights, no quantisation)."""
+    return F.linear(x, w.to(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+@defop("rope")
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved rotary embedding of x's last dim (pairs (2i, 2i+1)), in float32.
+
+    x [B, S, H, R] (or [B, S, R]), cos/sin [B, S, R/2]. `inverse` rotates by -θ (the output
+    de-rotation). Returns x's dtype.
+    """
+    squeeze = x.dim() == 3
+    if squeeze:
+        x = x.unsqueeze(2)
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos.unsqueeze(2).float(), sin.unsqueeze(2).float()
+    if inverse:
+        s = -s
+    y = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2).to(x.dtype)
+    return y.squeeze(2) if squeeze else y
+
+
+# ------------------------------------------------------------------------------ compressor, indexer
+@defop("compress_pool")
+def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """Gated pooling of a window: softmax over the window slots per channel, weighted sum.
+
+    kv, score [B, W, slots, D] float32 (score already carries the `ape` position bias; -inf slots have
+    weight 0) -> [B, W, D] float32.
+    """
+    return (kv.float() * score.float().softmax(dim=2)).sum(dim=2)
+
+
+@defop("indexer_scores", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)})
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores Σ_h w[b,s,h] · relu(q[b,s,h]·k[b,t]) in float32.
+
+    q [B, S, H, D], k [B, T, D], w [B, S, H] (already scaled by D^-0.5 · H^-0.5) -> [B, S, T] f32.
+    """
+    logits = torch.einsum("bshd,btd->bsht", q.float(), k.float())
+    return (logits.relu() * w.float().unsqueeze(-1)).sum(dim=2)
+
+
+@defop("topk_indices", tol={"int64": (0.0, 0.0)})
+def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.Tensor:
+    """Indices of the k largest scores per row among the first `n_valid` entries; -1 pads.
+
+    scores [B, S, T] f32, n_valid [B, S] int64 (entries j >= n_valid are not yet complete) ->
+    [B, S, k] int64. Tie-break: among equal scores the LOWER index wins (stable descending sort), so
+    the selection is deterministic on every backend -- ReLU scores tie at exactly 0 often.
+    """
+    T = scores.size(-1)
+    j = torch.arange(T, device=scores.device)
+    valid = j < n_valid.unsqueeze(-1)
+    masked = scores.float().masked_fill(~valid, float("-inf"))
+    idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
+    if idx.size(-1) < k:
+        idx = F.pad(idx, (0, k - idx.size(-1)), value=-1)
+    ok = (idx >= 0) & (idx < n_valid.unsqueeze(-1))
+    return torch.where(ok, idx, torch.full_like(idx, -1))
+
+
+# ---------------------------------------------------------------------------------------- attention
+@defop("sparse_attn", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Shared-KV sparse attention with an attention sink, for prefill and decode alike.
+
+    q [B, S, H, D], kv [B, N, D] (K = V), sink [H] f32 (a learned logit in the denominator only),
+    idx [B, S, K] int (rows of kv; -1 = empty) -> [B, S, H, D] in q's dtype. A query whose K slots are
+    all empty gets 0.
+    """
+    B, S, H, D = q.shape
+    valid = idx >= 0
+    g = torch.gather(kv.float(), 1, idx.clamp_min(0).reshape(B, -1, 1).expand(-1, -1, D).long())
+    g = g.view(B, S, -1, D)  # [B, S, K, D]
+    logits = torch.einsum("bshd,bskd->bshk", q.float(), g) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    sink_l = sink.float().view(1, 1, H, 1).expand(B, S, H, 1)
+    m = torch.maximum(logits.amax(-1, keepdim=True), sink_l)
+    p = torch.exp(logits - m)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink_l - m)
+    o = torch.einsum("bshk,bskd->bshd", p / denom, g)
+    return o.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- mHC
+@defop("hc_pre")
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre-mix: mixes from the RMS-normalised streams, Sinkhorn comb, collapse with `pre`.
+
+    x [B, S, hc, D], fn [(2+hc)·hc, hc·D], scale [3], base [(2+hc)·hc] (all f32) ->
+    (y [B, S, D] x's dtype, post [B, S, hc] f32, comb [B, S, hc, hc] f32) with
+    pre = σ(·)+eps, post = 2σ(·), comb = Sinkhorn(softmax(·)) doubly stochastic.
+    """
+    hc = x.size(2)
+    xf = x.flatten(2).float()
+    rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(xf, fn.float()) * rsqrt
+    pre_l, post_l, comb_l = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre = torch.sigmoid(pre_l * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(post_l * scale[1] + base[hc:2 * hc])
+    comb = (comb_l * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
+    return y.to(x.dtype), post, comb
+
+
+@defop("hc_post")
+def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC post-mix: new stream k = post_k · x + Σ_j comb[j, k] · residual_j (comb transposed).
+
+    x [B, S, D], residual [B, S, hc, D], post [B, S, hc], comb [B, S, hc, hc] -> [B, S, hc, D] x's dtype.
+    """
+    y = post.unsqueeze(-1) * x.float().unsqueeze(-2) + torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
+    return y.to(x.dtype)
+
+
+@defop("hc_head")
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final stream collapse (no Sinkhorn): y = Σ_j (σ(mix_j·scale + base_j) + eps) · x_j.
+
+    x [B, S, hc, D], fn [hc, hc·D], scale [1], base [hc] -> [B, S, D] x's dtype.
+    """
+    xf = x.flatten(2).float()
+    rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(xf, fn.float()) * rsqrt
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+@defop("moe_route", tol={"float32": (1e-5, 1e-6)})
+def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+              input_ids: torch.Tensor, topk: int, score_func: str, route_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router: scores in fp32, bias for selection only, hash table for the first layers.
+
+    x [T, D], gate_w [E, D], bias [E] or None, tid2eid [V, k] or None, input_ids [T] ->
+    (weights [T, k] f32 summing to route_scale, indices [T, k] int64, scores [T, E] f32).
+    Top-k ties break towards the lower expert id (stable sort), as in `topk_indices`.
+    """
+    logits = F.linear(x.float(), gate_w.float())
+    if score_func == "softmax":
+        scores = logits.softmax(-1)
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softplus(logits).sqrt()
+    if tid2eid is not None:
+        indices = tid2eid[input_ids].long()  # hash routing ignores the bias
+    else:
+        sel = scores + bias.float() if bias is not None else scores
+        indices = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = scores.gather(1, indices)
+    if score_func != "softmax":
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * route_scale, indices, scores
+
+
+@defop("swiglu")
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU in float32: silu(min(gate, limit)) · clamp(up, -limit, limit) (limit 0: no clamp)."""
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return F.silu(g) * u
+
+
+# ------------------------------------------------------------------------------------------- caches
+@defop("kv_store", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
+def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """In-place cache write: cache[rows[i], slots[i]] = values[i].
+
+    cache [R, N, D], rows [M] int64, slots [M] int64, values [M, D]. Host-sync free (graph safe).
+    """
+    cache[rows, slots] = values.to(cache.dtype)
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix in int64 arithmetic (products stay below 2^63)."""
+    m = 0xFFFFFFFF
+    x = x & m
+    x = ((x >> 16) ^ x) * 0x45D9F3B & m
+    x = ((x >> 16) ^ x) * 0x45D9F3B & m
+    x = ((x >> 16) ^ x) * 0x2C1B3C6D & m
+    return (x >> 16) ^ x
+
+
+@defop("sample", tol={"int64": (0.0, 0.0)})
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Next token per row: greedy where temperature == 0, else Gumbel-max over the top-k/top-p set.
+
+    logits [B, V] f32, temperature/top_p [B] f32, top_k [B] int64 (0 = off), seeds/positions [B] int64
+    -> [B] int64. The noise is a counter-based hash of (seed, position, token id): the same seed and
+    inputs give the same tokens on every device and batch layout, and nothing syncs with the host.
+    """
+    B, V = logits.shape
+    lf = logits.float()
+    greedy = lf.argmax(-1)  # first maximal index on ties
+    t = temperature.float().clamp_min(1e-5).unsqueeze(-1)
+    scaled = lf / t
+    sorted_l, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=logits.device).unsqueeze(0)
+    keep = torch.ones_like(sorted_l, dtype=torch.bool)
+    k = top_k.unsqueeze(-1)
+    keep &= (k <= 0) | (rank < k)
+    probs = sorted_l.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly above this token
+    keep &= before < top_p.float().unsqueeze(-1)
+    keep[:, 0] = True
+    masked_sorted = sorted_l.masked_fill(~keep, float("-inf"))
+    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, masked_sorted)
+    ctr = (seeds.long().unsqueeze(-1) * 0x9E3779B1 + positions.long().unsqueeze(-1) * 0x85EBCA77) & 0xFFFFFFFF
+    h = _hash32(_hash32(ctr) ^ torch.arange(V, device=logits.device).unsqueeze(0))
+    u = (h.double() + 0.5) / 2.0**32
+    gumbel = -torch.log(-torch.log(u))
+    drawn = (masked.double() + gumbel).argmax(-1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+@defop("logprobs", tol={"float32": (1e-6, 1e-5)})
+def logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax of the model's raw logits in float32: [B, V] -> [B, V]."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """RoPE inverse frequencies [dim/2] with YaRN interpolation when original_seq_len > 0 (no mscale)."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def corr(rot):
+            return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs

@@ -1,0 +1,182 @@
+"""The op registry: the one seam between the model and its kernels.
+
+Every numerically significant op the model calls is defined once here: its name, its plain-PyTorch
+reference (the spec, in `deepinfer/ops/reference.py`), a tolerance justified by the dtype, and zero or
+more backend implementations (`torch`, `triton`, `tilelang`). The model calls `ops.<name>(...)`; the
+active `Dispatcher` resolves each name to the chosen backend's implementation or, when that backend
+lacks one, to the reference -- recorded, announced once on stderr, and an error under `strict`.
+
+Backends are imported only when chosen (`kernels/triton` as `deepinfer_kernels.triton`, ...), so
+importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+BACKENDS = ("torch", "triton", "tilelang")
+_BACKEND_MODULES = {"triton": "deepinfer_kernels.triton", "tilelang": "deepinfer_kernels.tilelang"}
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot be used (not importable, or strict mode met a missing implementation)."""
+
+
+@dataclass
+class OpDef:
+    """One op: the reference is the spec; `tol` maps a dtype name to (rtol, atol) for A/B checks."""
+
+    name: str
+    ref: Callable
+    doc: str
+    tol: dict
+    impls: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+# Relative-error budgets per output dtype. fp32 references agree to rounding (~1e-6 relative
+# after a reduction); bf16 carries 8 mantissa bits, so 2^-8 per element grows to ~1e-2 over a sum.
+DEFAULT_TOL = {"float32": (1e-5, 1e-6), "bfloat16": (2e-2, 1e-2), "float16": (5e-3, 1e-3)}
+
+
+def defop(name: str, tol: dict | None = None):
+    """Register `fn` as the reference (and the `torch` implementation) of op `name`."""
+
+    def wrap(fn):
+        if name in REGISTRY:
+            raise ValueError(f"op {name!r} defined twice")
+        REGISTRY[name] = OpDef(name, fn, (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+                               {**DEFAULT_TOL, **(tol or {})}, {"torch": fn})
+        return fn
+
+    return wrap
+
+
+def implement(name: str, backend: str):
+    """Register `fn` as `backend`'s implementation of op `name` (which must be defined)."""
+
+    def wrap(fn):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}")
+        _ensure_reference()
+        if name not in REGISTRY:
+            raise ValueError(f"{backend} implements unknown op {name!r}")
+        REGISTRY[name].impls[backend] = fn
+        return fn
+
+    return wrap
+
+
+def _ensure_reference():
+    import deepinfer.ops.reference  # noqa: F401  (defines every op)
+
+
+_import_errors: dict[str, str] = {}
+
+
+def load_backend(backend: str) -> None:
+    """Import `backend`'s kernel package (which registers its implementations)."""
+    _ensure_reference()
+    if backend == "torch":
+        return
+    if backend not in _BACKEND_MODULES:
+        raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    try:
+        importlib.import_module(_BACKEND_MODULES[backend])
+    except Exception as e:  # ImportError, or a compiler that fails at import
+        _import_errors[backend] = f"{type(e).__name__}: {e}"
+        raise BackendError(f"backend {backend!r} is unavailable: {type(e).__name__}: {e}") from None
+
+
+def backend_available(backend: str) -> tuple[bool, str]:
+    """(importable here, reason if not)."""
+    try:
+        load_backend(backend)
+        return True, ""
+    except BackendError as e:
+        return False, str(e)
+
+
+def default_backend() -> str:
+    """`DEEPINFER_BACKEND`, else triton on CUDA when Triton imports, else torch."""
+    env = os.environ.get("DEEPINFER_BACKEND")
+    if env:
+        return env
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            import triton  # noqa: F401
+
+            return "triton"
+    except Exception:
+        pass
+    return "torch"
+
+
+class Dispatcher:
+    """Resolves `ops.<name>` to the active backend's implementation, with visible fallbacks."""
+
+    def __init__(self):
+        self.backend = "torch"
+        self.strict = False
+        self.fallbacks: dict[str, str] = {}  # op -> reason, for every op that fell back
+        self.used: set[str] = set()
+        self._cache: dict[str, Callable] = {}
+        self._announced: set[str] = set()
+
+    def configure(self, backend: str | None = None, strict: bool | None = None) -> "Dispatcher":
+        backend = backend or default_backend()
+        strict = bool(int(os.environ.get("DEEPINFER_STRICT", "0") or 0)) if strict is None else strict
+        load_backend(backend)
+        self.backend, self.strict = backend, strict
+        self._cache.clear()
+        self.fallbacks.clear()
+        self.used.clear()
+        self._announced.clear()
+        if strict:
+            missing = self.missing()
+            if missing:
+                raise BackendError(
+                    f"--strict: backend {backend!r} lacks {len(missing)} op(s): {', '.join(missing)}"
+                )
+        return self
+
+    def missing(self) -> list[str]:
+        _ensure_reference()
+        return [n for n, d in REGISTRY.items() if self.backend not in d.impls]
+
+    def resolve(self, name: str) -> Callable:
+        fn = self._cache.get(name)
+        if fn is not None:
+            return fn
+        _ensure_reference()
+        if name not in REGISTRY:
+            raise AttributeError(f"no op named {name!r}")
+        d = REGISTRY[name]
+        fn = d.impls.get(self.backend)
+        if fn is None:
+            reason = f"backend {self.backend!r} has no implementation"
+            if self.strict:
+                raise BackendError(f"--strict: op {name!r}: {reason}")
+            self.fallbacks[name] = reason
+            if name not in self._announced:
+                self._announced.add(name)
+                print(f"deepinfer: op {name} falls back to the torch reference ({reason})", file=sys.stderr)
+            fn = d.ref
+        self.used.add(name)
+        self._cache[name] = fn
+        return fn
+
+    def __getattr__(self, name: str) -> Callable:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.resolve(name)
+
+
+ops = Dispatcher()

@@ -1,0 +1,145 @@
+"""`deepinfer-tiny`: the embedded default model, generated on first use and cached on disk.
+
+Random weights for `tiny_config()` in the OFFICIAL quantised layout (FP8 dense linears with ue8m0
+128x128 scales, FP4 routed experts with per-32 scales, bf16/fp32 floats, int32 `tid2eid`), so every
+path of the real checkpoint (decode of scales, FP4 unpacking, hash routing, MTP) is exercised without a
+download. Generation is deterministic (fixed seed, CPU generator, one stream per tensor name) and takes
+about a second; the directory is written atomically, so concurrent first runs cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import torch
+
+from deepinfer.checkpoint.reader import INDEX_NAME, CheckpointError, scale_name
+from deepinfer.checkpoint.schema import TensorSpec, expected_tensors
+from deepinfer.checkpoint.writer import write_checkpoint
+from deepinfer.config import ModelConfig, tiny_config
+from deepinfer.quant.formats import quant_fp4, quant_fp8_block
+
+TINY_NAME = "deepinfer-tiny-v1"  # bump the suffix whenever the generated weights change
+SEED = 20250424
+# Two shards (embed + layers | head + MTP), so the cached model also exercises the sharded index path.
+_MAX_SHARD_BYTES = 96 << 20
+
+
+def tiny_model_dir() -> str:
+    """Where the tiny model lives: $DEEPINFER_HOME/models, else $XDG_CACHE_HOME/deepinfer/models, else ~/.cache."""
+    if os.environ.get("DEEPINFER_HOME"):
+        root = os.environ["DEEPINFER_HOME"]
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = os.path.join(os.environ["XDG_CACHE_HOME"], "deepinfer")
+    else:
+        root = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer")
+    return os.path.join(root, "models", TINY_NAME)
+
+
+def _complete(d: str) -> bool:
+    """config.json present and every shard the index names present (our writes are all-or-nothing)."""
+    try:
+        with open(os.path.join(d, INDEX_NAME), encoding="utf-8") as f:
+            shards = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return os.path.isfile(os.path.join(d, "config.json")) and all(os.path.isfile(os.path.join(d, s)) for s in shards)
+
+
+def _gen(name: str) -> torch.Generator:
+    # One stream per tensor: a tensor's values do not depend on which tensors come before it.
+    return torch.Generator().manual_seed(SEED ^ zlib.crc32(name.encode()))
+
+
+def _randn(shape: tuple, std: float, g: torch.Generator, mean: float = 0.0) -> torch.Tensor:
+    return torch.randn(shape, generator=g) * std + mean
+
+
+def _fp32_kept(name: str) -> bool:
+    """Floats the release stores in fp32 (the rest are bf16)."""
+    last = name.rsplit(".", 1)[-1]
+    return name.endswith(".ape") or last == "attn_sink" or last.startswith("hc_") or name.endswith("gate.bias")
+
+
+def _float_init(name: str, spec: TensorSpec, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
+    """A float tensor scaled so activations stay O(1) through the layers (stds noted per branch)."""
+    shape, last = spec.shape, name.rsplit(".", 1)[-1]
+    if name == "embed.weight":
+        return _randn(shape, 1.0, g)
+    if name == "head.weight" or name.endswith("gate.weight"):
+        return _randn(shape, cfg.dim**-0.5, g)  # variance 1/dim: logits / router scores O(1)
+    if name.endswith("norm.weight"):
+        return _randn(shape, 0.1, g, mean=1.0)
+    if last.endswith("_fn"):  # hc_attn_fn, hc_ffn_fn, hc_head_fn
+        return _randn(shape, 0.02, g)
+    if last.endswith("_base"):
+        return _randn(shape, 0.1, g)
+    if last.endswith("_scale"):
+        return _randn(shape, 0.05, g, mean=1.0)
+    if last == "ape":
+        return _randn(shape, 0.5, g)
+    if last == "attn_sink":
+        return _randn(shape, 1.0, g)
+    if name.endswith("gate.bias"):
+        return _randn(shape, 0.1, g)
+    if len(shape) == 2:  # any other linear (compressor wkv/wgate, indexer weights_proj)
+        return _randn(shape, shape[1] ** -0.5, g)
+    raise AssertionError(f"no init rule for {name}")
+
+
+def tiny_tensors(cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """All official-layout tensors for `cfg` (default tiny_config()), weights + uint8 ue8m0 scales."""
+    cfg = cfg or tiny_config()
+    specs = expected_tensors(cfg)
+    out: dict[str, torch.Tensor] = {}
+    to_quant: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # (kind, shape) -> [(name, float weight)]
+    for name, spec in specs.items():
+        g = _gen(name)
+        if spec.kind in ("fp8", "fp4"):
+            w = _randn(spec.shape, spec.shape[1] ** -0.5, g)  # variance 1/fan_in
+            to_quant.setdefault((spec.kind, spec.shape), []).append((name, w))
+        elif spec.kind == "int":  # tid2eid [vocab, k]: k distinct experts per token
+            order = torch.rand((spec.shape[0], cfg.n_routed_experts), generator=g).argsort(dim=1)
+            out[name] = order[:, : spec.shape[1]].to(torch.int32)
+        else:
+            t = _float_init(name, spec, cfg, g)
+            out[name] = t.float() if _fp32_kept(name) else t.to(torch.bfloat16)
+    # Quantise same-shaped weights in one batched call ([E, N, K]): 15 calls instead of ~180 for the
+    # experts keeps generation near a second. Per-matrix results are the same as one call each.
+    for (kind, _), items in to_quant.items():
+        w = torch.stack([w for _, w in items])
+        q, s = quant_fp8_block(w) if kind == "fp8" else quant_fp4(w)
+        for i, (name, _) in enumerate(items):
+            out[name], out[scale_name(name)] = q[i].clone(), s[i].clone()
+    order = []  # expected_tensors order, each scale right after its weight
+    for name, spec in specs.items():
+        order += [name, scale_name(name)] if spec.kind in ("fp8", "fp4") else [name]
+    return {n: out[n] for n in order}
+
+
+def ensure_tiny_model(progress: bool = True) -> str:
+    """Return the tiny model's directory, generating it first if needed (a second or so, ~140 MB).
+
+    Safe against concurrent callers: each writes a private temporary directory and renames it into place;
+    a loser of the race uses the winner's copy.
+    """
+    d = tiny_model_dir()
+    if _complete(d):
+        return d
+    if os.path.exists(d):
+        # write_checkpoint never leaves a partial directory, so this one was damaged from outside.
+        raise CheckpointError(f"{d}: exists but is not a complete checkpoint (index, config.json or a shard missing); delete it to regenerate")
+    cfg = tiny_config()
+    if progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[dim]generating {TINY_NAME} in {d} ...[/dim]")
+    tensors = tiny_tensors(cfg)
+    try:
+        write_checkpoint(d, tensors, cfg.to_official_json(), max_shard_bytes=_MAX_SHARD_BYTES)
+    except FileExistsError:
+        if not _complete(d):
+            raise
+    return d

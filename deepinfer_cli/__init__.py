@@ -1,0 +1,1 @@
+"""The `deepinfer` command line (Typer): one module per command, assembled in `app.py`."""

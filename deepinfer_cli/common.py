@@ -1,0 +1,41 @@
+"""Options and set-up shared by the commands that run the model."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from deepinfer.engine.loader import LoadedModel, load_model, resolve_device
+from deepinfer.ops import ops
+
+MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
+                     "Default: the embedded deepinfer-tiny.")
+BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang "
+                       "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")
+STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the backend is an error.")
+NUMERICS = typer.Option("official", "--numerics", help="official (FP8/FP4 QAT simulation) | exact (dequantised).")
+DTYPE = typer.Option("bfloat16", "--dtype", help="Compute dtype: bfloat16 | float32 | float16.")
+DEVICE = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available).")
+SEED = typer.Option(0, "--seed", help="Sampling seed: the same seed and inputs give the same tokens.")
+
+
+def read_prompt(prompt: str | None) -> str:
+    """`-` reads the prompt from stdin."""
+    if prompt == "-":
+        return sys.stdin.read().rstrip("\n")
+    if prompt is None:
+        raise typer.BadParameter("a PROMPT argument is required (or - for stdin)")
+    return prompt
+
+
+def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
+          device: str | None, progress: bool = True) -> LoadedModel:
+    """Choose the backend (before any compute, so --strict fails early), then load the model."""
+    dev = resolve_device(device)
+    ops.configure(backend or None, strict if strict else None)
+    if ops.backend != "torch" and dev.type != "cuda":
+        from deepinfer.ops.registry import BackendError
+
+        raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev})")
+    return load_model(model, numerics, dtype, str(dev), progress=progress)
