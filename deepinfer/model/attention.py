@@ -68,8 +68,11 @@ class Indexer:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.d))
         cos, sin = ctx.rope.get("compress", ctx.positions)
         q = torch.cat([q[..., :-self.rd], ops.rope(q[..., -self.rd:], cos, sin)], -1)
+        # The Hadamard rotation is orthogonal (scores unchanged), so `exact` applies it too: the tapped
+        # q/keys are then in the same basis in both numerics and compare element by element.
+        q = ops.hadamard(q)
         if self.numerics.official:
-            q = ops.fp4_fake_quant(ops.hadamard(q), 32)
+            q = ops.fp4_fake_quant(q, 32)
         if ctx.prefill:
             keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
         else:

@@ -45,11 +45,12 @@ class Compressor:
         kv = ops.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
         cos, sin = rope.get("compress", first_pos)
         kv = torch.cat([kv[..., :-self.rd], ops.rope(kv[..., -self.rd:], cos, sin)], -1)
-        if self.numerics.official:
-            if self.rotate:  # indexer keys: Hadamard, then FP4 simulation
-                kv = ops.fp4_fake_quant(ops.hadamard(kv), 32)
-            else:  # attention entries: FP8 simulation of the no-RoPE dims
-                kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
+        if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation
+            kv = ops.hadamard(kv)
+            if self.numerics.official:
+                kv = ops.fp4_fake_quant(kv, 32)
+        elif self.numerics.official:  # attention entries: FP8 simulation of the no-RoPE dims
+            kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
         return kv
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,68 @@
+"""`deepinfer generate` through typer's CliRunner: output, JSON shape, exit codes."""
+
+import json
+
+from typer.testing import CliRunner
+
+from deepinfer_cli.app import app
+
+runner = CliRunner()
+
+
+def test_generate_json_shape(tiny_dir):
+    r = runner.invoke(app, ["generate", "北京是", "--max-new-tokens", "4", "--json", "--logprobs", "2"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["input_ids"] == [0, 6127, 389]
+    assert len(out["token_ids"]) == 4 and len(out["logprobs"]) == 4
+    assert all(lp < 0 for lp in out["logprobs"])
+    assert len(out["top_logprobs"]) == 4 and all(len(t) == 2 and len(t[0]) == 2 for t in out["top_logprobs"])
+    assert isinstance(out["text"], str)
+
+
+def test_generate_table_output(tiny_dir):
+    r = runner.invoke(app, ["generate", "北京是", "-n", "3"])
+    assert r.exit_code == 0, r.output
+    assert "tokens/s" in r.stdout and "margin" in r.stdout
+
+
+def test_generate_chat_layout_and_stdin(tiny_dir):
+    r = runner.invoke(app, ["generate", "-", "--chat", "-n", "1", "--json"], input="你好\n")
+    assert r.exit_code == 0, r.output
+    ids = json.loads(r.stdout.strip().splitlines()[-1])["input_ids"]
+    assert ids[0] == 0 and ids[1] == 128803 and ids[-2:] == [128804, 128822]
+
+
+def test_bad_inputs_exit_2_one_line(tmp_path):
+    cases = [
+        ["generate", "x", "--model", str(tmp_path / "nope")],
+        ["generate", "x", "--numerics", "fast"],
+        ["generate", "x", "--dtype", "int8"],
+        ["generate", "x", "--top-p", "0"],
+        ["generate", "x", "--backend", "nonesuch"],
+    ]
+    for args in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "Traceback" not in r.output
+        assert r.output.strip().startswith("error:"), r.output
+
+
+def test_broken_checkpoint_lists_every_problem(tmp_path, tiny_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 256  # every expert and shared-expert tensor now mis-shaped
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = runner.invoke(app, ["generate", "x", "--model", str(d)])
+    assert r.exit_code == 2
+    assert "mis-shaped tensor layers.0.ffn.experts.0.w1.weight" in r.output
+    assert "mis-shaped tensor mtp.0.ffn.shared_experts.w2.weight" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_help_lists_commands_with_example():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0 and "generate" in r.stdout and "Example" in r.stdout
