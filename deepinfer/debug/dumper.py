@@ -106,3 +106,13 @@ def run_dump(model: Transformer, prompt_ids: list[int], steps: int = 0, layers: 
         seen[name] = n + 1
         run.records.append((name if n == 0 else f"{name}#{n}", _unbatch(name, t)))
     return run
+
+
+def save(run: DumpRun, path: str, attrs: dict) -> None:
+    """Write a run atomically: its tensors in capture order, then `generated_ids` [steps + 1] int64."""
+    from deepinfer.debug.h5schema import DumpWriter
+
+    with DumpWriter(path, attrs) as w:
+        for i, (name, t) in enumerate(run.records):
+            w.add(name, t, order=i)
+        w.add("generated_ids", torch.tensor(run.tokens, dtype=torch.int64), order=len(run.records))

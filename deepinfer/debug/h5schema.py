@@ -68,19 +68,21 @@ def decode(arr: np.ndarray, name: str) -> torch.Tensor:
     """Inverse of `encode`."""
     dt = torch_dtype(name)
     raw = _RAW_BITS.get(dt)
+    a = np.array(arr, copy=True, order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
     if raw is not None:
-        a = np.ascontiguousarray(arr)
         if raw == torch.int16:
             a = a.view(np.int16)
-        return torch.from_numpy(a.copy()).view(dt)
-    return torch.from_numpy(np.ascontiguousarray(arr).copy()).to(dt)
+        return torch.from_numpy(a).view(dt)
+    return torch.from_numpy(a).to(dt)
 
 
 def _attr_value(v):
     """HDF5 attributes cannot hold None or nested objects: None -> "", others -> str."""
     if v is None:
         return ""
-    if isinstance(v, (bool, int, float, str, np.generic)):
+    if isinstance(v, str):
+        return str(v)  # str subclasses (torch's TorchVersion) have no HDF5 conversion
+    if isinstance(v, (bool, int, float, np.generic)):
         return v
     if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
         return np.asarray(v)
@@ -115,11 +117,15 @@ class DumpWriter:
 
         os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
         self._f = h5py.File(self.tmp, "w")
-        self._f.attrs["format"] = FORMAT
-        self._f.attrs["format_version"] = FORMAT_VERSION
-        for k, v in self.attrs.items():
-            self._f.attrs[k] = _attr_value(v)
-        self._g = self._f.create_group("tensors")
+        try:
+            self._f.attrs["format"] = FORMAT
+            self._f.attrs["format_version"] = FORMAT_VERSION
+            for k, v in self.attrs.items():
+                self._f.attrs[k] = _attr_value(v)
+            self._g = self._f.create_group("tensors")
+        except BaseException as e:  # __exit__ does not run when __enter__ fails: clean up here
+            self.__exit__(type(e), e, None)
+            raise
         return self
 
     def add(self, name: str, t: torch.Tensor, **attrs) -> None:

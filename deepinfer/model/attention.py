@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import ModelConfig
-from deepinfer.debug.capture import tap
+from deepinfer.debug.capture import is_active, tap
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind
 from deepinfer.model.weights import Numerics, WeightSource
@@ -82,11 +82,13 @@ class Indexer:
         scores = ops.indexer_scores(q, keys, w)  # [B, S, T]
         n_valid = (ctx.positions + 1) // self.ratio
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
-        tap(name + ".q", q)
-        tap(name + ".kv", keys)
-        tap(name + ".scores", scores.masked_fill(torch.arange(scores.size(-1), device=scores.device)
-                                                 >= n_valid.unsqueeze(-1), float("-inf")))
-        tap(name + ".topk", idx)
+        if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)
+            n = int(n_valid.max())
+            tap(name + ".q", q)
+            tap(name + ".kv", keys[:, :n])
+            tap(name + ".scores", scores[..., :n].masked_fill(
+                torch.arange(n, device=scores.device) >= n_valid.unsqueeze(-1), float("-inf")))
+            tap(name + ".topk", idx)
         return idx
 
 

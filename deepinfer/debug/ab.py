@@ -1,0 +1,533 @@
+"""A/B runner: a backend's ops against the reference, or against outputs saved on another host.
+
+`run_ab` builds every case (`ab_cases.py`), computes ALL reference outputs first (before the backend's
+implementations run, and before the backend's package is imported when the caller has not loaded it yet:
+nothing a backend patches can leak into the reference), then runs the backend on fresh copies of the
+same inputs and compares. In-place outputs (kv_store's cache) start poisoned (NaN) so unwritten elements
+show.
+
+Comparison per output (`compare_outputs`):
+* floating outputs: relative error ‖a−b‖/‖b‖, max |a−b|, bitwise-equal flag; pass when every element
+  satisfies |a−b| ≤ atol + rtol·|b| with (rtol, atol) = `REGISTRY[op].tol[<output dtype name>]`
+  (NaN only matches NaN: the poison must stay exactly where the reference left it);
+* integer / bool outputs: exact equality; index-set outputs (`topk_indices`, `moe_route` indices)
+  compared as sets per row, with aligned outputs (the route weights) re-ordered to match;
+* float8 outputs compare their float values with the float8 tolerance (exact for act_quant).
+
+`--dump DIR` writes one HDF5 file per case (`<op>__<shape>__<phase>__<variant>.h5`) with the toolkit's
+generic writer (`deepinfer.debug.h5schema.DumpWriter`): tensors `in.<i>` / `kw.<name>`, reference outputs
+`out.<i>` (and the tested backend's `got.<i>` when it differs from the reference), and a JSON description
+of the call in the root attribute `ab_call`. `--compare DIR` replays the saved inputs on this host's
+backend and compares with the saved `out.<i>` (no reference backend needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.debug import ab_cases
+from deepinfer.debug.ab_cases import COMPARE, PHASES, SHAPES, CompareSpec, Variant
+from deepinfer.ops.registry import REGISTRY, BackendError, _ensure_reference, load_backend
+
+AB_FORMAT = "deepinfer-ab-case"
+
+
+@dataclass
+class CaseResult:
+    op: str
+    shapes: str
+    phase: str
+    variant: str
+    status: str  # pass | fail | skip | error
+    summary: str = ""  # input shapes
+    reason: str = ""
+    outputs: list = field(default_factory=list)  # per-output metric dicts
+    time_ms: float | None = None
+    gbps: float | None = None
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.op}__{self.shapes}__{self.phase}__{self.variant}"
+
+    def worst(self) -> dict:
+        """The output with the largest relative error (for the one-row table)."""
+        if not self.outputs:
+            return {}
+        return max(self.outputs, key=lambda m: (not m["ok"], m.get("rel_err") or 0.0))
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "shapes": self.shapes, "phase": self.phase, "variant": self.variant,
+                "case": self.case_id, "status": self.status, "inputs": self.summary, "reason": self.reason,
+                "outputs": self.outputs, "time_ms": self.time_ms, "gbps": self.gbps}
+
+
+# --------------------------------------------------------------------------------------- comparison
+def _as_list(out) -> list:
+    if out is None:
+        return []
+    if isinstance(out, (tuple, list)):
+        return list(out)
+    return [out]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    size = t.element_size()
+    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
+    return t.view(raw) if raw is not None and t.dtype != torch.bool else t
+
+
+def _sort_sets(got_idx: torch.Tensor, ref_idx: torch.Tensor):
+    """Sort index rows (last dim) so equal sets compare equal; returns (sorted got, sorted ref, perms)."""
+    g_sorted, g_perm = torch.sort(got_idx.long(), dim=-1, stable=True)
+    r_sorted, r_perm = torch.sort(ref_idx.long(), dim=-1, stable=True)
+    return g_sorted, r_sorted, g_perm, r_perm
+
+
+def compare_tensor(op: str, got, ref, label: str, as_set: bool = False) -> dict:
+    """Metrics for one output. `ref` is the expectation."""
+    m = {"output": label, "dtype": None, "shape": None, "rel_err": None, "max_abs": None, "bitwise": False,
+         "tol": None, "ok": False, "detail": ""}
+    if not isinstance(ref, torch.Tensor):
+        ok = got == ref if not isinstance(got, torch.Tensor) else False
+        m.update(ok=bool(ok), bitwise=bool(ok), detail="" if ok else f"got {got!r}, expected {ref!r}")
+        return m
+    m["dtype"], m["shape"] = str(ref.dtype).removeprefix("torch."), list(ref.shape)
+    if not isinstance(got, torch.Tensor):
+        m["detail"] = f"backend returned {type(got).__name__}, expected a tensor"
+        return m
+    got = got.detach().to(ref.device)
+    if tuple(got.shape) != tuple(ref.shape):
+        m["detail"] = f"shape {list(got.shape)} != reference {list(ref.shape)}"
+        return m
+    if got.dtype != ref.dtype:
+        m["detail"] = f"dtype {str(got.dtype).removeprefix('torch.')} != reference {m['dtype']}"
+        return m
+    m["bitwise"] = bool(torch.equal(_bits(got), _bits(ref)))
+    if not ref.is_floating_point():
+        if as_set:
+            got, ref = torch.sort(got.long(), -1).values, torch.sort(ref.long(), -1).values
+        diff = got.long() != ref.long() if ref.dtype != torch.bool else got != ref
+        bad = int(diff.sum().item())
+        rows_bad = int(diff.reshape(-1, diff.shape[-1]).any(-1).sum().item()) if diff.dim() else bad
+        m.update(rel_err=float(bad) / max(1, diff.numel()), max_abs=float((got.long() - ref.long()).abs().max().item())
+                 if diff.numel() and ref.dtype != torch.bool else 0.0, tol=[0.0, 0.0], ok=bad == 0,
+                 detail=("" if bad == 0 else f"{bad} element(s) differ in {rows_bad} row(s)")
+                 + (" (compared as sets per row)" if as_set else ""))
+        if as_set and bad == 0:
+            m["detail"] = "equal as sets per row" + ("" if m["bitwise"] else " (order differs)")
+        return m
+    name = m["dtype"]
+    tol = REGISTRY[op].tol.get(name)
+    if tol is None:  # float8 outputs without an entry: exact
+        tol = (0.0, 0.0)
+    rtol, atol = tol
+    m["tol"] = [rtol, atol]
+    a, b = got.double(), ref.double()
+    nan_a, nan_b = a.isnan(), b.isnan()
+    nan_mismatch = int((nan_a != nan_b).sum().item())
+    both = ~(nan_a | nan_b)
+    a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
+    inf_mismatch = int(((a0 != b0) & (a0.isinf() | b0.isinf())).sum().item())
+    fin = both & a0.isfinite() & b0.isfinite()
+    a1, b1 = torch.where(fin, a0, 0.0), torch.where(fin, b0, 0.0)
+    d = (a1 - b1).abs()
+    m["max_abs"] = float(d.max().item()) if d.numel() else 0.0
+    nb = float(b1.norm().item())
+    m["rel_err"] = float((d.norm().item() / nb) if nb > 0 else (0.0 if m["max_abs"] == 0 else float("inf")))
+    viol = (d > atol + rtol * b1.abs()) & fin
+    n_viol = int(viol.sum().item())
+    ok = n_viol == 0 and nan_mismatch == 0 and inf_mismatch == 0
+    m["ok"] = ok
+    if not ok:
+        parts = []
+        if n_viol:
+            i = int(torch.argmax(torch.where(viol, d - rtol * b1.abs(), -1.0).reshape(-1)).item())
+            idx = list(torch.unravel_index(torch.tensor(i), tuple(ref.shape)))
+            parts.append(f"{n_viol} of {ref.numel()} element(s) outside tol (rtol {rtol:g}, atol {atol:g}); worst at "
+                         f"{[int(x) for x in idx]}: got {a.reshape(-1)[i].item():.6g}, expected {b.reshape(-1)[i].item():.6g}")
+        if nan_mismatch:
+            parts.append(f"{nan_mismatch} NaN mismatch(es)" + (" (unwritten or overwritten poison)" if op in
+                                                                 ("kv_store",) else ""))
+        if inf_mismatch:
+            parts.append(f"{inf_mismatch} inf mismatch(es)")
+        m["detail"] = "; ".join(parts)
+    return m
+
+
+def compare_outputs(op: str, got: list, ref: list) -> list[dict]:
+    spec = COMPARE.get(op, CompareSpec())
+    if len(got) != len(ref):
+        return [{"output": "outputs", "ok": False, "bitwise": False, "rel_err": None, "max_abs": None,
+                 "dtype": None, "shape": None, "tol": None,
+                 "detail": f"backend returned {len(got)} output(s), reference {len(ref)}"}]
+    got, ref = list(got), list(ref)
+    # aligned outputs follow the order of their set output: re-order both sides by sorted index
+    for out_i, set_i in spec.aligned:
+        gi, ri = got[set_i], ref[set_i]
+        if isinstance(gi, torch.Tensor) and isinstance(ri, torch.Tensor) and gi.shape == ri.shape \
+                and isinstance(got[out_i], torch.Tensor) and got[out_i].shape == gi.shape:
+            _, _, gp, rp = _sort_sets(gi.to(ri.device), ri)
+            got[out_i] = torch.gather(got[out_i].to(ri.device), -1, gp)
+            ref[out_i] = torch.gather(ref[out_i], -1, rp)
+    return [compare_tensor(op, g, r, f"out{i}", as_set=i in spec.sets) for i, (g, r) in enumerate(zip(got, ref))]
+
+
+# -------------------------------------------------------------------------------------------- calls
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def call(op: str, fn, args: tuple, kwargs: dict) -> list:
+    """Run `fn` on copies of the inputs; in-place ops return the written args."""
+    args, kwargs = _clone(args), _clone(kwargs)
+    out = fn(*args, **kwargs)
+    spec = COMPARE.get(op, CompareSpec())
+    if spec.inplace:
+        return [args[i] for i in spec.inplace]
+    return _as_list(out)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def io_bytes(op: str, args: tuple, kwargs: dict, outs: list) -> int:
+    spec = COMPARE.get(op, CompareSpec())
+    if spec.inplace:  # only what the kernel reads (non-buffer inputs) and writes (changed elements)
+        n = sum(_nbytes(a) for i, a in enumerate(args) if i not in spec.inplace)
+        for i, o in zip(spec.inplace, outs):
+            changed = ~(_bits(o) == _bits(args[i]))
+            n += int(changed.sum().item()) * o.element_size()
+        return n
+    return _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outs)
+
+
+def bench(op: str, fn, args, kwargs) -> float | None:
+    """Milliseconds per call on CUDA (triton.testing.do_bench, else CUDA events); None on CPU."""
+    if not torch.cuda.is_available() or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return None
+    a, k = _clone(args), _clone(kwargs)
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(lambda: fn(*a, **k)))
+    except ImportError:
+        pass
+    for _ in range(3):
+        fn(*a, **k)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 20
+    start.record()
+    for _ in range(n):
+        fn(*a, **k)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+# ----------------------------------------------------------------------------------------- the run
+@dataclass
+class ABReport:
+    backend: str
+    ref: str | None
+    seed: int | None
+    device: str
+    interpreter: bool
+    results: list[CaseResult]
+    not_implemented: list[str] = field(default_factory=list)
+    source: str | None = None  # --compare DIR
+    dumped: str | None = None
+
+    def counts(self) -> tuple[int, int, int]:
+        p = sum(r.status == "pass" for r in self.results)
+        f = sum(r.status in ("fail", "error") for r in self.results)
+        s = sum(r.status == "skip" for r in self.results)
+        return p, f, s
+
+    @property
+    def ok(self) -> bool:
+        return self.counts()[1] == 0
+
+    def summary_line(self) -> str:
+        p, f, s = self.counts()
+        return f"{p} passed, {f} failed, {s} skipped"
+
+    def to_dict(self) -> dict:
+        p, f, s = self.counts()
+        return {"backend": self.backend, "ref": self.ref, "seed": self.seed, "device": self.device,
+                "interpreter": self.interpreter, "source": self.source, "dump": self.dumped,
+                "not_implemented": self.not_implemented, "cases": [r.to_dict() for r in self.results],
+                "summary": {"passed": p, "failed": f, "skipped": s, "line": self.summary_line()}}
+
+
+def _no_bf16(v):
+    """The variant with every bf16 tensor (and out_dtype) as fp16: same values, interpreter-safe."""
+    def conv(x):
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+            return x.to(torch.float16)
+        if x is torch.bfloat16:
+            return torch.float16
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(y) for y in x)
+        return x
+    return type(v)(v.name, conv(v.args), {k: conv(x) for k, x in v.kwargs.items()})
+
+
+def _ref_fn(op: str, ref: str):
+    d = REGISTRY[op]
+    if ref == "torch":
+        return d.ref
+    return d.impls.get(ref)
+
+
+def _select_ops(pattern: str | None) -> list[str]:
+    _ensure_reference()
+    names = list(REGISTRY)
+    if pattern:
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"--ops {pattern!r} is not a valid regular expression: {e}") from None
+        names = [n for n in names if rx.search(n)]
+        if not names:
+            raise ValueError(f"--ops {pattern!r} matches no op; ops: {', '.join(REGISTRY)}")
+    return names
+
+
+def parse_shapes(shapes: str) -> list[str]:
+    out = []
+    for s in (shapes or "all").split(","):
+        s = s.strip().lower()
+        if s == "all":
+            out += [k for k in SHAPES if k not in out]
+        elif s in SHAPES:
+            if s not in out:
+                out.append(s)
+        elif s:
+            raise ValueError(f"--shapes {s!r}: choose from {', '.join(SHAPES)} or all (comma-separated)")
+    return out
+
+
+def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shapes: str = "all",
+           seed: int | None = None, dump: str | None = None, do_bench: bool = False,
+           device: str | None = None, progress=None) -> ABReport:
+    """Cases -> all references -> load backend -> backend outputs -> compare (-> dump)."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_cuda = torch.device(dev).type == "cuda"
+    names = _select_ops(ops_regex)
+    shape_sets = parse_shapes(shapes)
+    # Triton's interpreter computes a bf16 tl.dot wrongly: interpreted runs feed both sides fp16 instead.
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and backend == "triton"
+
+    if ref != "torch":
+        load_backend(ref)
+    # 1. inputs and reference outputs, before the tested backend runs anything
+    pending = []  # (CaseResult, Variant, ref outputs)
+    results: list[CaseResult] = []
+    for op in names:
+        for sname in shape_sets:
+            dims = SHAPES[sname]
+            for phase in PHASES:
+                if dims.big and not on_cuda:
+                    results.append(CaseResult(op, sname, phase, "*", "skip",
+                                              reason=f"V4-{sname.capitalize()} shapes need a CUDA device (device is {dev})"))
+                    continue
+                rfn = _ref_fn(op, ref)
+                if rfn is None:
+                    results.append(CaseResult(op, sname, phase, "*", "skip", reason=f"reference backend {ref!r} lacks {op}"))
+                    continue
+                try:
+                    variants = ab_cases.build(op, dims, phase, seed, dev)
+                except torch.OutOfMemoryError as e:
+                    results.append(CaseResult(op, sname, phase, "*", "skip", reason=f"out of memory building inputs: {e}"))
+                    continue
+                if interp:
+                    variants = [_no_bf16(v) for v in variants]
+                for v in variants:
+                    cr = CaseResult(op, sname, phase, v.name, "pending", summary=ab_cases.shape_summary(v.args))
+                    try:
+                        r_out = call(op, rfn, v.args, v.kwargs)
+                    except Exception as e:
+                        cr.status, cr.reason = "error", f"reference raised {type(e).__name__}: {e}"
+                        results.append(cr)
+                        continue
+                    if on_cuda:
+                        torch.cuda.synchronize()
+                    pending.append((cr, v, r_out))
+                    results.append(cr)
+    # 2. the backend
+    load_backend(backend)
+    not_impl = [op for op in names if backend not in REGISTRY[op].impls]
+    writer_dir = None
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        writer_dir = dump
+    for cr, v, r_out in pending:
+        fn = REGISTRY[cr.op].impls.get(backend)
+        if fn is None:
+            cr.status, cr.reason = "skip", f"backend {backend!r} has no implementation"
+            results.remove(cr)
+            continue
+        if progress:
+            progress(cr)
+        try:
+            got = call(cr.op, fn, v.args, v.kwargs)
+            if on_cuda:
+                torch.cuda.synchronize()
+        except Exception as e:
+            cr.status, cr.reason = "error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+            got = None
+        if got is not None:
+            cr.outputs = compare_outputs(cr.op, got, r_out)
+            cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
+            if do_bench:
+                ms = bench(cr.op, fn, v.args, v.kwargs)
+                if ms:
+                    cr.time_ms = ms
+                    cr.gbps = io_bytes(cr.op, v.args, v.kwargs, got) / (ms * 1e-3) / 1e9
+                else:
+                    cr.reason = (cr.reason + "; " if cr.reason else "") + "bench skipped (no CUDA)"
+        if writer_dir:
+            write_case(os.path.join(writer_dir, cr.case_id + ".h5"), cr, v, r_out,
+                       got if backend != ref else None, backend, ref, seed)
+    # ops the backend does not implement are not cases: drop their skipped big-shape rows too
+    results = [r for r in results if not (r.op in not_impl and r.status == "skip")]
+    return ABReport(backend, ref, seed, dev, interp, results, not_impl, dumped=dump)
+
+
+# ------------------------------------------------------------------------------------ dump/compare
+def _encode_value(v, tensors: dict, key: str):
+    """A call argument -> JSON description; tensors go to `tensors[key]`."""
+    if isinstance(v, torch.Tensor):
+        tensors[key] = v
+        return {"tensor": key}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
+            return {"float": repr(v)}
+        return {"value": v}
+    raise TypeError(f"cannot store an argument of type {type(v).__name__}")
+
+
+def _decode_value(d: dict, tensors: dict, device):
+    if "tensor" in d:
+        return tensors[d["tensor"]].to(device)
+    if "dtype" in d:
+        return getattr(torch, d["dtype"])
+    if "float" in d:
+        return float(d["float"])
+    return d["value"]
+
+
+def write_case(path: str, cr: CaseResult, v: Variant, ref_out: list, got: list | None, backend: str,
+               ref: str, seed: int) -> None:
+    from deepinfer.debug.h5schema import DumpWriter
+
+    tensors: dict[str, torch.Tensor] = {}
+    args = [_encode_value(a, tensors, f"in.{i}") for i, a in enumerate(v.args)]
+    kwargs = {k: _encode_value(a, tensors, f"kw.{k}") for k, a in v.kwargs.items()}
+    outs = [_encode_value(o, tensors, f"out.{i}") for i, o in enumerate(ref_out)]
+    if got is not None:
+        for i, o in enumerate(got):
+            if isinstance(o, torch.Tensor):
+                tensors[f"got.{i}"] = o
+    call_desc = {"op": cr.op, "shapes": cr.shapes, "phase": cr.phase, "variant": cr.variant, "args": args,
+                 "kwargs": kwargs, "outputs": outs}
+    attrs = {"ab_format": AB_FORMAT, "ab_call": json.dumps(call_desc), "op": cr.op, "case": cr.case_id,
+             "ref_backend": ref, "tested_backend": backend, "seed": seed, "status": cr.status,
+             "torch": torch.__version__, "device": str(ref_out[0].device) if ref_out and isinstance(
+                 ref_out[0], torch.Tensor) else "", "tol": json.dumps(REGISTRY[cr.op].tol)}
+    with DumpWriter(path, attrs) as w:
+        for name, t in tensors.items():
+            w.add(name, t)
+
+
+def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_bench: bool = False,
+                device: str | None = None, progress=None) -> ABReport:
+    """Replay every saved case in `directory` on `backend` here and compare with the saved outputs."""
+    from deepinfer.debug.h5schema import DumpError, DumpReader
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--compare {directory}: no such directory")
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".h5"))
+    if not files:
+        raise ValueError(f"--compare {directory}: no .h5 case files (write them with `deepinfer ab --dump DIR`)")
+    rx = re.compile(ops_regex) if ops_regex else None
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    load_backend(backend)
+    results, seeds = [], set()
+    for f in files:
+        path = os.path.join(directory, f)
+        try:
+            with DumpReader(path) as r:
+                if r.attrs.get("ab_format") != AB_FORMAT:
+                    raise DumpError(f"{path}: a dump but not an `ab --dump` case file")
+                desc = json.loads(r.attrs["ab_call"])
+                tensors = {n: r.tensor(n) for n in r.names()}
+                seeds.add(r.attrs.get("seed"))
+        except DumpError as e:
+            results.append(CaseResult(f, "?", "?", "?", "error", reason=str(e)))
+            continue
+        op = desc["op"]
+        if rx and not rx.search(op):
+            continue
+        cr = CaseResult(op, desc["shapes"], desc["phase"], desc["variant"], "pending")
+        if op not in REGISTRY:
+            cr.status, cr.reason = "skip", f"op {op!r} is not defined in this deepinfer"
+            results.append(cr)
+            continue
+        fn = REGISTRY[op].impls.get(backend)
+        if fn is None:
+            cr.status, cr.reason = "skip", f"backend {backend!r} has no implementation"
+            results.append(cr)
+            continue
+        if torch.device(dev).type != "cuda" and any(t.numel() > 64_000_000 for t in tensors.values()):
+            cr.status, cr.reason = "skip", "saved inputs are big shapes; needs a CUDA device"
+            results.append(cr)
+            continue
+        args = tuple(_decode_value(a, tensors, dev) for a in desc["args"])
+        kwargs = {k: _decode_value(a, tensors, dev) for k, a in desc["kwargs"].items()}
+        ref_out = [_decode_value(o, tensors, dev) for o in desc["outputs"]]
+        cr.summary = ab_cases.shape_summary(args)
+        if progress:
+            progress(cr)
+        try:
+            got = call(op, fn, args, kwargs)
+        except Exception as e:
+            cr.status, cr.reason = "error", f"{type(e).__name__}: {e}"[:400]
+            results.append(cr)
+            continue
+        cr.outputs = compare_outputs(op, got, ref_out)
+        cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
+        if do_bench:
+            ms = bench(op, fn, args, kwargs)
+            if ms:
+                cr.time_ms, cr.gbps = ms, io_bytes(op, args, kwargs, got) / (ms * 1e-3) / 1e9
+        results.append(cr)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    seed = next(iter(seeds)) if len(seeds) == 1 else None
+    return ABReport(backend, None, seed, dev, interp and backend == "triton", results, source=directory)
+
+
+__all__ = ["run_ab", "compare_dir", "compare_outputs", "compare_tensor", "ABReport", "CaseResult", "BackendError",
+           "parse_shapes"]

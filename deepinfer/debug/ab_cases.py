@@ -1,0 +1,362 @@
+"""Inputs for `deepinfer ab`: one case builder per registered op, at tiny / V4-Flash / V4-Pro shapes.
+
+A builder `build_<op>(dims, phase, g, device) -> list[Variant]` returns the calls to make: each variant is
+(name, args, kwargs) with realistic values: activations from a real distribution with per-block outliers,
+FP8/FP4 operands produced by real quantisation (fp4 weights packed int8 with float32 power-of-two
+scales), index tensors with -1 holes and a fully empty row, tid2eid hash tables, RoPE tables from the
+real YaRN frequencies at random positions, logits with ties, ... Never zeros.
+
+`phase` is "decode" (many sequences, one token each) or "prefill" (one long sequence). Shape sets other
+than tiny are "big": they are only built when a CUDA device is present (the runner reports them skipped
+otherwise).
+
+Per-op comparison hints live in `COMPARE`: which outputs are index sets (compared as sets per row, with
+their companion outputs re-ordered to match), which args a kernel writes in place (poisoned first), and
+so on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import tiny_config
+from deepinfer.ops.reference import act_quant, fp4_fake_quant, yarn_inv_freq
+from deepinfer.quant.formats import e8m0_to_float, quant_fp4, quant_fp8_block
+
+
+@dataclass(frozen=True)
+class Dims:
+    name: str
+    dim: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    window: int
+    n_experts: int
+    moe_inter: int
+    topk: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc: int
+    vocab: int
+    route_scale: float
+    swiglu_limit: float
+    ratio: int  # CSA compression ratio
+    decode_batch: int
+    decode_ctx: int  # tokens of context per decoding sequence
+    prefill_len: int
+    big: bool
+
+
+def _tiny() -> Dims:
+    c = tiny_config()
+    return Dims("tiny", c.dim, c.n_heads, c.head_dim, c.rope_head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank,
+                c.window_size, c.n_routed_experts, c.moe_inter_dim, c.n_activated_experts, c.index_n_heads,
+                c.index_head_dim, c.index_topk, c.hc_mult, c.vocab_size, c.route_scale, c.swiglu_limit, 4,
+                decode_batch=3, decode_ctx=40, prefill_len=20, big=False)
+
+
+SHAPES: dict[str, Dims] = {
+    "tiny": _tiny(),
+    "flash": Dims("flash", 4096, 64, 512, 64, 1024, 8, 1024, 128, 256, 2048, 6, 64, 128, 512, 4, 129280, 1.5, 10.0,
+                  4, decode_batch=32, decode_ctx=8192, prefill_len=2048, big=True),
+    "pro": Dims("pro", 7168, 128, 512, 64, 1536, 16, 1024, 128, 384, 3072, 6, 64, 128, 1024, 4, 129280, 2.5, 10.0,
+                4, decode_batch=32, decode_ctx=8192, prefill_len=2048, big=True),
+}
+PHASES = ("decode", "prefill")
+
+
+@dataclass
+class Variant:
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class CompareSpec:
+    """How to compare an op's outputs. `sets`: output indices holding index sets per row (last dim);
+    `aligned`: output index -> the set output whose order it follows; `inplace`: arg indices written in
+    place (the outputs are those args after the call, poisoned first); `exact`: integer equality only."""
+
+    sets: tuple = ()
+    aligned: tuple = ()  # pairs (output, set_output)
+    inplace: tuple = ()
+
+
+COMPARE: dict[str, CompareSpec] = {
+    "topk_indices": CompareSpec(sets=(0,)),
+    "moe_route": CompareSpec(sets=(1,), aligned=((0, 1),)),
+    "kv_store": CompareSpec(inplace=(0,)),
+}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _bs(d: Dims, phase: str) -> tuple[int, int]:
+    return (d.decode_batch, 1) if phase == "decode" else (1, d.prefill_len)
+
+
+def _act(g, shape, device, dtype=torch.bfloat16, outlier_block: int = 128) -> torch.Tensor:
+    """Activations: normal values with a per-block magnitude spread of 1e-2..1e2 (real outlier channels)."""
+    x = torch.randn(shape, generator=g)
+    last = shape[-1]
+    nb = max(1, last // outlier_block)
+    mag = 10 ** (torch.rand(*shape[:-1], nb, generator=g) * 4 - 2)
+    x = x * mag.repeat_interleave(outlier_block, -1)[..., :last]
+    x = torch.where(x == 0, torch.full_like(x, 1e-3), x)  # never an exact zero
+    return x.to(device=device, dtype=dtype)
+
+
+def _w(g, shape, device, std: float = 0.02, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(shape, generator=g) * std).to(device=device, dtype=dtype)
+
+
+def _rope_tables(g, B, S, R, device) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = yarn_inv_freq(R, 160000.0, 16.0, 65536, 32.0, 1.0)
+    pos = torch.randint(0, 65536, (B, S), generator=g).float()
+    ang = pos.unsqueeze(-1) * freqs
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+# ------------------------------------------------------------------------------------------ builders
+def build_rms_norm(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    return [
+        Variant("hidden", (_act(g, (B, S, d.dim), device), (1 + _w(g, (d.dim,), device, 0.1)).bfloat16(), 1e-6), {}),
+        Variant("q_head_unweighted", (_act(g, (B, S, d.n_heads, d.head_dim), device), None, 1e-6), {}),
+    ]
+
+
+def build_act_quant(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    return [Variant("hidden", (_act(g, (B * S, d.dim), device),), {"block": 128})]
+
+
+def build_fp8_fake_quant(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    x = _act(g, (B, S, d.head_dim - d.rope_dim), device, outlier_block=64)
+    return [Variant("kv_nope", (x,), {"block": 64})]
+
+
+def build_fp4_fake_quant(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    x = _act(g, (B, S, d.index_heads, d.index_head_dim), device, outlier_block=32)
+    return [Variant("index_q", (x,), {"block": 32})]
+
+
+def build_hadamard(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    return [Variant("index_q", (_act(g, (B, S, d.index_heads, d.index_head_dim), device),), {})]
+
+
+def _fp8_operands(g, M, N, K, device):
+    a, a_s = act_quant(_act(g, (M, K), torch.device("cpu")), 128)
+    w, w_sb = quant_fp8_block(torch.randn(N, K, generator=g) * 0.02 * (10 ** (torch.rand(N, 1, generator=g) - 0.5)))
+    return a.to(device), a_s.to(device), w.to(device), e8m0_to_float(w_sb).to(device)
+
+
+def build_fp8_gemm(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    M = B * S
+    out = []
+    for nm, N, K in (("wq_a", d.q_lora, d.dim), ("wo_b", d.dim, d.o_groups * d.o_lora)):
+        a, a_s, w, w_s = _fp8_operands(g, M, N, K, device)
+        out.append(Variant(nm, (a, a_s, w, w_s), {"out_dtype": torch.bfloat16}))
+    return out
+
+
+def build_fp4_gemm(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    M = B * S
+    out = []
+    for nm, N, K in (("expert_w1", d.moe_inter, d.dim), ("expert_w2", d.dim, d.moe_inter)):
+        a, a_s = act_quant(_act(g, (M, K), torch.device("cpu")), 128)
+        w, w_sb = quant_fp4(torch.randn(N, K, generator=g) * 0.02)
+        out.append(Variant(nm, (a.to(device), a_s.to(device), w.to(device), e8m0_to_float(w_sb).to(device)),
+                           {"out_dtype": torch.bfloat16}))
+    return out
+
+
+def build_linear(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    x = _act(g, (B, S, d.dim), device)
+    return [Variant("index_weights_proj", (x, _w(g, (d.index_heads, d.dim), device, dtype=torch.bfloat16)), {}),
+            Variant("compressor_wkv", (x, _w(g, (2 * d.head_dim, d.dim), device, dtype=torch.bfloat16)), {})]
+
+
+def build_rope(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    cos, sin = _rope_tables(g, B, S, d.rope_dim, device)
+    q = (torch.randn(B, S, d.n_heads, d.rope_dim, generator=g) * 2).bfloat16().to(device)
+    kv = (torch.randn(B, S, d.rope_dim, generator=g) * 2).bfloat16().to(device)
+    return [Variant("q", (q, cos, sin), {}), Variant("o_inverse", (q, cos, sin), {"inverse": True}),
+            Variant("kv_3d", (kv, cos, sin), {})]
+
+
+def build_compress_pool(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    W = 1 if phase == "decode" else max(1, S // d.ratio)
+    slots = 2 * d.ratio  # the overlapping (CSA) compressor pools two windows
+    kv = torch.randn(B, W, slots, d.head_dim, generator=g)
+    score = torch.randn(B, W, slots, d.head_dim, generator=g) * 3
+    score[:, 0, : d.ratio] = float("-inf")  # the first window has no previous half: -inf slots
+    return [Variant("csa", (kv.to(device), score.to(device)), {})]
+
+
+def build_indexer_scores(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    T = max(2, (d.decode_ctx if phase == "decode" else d.prefill_len) // d.ratio)
+    q = fp4_fake_quant(torch.randn(B, S, d.index_heads, d.index_head_dim, generator=g).bfloat16(), 32)
+    k = fp4_fake_quant(torch.randn(B, T, d.index_head_dim, generator=g).bfloat16(), 32)
+    w = torch.randn(B, S, d.index_heads, generator=g) * (d.index_head_dim ** -0.5 * d.index_heads ** -0.5)
+    return [Variant("csa", (q.to(device), k.to(device), w.to(device)), {})]
+
+
+def build_topk_indices(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    T = max(2 * d.index_topk, (d.decode_ctx if phase == "decode" else d.prefill_len) // d.ratio)
+    scores = torch.randn(B, S, T, generator=g).relu()  # ReLU scores: many exact-zero ties
+    n_valid = torch.randint(0, T + 1, (B, S), generator=g)
+    n_valid.view(-1)[0] = min(T, max(1, d.index_topk // 2))  # fewer valid entries than k: -1 pads
+    n_valid.view(-1)[-1] = T
+    return [Variant("csa", (scores.to(device), d.index_topk, n_valid.to(device)), {})]
+
+
+def build_sparse_attn(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    T = max(2, (d.decode_ctx if phase == "decode" else d.prefill_len) // d.ratio)
+    win = min(d.window, d.decode_ctx if phase == "decode" else d.prefill_len)
+    N = T + win  # kv rows: compressed entries then the window
+    K = d.index_topk + d.window
+    q = (torch.randn(B, S, d.n_heads, d.head_dim, generator=g)).bfloat16()
+    kv = (torch.randn(B, N, d.head_dim, generator=g)).bfloat16()
+    sink = torch.randn(d.n_heads, generator=g)
+    idx = torch.randint(0, N, (B, S, K), generator=g)
+    holes = torch.rand(B, S, K, generator=g) < 0.2
+    idx = idx.masked_fill(holes, -1)
+    idx.view(-1, K)[0] = -1  # a query with nothing to attend to: output 0
+    return [Variant("csa", (q.to(device), kv.to(device), sink.to(device), idx.int().to(device),
+                            d.head_dim ** -0.5), {})]
+
+
+def _hc_mix_params(g, hc, dim, n_out, device):
+    fn = torch.randn(n_out, hc * dim, generator=g) * (hc * dim) ** -0.5
+    return fn.to(device)
+
+
+def build_hc_pre(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    n = (2 + d.hc) * d.hc
+    x = _act(g, (B, S, d.hc, d.dim), device)
+    scale = (torch.rand(3, generator=g) + 0.5).to(device)
+    base = (torch.randn(n, generator=g) * 0.5).to(device)
+    return [Variant("layer", (x, _hc_mix_params(g, d.hc, d.dim, n, device), scale, base, 1e-6, 1e-6, 20), {})]
+
+
+def build_hc_post(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    x = _act(g, (B, S, d.dim), device)
+    res = _act(g, (B, S, d.hc, d.dim), device)
+    post = (2 * torch.rand(B, S, d.hc, generator=g)).to(device)
+    comb = torch.randn(B, S, d.hc, d.hc, generator=g).softmax(-1)
+    comb = (comb / comb.sum(-2, keepdim=True)).to(device)
+    return [Variant("layer", (x, res, post, comb), {})]
+
+
+def build_hc_head(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    x = _act(g, (B, S, d.hc, d.dim), device)
+    scale = (torch.rand(1, generator=g) + 0.5).to(device)
+    base = (torch.randn(d.hc, generator=g) * 0.5).to(device)
+    return [Variant("head", (x, _hc_mix_params(g, d.hc, d.dim, d.hc, device), scale, base, 1e-6, 1e-6), {})]
+
+
+def build_moe_route(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    T = B * S
+    x = _act(g, (T, d.dim), device)
+    gate = _w(g, (d.n_experts, d.dim), device, 0.05, torch.bfloat16)
+    bias = (torch.randn(d.n_experts, generator=g) * 0.1).to(device)
+    ids = torch.randint(0, d.vocab, (T,), generator=g).to(device)
+    tid2eid = torch.rand(d.vocab, d.n_experts, generator=g).argsort(-1)[:, : d.topk].int().to(device)
+    return [
+        Variant("bias_sqrtsoftplus", (x, gate, bias, None, ids, d.topk, "sqrtsoftplus", d.route_scale), {}),
+        Variant("hash_tid2eid", (x, gate, None, tid2eid, ids, d.topk, "sqrtsoftplus", d.route_scale), {}),
+    ]
+
+
+def build_swiglu(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    M = B * S * (d.topk if phase == "decode" else 1)
+    gate = (torch.randn(M, d.moe_inter, generator=g) * 6).bfloat16().to(device)  # crosses the ±10 clamp
+    up = (torch.randn(M, d.moe_inter, generator=g) * 6).bfloat16().to(device)
+    return [Variant("expert", (gate, up, d.swiglu_limit), {})]
+
+
+POISON = float("nan")
+
+
+def build_kv_store(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    M = B * S
+    R = B + 1  # one spare cache row never written
+    Nslots = max(d.window, S)
+    cache = torch.full((R, Nslots, d.head_dim), POISON, dtype=torch.bfloat16)
+    rows = torch.arange(B).repeat_interleave(S)
+    slots = torch.cat([torch.randperm(Nslots, generator=g)[:S] for _ in range(B)])
+    values = torch.randn(M, d.head_dim, generator=g).bfloat16()
+    return [Variant("window", (cache.to(device), rows.to(device), slots.to(device), values.to(device)), {})]
+
+
+def build_sample(d: Dims, phase: str, g, device):
+    B = max(4, d.decode_batch)
+    V = d.vocab
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # a greedy tie: the first index must win
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3] * (B // 4) + [0.8] * (B % 4))
+    top_k = torch.tensor([0, 50, 0, 1000] * (B // 4) + [0] * (B % 4))
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.95] * (B // 4) + [1.0] * (B % 4))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    pos = torch.randint(0, 65536, (B,), generator=g)
+    return [Variant("mixed", tuple(t.to(device) for t in (logits, temp, top_k, top_p, seeds, pos)), {})]
+
+
+def build_logprobs(d: Dims, phase: str, g, device):
+    B = d.decode_batch if phase == "decode" else 1
+    return [Variant("lm_head", ((torch.randn(B, d.vocab, generator=g) * 5).to(device),), {})]
+
+
+BUILDERS = {name[len("build_"):]: fn for name, fn in globals().items() if name.startswith("build_")}
+
+
+def build(op: str, dims: Dims, phase: str, seed: int, device) -> list[Variant]:
+    """The variants of `op` at `dims`/`phase`, from a generator seeded by (seed, op, shape, phase)."""
+    if op not in BUILDERS:
+        raise KeyError(f"no A/B case builder for op {op!r}")
+    h = _stable_hash(f"{op}/{dims.name}/{phase}")  # not hash(): that is salted per process
+    g = torch.Generator().manual_seed((seed * 1_000_003 + h) % (2**63))
+    return BUILDERS[op](dims, phase, g, torch.device(device))
+
+
+def _stable_hash(s: str) -> int:
+    import zlib
+
+    return zlib.crc32(s.encode())
+
+
+def shape_summary(args) -> str:
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append("x".join(map(str, a.shape)) or "scalar")
+    return " ".join(parts[:3]) + (" …" if len(parts) > 3 else "")
+
+
+__all__ = ["SHAPES", "PHASES", "Dims", "Variant", "CompareSpec", "COMPARE", "BUILDERS", "build", "POISON",
+           "shape_summary"]

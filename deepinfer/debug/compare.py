@@ -1,0 +1,447 @@
+"""Compare two dumps tensor by tensor: metrics, pass/fail, and the first tensor that diverges.
+
+B is the reference. Per pair of same-named tensors (`compare_tensors`):
+
+* float: max/mean |a-b|, rel_err ‖a-b‖/‖b‖, cosine, `1 - 2Σab/(Σa²+Σb²)`, the largest ULP distance in
+  the coarser of the two dtypes, the worst coordinate with both values, NaN/Inf counts per side, and the
+  fraction of failing elements. Continuous metrics use the elements finite on both sides (float64);
+  non-finite elements are judged separately: NaN always fails, ±Inf passes only against the same ±Inf.
+* index (top-k indices, selected experts; `index_like`): each row (last axis) is a set; the score is the
+  overlap |A∩B| / |B| per row (-1 = empty slot, ignored), failing below `min_overlap` (default 1).
+* other integers (token ids): element by element, exact.
+
+An element fails only when |a-b| > atol AND |a-b| > rtol·|b| (so atol guards values near zero and rtol
+large ones). `--stat max|mean|median|quantile` instead tests one statistic: S(|a-b|) > atol + rtol·S(|b|)
+fails the tensor (S over the finite elements; non-finite mismatches still fail).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from deepinfer.debug.fingerprint import PAIRING_FIELDS, differing
+from deepinfer.debug.h5schema import DumpError, DumpReader
+
+STATS = ("elemwise", "max", "mean", "median", "quantile")
+# Tensors whose last axis is an unordered selection: compared as sets per row.
+INDEX_PATTERN = re.compile(r"(\.topk|\.router\.experts)(#\d+)?$")
+_MANTISSA = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7,
+             torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_BITS_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+class PairingError(ValueError):
+    """Two dumps that cannot be compared (different models or prompts): exit code 2."""
+
+
+# ------------------------------------------------------------------------------------ tolerances
+@dataclass
+class Tol:
+    rtol: float = 1e-2
+    atol: float = 1e-3
+    stat: str = "elemwise"
+    quantile: float = 0.99
+    min_overlap: float = 1.0
+    skip: bool = False
+
+
+@dataclass
+class Rule:
+    pattern: re.Pattern
+    values: dict
+
+
+class Tolerances:
+    """Defaults plus regex rules; the first rule whose pattern `re.search`es the name wins.
+
+    File formats (see dumps/README.md):
+      JSON: {"rules": [{"match": "indexer\\\\.topk$", "min_overlap": 0.75}, {"match": "logits", "rtol": 0.05}]}
+            (or just the list)
+      text: one rule a line, `REGEX key=value ...` with keys rtol atol stat quantile min_overlap skip;
+            `#` starts a comment.
+    """
+
+    KEYS = {"rtol": float, "atol": float, "stat": str, "quantile": float, "min_overlap": float,
+            "skip": lambda v: str(v).lower() in ("1", "true", "yes")}
+
+    def __init__(self, default: Tol | None = None, rules: list[Rule] | None = None):
+        self.default, self.rules = default or Tol(), rules or []
+
+    def for_name(self, name: str) -> Tol:
+        for r in self.rules:
+            if r.pattern.search(name):
+                return Tol(**{**asdict(self.default), **r.values})
+        return self.default
+
+    @classmethod
+    def _rule(cls, pattern: str, values: dict, where: str) -> Rule:
+        try:
+            pat = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{where}: bad regex {pattern!r} ({e})") from None
+        out = {}
+        for k, v in values.items():
+            if k not in cls.KEYS:
+                raise ValueError(f"{where}: unknown key {k!r} (known: {', '.join(cls.KEYS)})")
+            try:
+                out[k] = cls.KEYS[k](v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}: {k}={v!r} is not a valid value") from None
+        if out.get("stat", "elemwise") not in STATS:
+            raise ValueError(f"{where}: stat {out['stat']!r}: choose {'|'.join(STATS)}")
+        return Rule(pat, out)
+
+    @classmethod
+    def load(cls, path: str, default: Tol) -> "Tolerances":
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"--tolerances {path}: {e.strerror or e}") from None
+        rules = []
+        if text.lstrip().startswith(("{", "[")):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--tolerances {path}: not valid JSON ({e})") from None
+            items = data.get("rules", []) if isinstance(data, dict) else data
+            for i, item in enumerate(items):
+                if not isinstance(item, dict) or "match" not in item:
+                    raise ValueError(f"--tolerances {path}: rule {i} needs a \"match\" regex")
+                vals = {k: v for k, v in item.items() if k != "match"}
+                rules.append(cls._rule(item["match"], vals, f"{path} rule {i}"))
+        else:
+            for ln, line in enumerate(text.splitlines(), 1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                pattern, *kvs = line.split()
+                vals = {}
+                for kv in kvs:
+                    if "=" not in kv:
+                        raise ValueError(f"{path}:{ln}: expected key=value, got {kv!r}")
+                    k, v = kv.split("=", 1)
+                    vals[k] = v
+                rules.append(cls._rule(pattern, vals, f"{path}:{ln}"))
+        return cls(default, rules)
+
+
+# --------------------------------------------------------------------------------------- metrics
+@dataclass
+class Row:
+    """The comparison of one name. `status`: pass | fail | shape | only_a | only_b | skip."""
+
+    name: str
+    order: int
+    kind: str = "float"  # float | index | int
+    status: str = "pass"
+    shape_a: tuple = ()
+    shape_b: tuple = ()
+    dtype_a: str = ""
+    dtype_b: str = ""
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    rel_err: float | None = None
+    cosine: float | None = None
+    dissim: float | None = None  # 1 - 2Σab/(Σa²+Σb²)
+    max_ulp: int | None = None
+    ulp_dtype: str = ""
+    worst_index: list | None = None
+    worst_a: float | None = None
+    worst_b: float | None = None
+    nan_a: int = 0
+    nan_b: int = 0
+    inf_a: int = 0
+    inf_b: int = 0
+    fail_frac: float = 0.0
+    overlap: float | None = None  # index tensors: mean per-row overlap
+    min_overlap: float | None = None
+    stat_value: float | None = None  # --stat: S(|a-b|) and its bound atol + rtol·S(|b|)
+    stat_bound: float | None = None
+    note: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("fail", "shape")
+
+    def summary(self) -> str:
+        """One phrase for 'first divergence: <name>, <summary>'."""
+        if self.status == "shape":
+            return f"shape {list(self.shape_a)} vs {list(self.shape_b)}"
+        if self.kind == "index":
+            return f"overlap {self.overlap:.2f} (worst row {self.min_overlap:.2f})"
+        if self.kind == "int":
+            return f"{self.fail_frac:.1%} of ids differ"
+        s = f"rel_err {fmt(self.rel_err)}, max|Δ| {fmt(self.max_abs)}"
+        if self.nan_a or self.nan_b:
+            s += f", NaN {self.nan_a}/{self.nan_b}"
+        return s
+
+
+def fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.{digits}e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.{digits + 1}g}"
+    return str(v)
+
+
+def is_index(name: str) -> bool:
+    return bool(INDEX_PATTERN.search(name))
+
+
+def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """Float tensor -> int64 where consecutive representable values differ by 1 (±0 both map to 0)."""
+    bits = x.element_size() * 8
+    u = x.view(_BITS_INT[bits]).to(torch.int64)
+    if bits < 64:
+        u = u & ((1 << bits) - 1)  # unsigned view of the raw bits
+        sign = 1 << (bits - 1)
+        return torch.where(u >= sign, -(u - sign), u)
+    return torch.where(u < 0, -(u & ((1 << 63) - 1)), u)
+
+
+def coarser(da: torch.dtype, db: torch.dtype) -> torch.dtype:
+    return min((da, db), key=lambda d: _MANTISSA.get(d, 52))
+
+
+def max_ulp(a: torch.Tensor, b: torch.Tensor, finite: torch.Tensor) -> tuple[int | None, str]:
+    """Largest ULP distance over `finite` elements after rounding both to the coarser float dtype."""
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return None, ""
+    dt = coarser(a.dtype, b.dtype)
+    if not bool(finite.any()):
+        return 0, str(dt).removeprefix("torch.")
+    # Rounding into the coarser type is what a reader of that type would see; ULPs are counted there.
+    qa, qb = a[finite].to(dt), b[finite].to(dt)
+    d = (_ordered_bits(qa) - _ordered_bits(qb)).abs()
+    return int(d.max()), str(dt).removeprefix("torch.")
+
+
+def _stat(x: torch.Tensor, stat: str, q: float) -> float:
+    if x.numel() == 0:
+        return 0.0
+    if stat == "max":
+        return float(x.max())
+    if stat == "mean":
+        return float(x.mean())
+    if stat == "median":
+        return float(x.median())
+    return float(torch.quantile(x, q)) if x.numel() <= 16_000_000 else float(x.kthvalue(
+        max(1, math.ceil(q * x.numel()))).values)
+
+
+def compare_float(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
+    af, bf = a.double().reshape(-1), b.double().reshape(-1)
+    row.nan_a, row.nan_b = int(af.isnan().sum()), int(bf.isnan().sum())
+    row.inf_a, row.inf_b = int(af.isinf().sum()), int(bf.isinf().sum())
+    finite = af.isfinite() & bf.isfinite()
+    # non-finite on either side: NaN always fails; ±Inf must meet the same ±Inf (masked scores are -inf)
+    nonfin_fail = ~finite & ((af != bf) | af.isnan() | bf.isnan())
+    fa, fb = af[finite], bf[finite]
+    diff = (fa - fb).abs()
+    n = af.numel()
+    if fa.numel():
+        row.max_abs, row.mean_abs = float(diff.max()), float(diff.mean())
+        nd, nb, na = float(diff.square().sum().sqrt()), float(fb.square().sum().sqrt()), float(fa.square().sum().sqrt())
+        row.rel_err = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
+        ab, a2, b2 = float((fa * fb).sum()), na * na, nb * nb
+        row.cosine = ab / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+        row.dissim = 1 - 2 * ab / (a2 + b2) if a2 + b2 > 0 else 0.0
+    else:
+        row.max_abs = row.mean_abs = row.rel_err = row.dissim = 0.0
+        row.cosine = 1.0
+    row.max_ulp, row.ulp_dtype = max_ulp(a.reshape(-1), b.reshape(-1), finite)
+    elem_fail = torch.zeros(n, dtype=torch.bool)
+    elem_fail[finite] = (diff > tol.atol) & (diff > tol.rtol * fb.abs())
+    elem_fail |= nonfin_fail
+    row.fail_frac = float(elem_fail.sum()) / n if n else 0.0
+    # worst coordinate: a non-finite mismatch first (it is what breaks things), else the largest |Δ|
+    if n:
+        if bool(nonfin_fail.any()):
+            flat = int(nonfin_fail.nonzero()[0])
+        elif fa.numel():
+            flat = int(finite.nonzero()[int(diff.argmax())])
+        else:
+            flat = None
+        if flat is not None:
+            row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
+            row.worst_a, row.worst_b = float(af[flat]), float(bf[flat])
+    if tol.stat == "elemwise":
+        bad = bool(elem_fail.any())
+    else:
+        row.stat_value = _stat(diff, tol.stat, tol.quantile)
+        row.stat_bound = tol.atol + tol.rtol * _stat(fb.abs(), tol.stat, tol.quantile)
+        bad = row.stat_value > row.stat_bound or bool(nonfin_fail.any())
+    row.status = "fail" if bad else "pass"
+    return row
+
+
+def set_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row (all leading axes), |A∩B| / |B| with -1 entries ignored; 1 where B's row is empty and A's
+    too, 0 where only B's is. a, b [..., k] (k may differ) -> [rows] float64."""
+    A, B = a.reshape(-1, a.size(-1) if a.dim() else 1).long(), b.reshape(-1, b.size(-1) if b.dim() else 1).long()
+    out = torch.empty(B.size(0), dtype=torch.float64)
+    for i in range(B.size(0)):
+        sa = set(A[i].tolist()) - {-1}
+        sb = set(B[i].tolist()) - {-1}
+        out[i] = len(sa & sb) / len(sb) if sb else (1.0 if not sa else 0.0)
+    return out
+
+
+def compare_index(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
+    ov = set_overlap(a, b)
+    row.overlap = float(ov.mean()) if ov.numel() else 1.0
+    row.min_overlap = float(ov.min()) if ov.numel() else 1.0
+    bad = ov < tol.min_overlap
+    row.fail_frac = float(bad.double().mean()) if ov.numel() else 0.0
+    if bool(bad.any()):
+        r = int(ov.argmin())
+        row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(r), b.shape[:-1])] if b.dim() > 1 else [r]
+        row.note = f"row {row.worst_index}: {sorted(set(a.reshape(-1, a.size(-1))[r].tolist()) - {-1})} vs " \
+                   f"{sorted(set(b.reshape(-1, b.size(-1))[r].tolist()) - {-1})}"
+    row.status = "fail" if bool(bad.any()) else "pass"
+    return row
+
+
+def compare_int(row: Row, a: torch.Tensor, b: torch.Tensor) -> Row:
+    ne = (a.long() != b.long()).reshape(-1)
+    row.fail_frac = float(ne.double().mean()) if ne.numel() else 0.0
+    row.max_abs = float((a.long() - b.long()).abs().max()) if ne.numel() else 0.0
+    if bool(ne.any()):
+        flat = int(ne.nonzero()[0])
+        row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
+        row.worst_a, row.worst_b = float(a.reshape(-1)[flat]), float(b.reshape(-1)[flat])
+    row.status = "fail" if bool(ne.any()) else "pass"
+    return row
+
+
+def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, tol: Tol, order: int = 0) -> Row:
+    """One pair (b = reference) -> Row with metrics and status."""
+    row = Row(name, order, shape_a=tuple(a.shape), shape_b=tuple(b.shape),
+              dtype_a=str(a.dtype).removeprefix("torch."), dtype_b=str(b.dtype).removeprefix("torch."))
+    floating = a.is_floating_point() or b.is_floating_point()
+    row.kind = "index" if is_index(name) and not floating else ("float" if floating else "int")
+    if tol.skip:
+        row.status = "skip"
+        return row
+    if row.kind == "index":
+        if a.shape[:-1] != b.shape[:-1]:  # the set width may differ (k' = min(topk, T)); the rows may not
+            row.status = "shape"
+            return row
+        return compare_index(row, a, b, tol)
+    if a.shape != b.shape:
+        row.status = "shape"
+        return row
+    if row.kind == "int":
+        return compare_int(row, a, b)
+    return compare_float(row, a, b, tol)
+
+
+# ---------------------------------------------------------------------------------------- report
+@dataclass
+class Report:
+    path_a: str
+    path_b: str
+    rows: list[Row] = field(default_factory=list)
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    fingerprint_diff: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def compared(self) -> list[Row]:
+        return [r for r in self.rows if r.status not in ("only_a", "only_b")]
+
+    @property
+    def first_divergence(self) -> Row | None:
+        return next((r for r in self.compared if r.failed), None)
+
+    @property
+    def n_failed(self) -> int:
+        return sum(r.failed for r in self.compared)
+
+    @property
+    def passed(self) -> bool:
+        return self.n_failed == 0 and not (self.settings.get("require_all") and (self.only_a or self.only_b))
+
+    def first_line(self) -> str:
+        r = self.first_divergence
+        if r is None:
+            return f"all {len(self.compared)} compared tensors pass"
+        return f"first divergence: {r.name}, {r.summary()}"
+
+    def to_dict(self) -> dict:
+        fd = self.first_divergence
+        return {
+            "a": self.path_a, "b": self.path_b, "reference": "b", "pass": self.passed,
+            "first_divergence": None if fd is None else {"name": fd.name, "summary": fd.summary()},
+            "n_compared": len(self.compared), "n_failed": self.n_failed,
+            "only_in_a": self.only_a, "only_in_b": self.only_b,
+            "fingerprint_diff": {k: list(v) for k, v in self.fingerprint_diff.items()},
+            "settings": self.settings,
+            "rows": [_json_row(r) for r in self.rows],
+        }
+
+
+def _json_row(r: Row) -> dict:
+    d = asdict(r)
+    d["shape_a"], d["shape_b"] = list(r.shape_a), list(r.shape_b)
+    for k, v in d.items():  # JSON has no NaN/Inf
+        if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+            d[k] = str(v)
+    return d
+
+
+def check_pairable(ra: DumpReader, rb: DumpReader) -> None:
+    """Different models or prompts make every comparison meaningless: refuse (exit 2)."""
+    for k in PAIRING_FIELDS:
+        va, vb = ra.attrs.get(k), rb.attrs.get(k)
+        if va is not None and vb is not None and va != vb:
+            what = "models" if k == "config_fingerprint" else "prompts"
+            raise PairingError(f"cannot pair the dumps: different {what} ({k} {va!r} vs {vb!r})")
+    if "input_ids" in ra and "input_ids" in rb:
+        ia, ib = ra.tensor("input_ids"), rb.tensor("input_ids")
+        if ia.shape != ib.shape or not torch.equal(ia.long(), ib.long()):
+            raise PairingError("cannot pair the dumps: their prompts tokenise differently (input_ids differ)")
+
+
+def compare_dumps(path_a: str, path_b: str, tolerances: Tolerances | None = None, name_filter: str | None = None,
+                  require_all: bool = False) -> Report:
+    """A vs B (reference) -> Report. Raises DumpError (unreadable) or PairingError (exit 2)."""
+    tolerances = tolerances or Tolerances()
+    try:
+        flt = re.compile(name_filter) if name_filter else None
+    except re.error as e:
+        raise ValueError(f"--filter {name_filter!r}: bad regex ({e})") from None
+    with DumpReader(path_a) as ra, DumpReader(path_b) as rb:
+        check_pairable(ra, rb)
+        rep = Report(path_a, path_b, fingerprint_diff=differing(ra.attrs, rb.attrs),
+                     settings={**asdict(tolerances.default), "filter": name_filter or "",
+                               "rules": len(tolerances.rules), "require_all": require_all})
+        # Forward-pass order: B's capture order (the reference), A-only names by A's order after them.
+        names = [n for n in rb.names() if flt is None or flt.search(n)]
+        extra = [n for n in ra.names() if n not in rb and (flt is None or flt.search(n))]
+        for n in names:
+            mb = rb.meta(n)
+            if n not in ra:
+                rep.only_b.append(n)
+                rep.rows.append(Row(n, mb["order"], status="only_b", shape_b=mb["shape"], dtype_b=mb["dtype"]))
+                continue
+            rep.rows.append(compare_tensors(n, ra.tensor(n), rb.tensor(n), tolerances.for_name(n), mb["order"]))
+        for n in extra:
+            ma = ra.meta(n)
+            rep.only_a.append(n)
+            rep.rows.append(Row(n, ma["order"], status="only_a", shape_a=ma["shape"], dtype_a=ma["dtype"]))
+    return rep
+
+
+__all__ = ["DumpError", "PairingError", "Report", "Row", "Tol", "Tolerances", "compare_dumps",
+           "compare_tensors", "set_overlap", "max_ulp"]

@@ -1,0 +1,256 @@
+"""Does a numerical difference change an answer? Top-1 agreement and logit margins, position by position.
+
+The reference configuration decodes N greedy steps from the prompt; the test configuration is
+teacher-forced on the reference's tokens so both predict at the same positions. Both sides use
+prefill + decode steps (decode exercises the caches, which is where ports break): position i's logits
+are the prompt's last logits (i = 0) or decode step i's logits, predicting generated token i.
+
+Per position: each side's top-1 and own margin m = top1 - top2 logit, and
+  Δmargin = m_test(ref token) - m_ref,  m_test(ref token) = test[ref top-1] - max over other tokens of test,
+which equals m_test - m_ref where the top-1 agrees and goes negative where it flips. A disagreement
+is a near-tie when m_ref <= k·std(Δmargin): the reference itself was within the measured noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+SPEC_KEYS = ("backend", "numerics", "dtype", "device")
+DEFAULT_REF = "numerics=exact,dtype=float32"
+DEFAULT_TEST = "numerics=official,dtype=bfloat16"
+
+
+def parse_spec(spec: str, what: str = "--ref") -> dict:
+    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu` -> dict (missing keys: defaults)."""
+    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        k, eq, v = part.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or k not in SPEC_KEYS or not v:
+            raise ValueError(f"{what} {spec!r}: expected key=value pairs with keys {', '.join(SPEC_KEYS)}")
+        out[k] = v
+    return out
+
+
+def spec_str(spec: dict) -> str:
+    return ",".join(f"{k}={spec[k]}" for k in SPEC_KEYS if spec.get(k))
+
+
+@dataclass
+class Position:
+    pos: int  # index into the generated tokens (absolute position = prompt length + pos - 1 for pos > 0)
+    ref_token: int
+    test_token: int
+    ref_margin: float
+    test_margin: float
+    delta: float  # Δmargin (see module doc)
+    agree: bool
+    logits_rel_err: float
+    forced: bool = True  # False: the inputs of the two sides differed before this position (free-running)
+    label: str = ""  # for disagreements: near-tie | divergence
+
+
+@dataclass
+class MarginResult:
+    ref: str
+    test: str
+    k: float
+    positions: list[Position] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.positions)
+
+    @property
+    def agreement(self) -> float:
+        return sum(p.agree for p in self.positions) / self.n if self.n else 1.0
+
+    @property
+    def first_disagreement(self) -> int | None:
+        return next((p.pos for p in self.positions if not p.agree), None)
+
+    @property
+    def delta_mean(self) -> float:
+        return sum(p.delta for p in self.positions) / self.n if self.n else 0.0
+
+    @property
+    def delta_std(self) -> float:
+        # sample std (n-1): with few positions the population std understates the noise
+        if self.n < 2:
+            return 0.0
+        m = self.delta_mean
+        return math.sqrt(sum((p.delta - m) ** 2 for p in self.positions) / (self.n - 1))
+
+    @property
+    def band(self) -> float:
+        return self.k * self.delta_std
+
+    def classify(self) -> None:
+        for p in self.positions:
+            p.label = "" if p.agree else ("near-tie" if p.ref_margin <= self.band else "divergence")
+
+    def summary(self) -> dict:
+        self.classify()
+        dis = [p for p in self.positions if not p.agree]
+        return {
+            "ref": self.ref, "test": self.test, "positions": self.n, "agreement": self.agreement,
+            "first_disagreement": self.first_disagreement, "delta_mean": self.delta_mean,
+            "delta_std": self.delta_std, "k": self.k, "noise_band": self.band,
+            "near_ties": sum(p.label == "near-tie" for p in dis),
+            "divergences": sum(p.label == "divergence" for p in dis),
+            "disagreements": [{"pos": p.pos, "ref_token": p.ref_token, "test_token": p.test_token,
+                               "ref_margin": p.ref_margin, "label": p.label} for p in dis],
+        }
+
+    def to_dict(self) -> dict:
+        return {**self.summary(), "per_position": [asdict(p) for p in self.positions]}
+
+
+def top2(logits: torch.Tensor) -> tuple[int, float]:
+    """[V] -> (top-1 id (first maximal), top1 - top2)."""
+    lf = logits.float()
+    v = torch.topk(lf, 2).values
+    return int(lf.argmax()), float(v[0] - v[1])
+
+
+def signed_margin(logits: torch.Tensor, token: int) -> float:
+    """logits[token] - max of the others: positive iff `token` is the strict top-1."""
+    lf = logits.float()
+    other = torch.cat([lf[:token], lf[token + 1:]]).max()
+    return float(lf[token] - other)
+
+
+def measure(ref_logits: list[torch.Tensor], test_logits: list[torch.Tensor], k: float = 2.0, ref: str = "",
+            test: str = "", forced: list[bool] | None = None) -> MarginResult:
+    """Per-position logits [V] of both sides -> MarginResult (classified)."""
+    res = MarginResult(ref, test, k)
+    for i, (lr, lt) in enumerate(zip(ref_logits, test_logits)):
+        tr, mr = top2(lr)
+        tt, mt = top2(lt)
+        d = (lt.double() - lr.double()).norm() / lr.double().norm().clamp_min(1e-300)
+        res.positions.append(Position(i, tr, tt, mr, mt, signed_margin(lt, tr) - mr, tr == tt, float(d),
+                                      True if forced is None else forced[i]))
+    res.classify()
+    return res
+
+
+@torch.inference_mode()
+def decode_logits(model, prompt_ids: list[int], steps: int, force: list[int] | None = None
+                  ) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill + `steps - 1` decode steps -> (`steps` logits rows [V] f32 on CPU, the fed/greedy tokens).
+
+    Token i is `force[i]` when given (teacher forcing) else the greedy argmax of logits i.
+    """
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: must be at least 1")
+    dev, T = model.device, len(prompt_ids)
+    model.allocate(1, T + steps)
+    out, toks = [], []
+    logits, _ = model.prefill(torch.tensor([prompt_ids], device=dev))
+    for i in range(steps):
+        row = logits[0, -1].float().cpu()
+        out.append(row)
+        toks.append(int(force[i]) if force is not None else int(row.argmax()))
+        if i + 1 < steps:
+            logits = model.decode(torch.tensor([[toks[-1]]], device=dev), torch.tensor([T + i], device=dev))
+    return out, toks
+
+
+def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dict, load, k: float = 2.0
+               ) -> tuple[MarginResult, list[int]]:
+    """`load(spec) -> model` loads (and configures the backend for) one side. The backend is process-global,
+    so it is switched before each side runs; the reference runs first and fixes the tokens."""
+    from deepinfer.ops import ops
+
+    ref_model = load(ref_spec)
+    ops.configure(ref_spec.get("backend") or None)
+    ref_logits, toks = decode_logits(ref_model, prompt_ids, steps)
+    del ref_model
+    test_model = load(test_spec)
+    ops.configure(test_spec.get("backend") or None)
+    test_logits, _ = decode_logits(test_model, prompt_ids, steps, force=toks)
+    return measure(ref_logits, test_logits, k, spec_str(ref_spec), spec_str(test_spec)), toks
+
+
+def from_dumps(path_test: str, path_ref: str, k: float = 2.0) -> tuple[MarginResult, list[int]]:
+    """Two dumps made with --steps (the second is the reference, as in compare): the prompt's last logits
+    and each step's logits. Positions after the first step whose input token differs are marked not
+    teacher-forced (make the test dump with `dump --follow REF.h5` to force them)."""
+    from deepinfer.debug.compare import check_pairable
+    from deepinfer.debug.h5schema import DumpError, DumpReader
+
+    with DumpReader(path_test) as rt, DumpReader(path_ref) as rr:
+        check_pairable(rt, rr)
+        sides = []
+        for r in (rt, rr):
+            if "logits" not in r:
+                raise DumpError(f"{r.path}: has no logits tensor")
+            lg, ins = [r.tensor("logits")[-1]], []
+            s = 1
+            while f"step{s}.logits" in r:
+                lg.append(r.tensor(f"step{s}.logits")[-1])
+                ins.append(int(r.tensor(f"step{s}.input_ids").reshape(-1)[0]) if f"step{s}.input_ids" in r else -1)
+                s += 1
+            sides.append((lg, ins))
+        (lt, it), (lr, ir) = sides
+        n = min(len(lt), len(lr))
+        forced, ok = [], True
+        for i in range(n):  # position i's input is step i's token (i >= 1)
+            if i >= 1 and it[i - 1] != ir[i - 1]:
+                ok = False
+            forced.append(ok)
+        res = measure(lr[:n], lt[:n], k, ref=f"{path_ref} ({rr.attrs.get('numerics', '')}/{rr.attrs.get('dtype', '')})",
+                      test=f"{path_test} ({rt.attrs.get('numerics', '')}/{rt.attrs.get('dtype', '')})", forced=forced)
+        return res, [int(lr[i].argmax()) for i in range(n)]
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], marks: list[bool] | None = None) -> str:
+    """One character per value scaled min..max; `marks` (disagreements) print as ✗."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    out = []
+    for i, v in enumerate(values):
+        if marks is not None and marks[i]:
+            out.append("✗")
+        else:
+            out.append(SPARK[int((v - lo) / span * (len(SPARK) - 1)) if span > 0 else len(SPARK) // 2])
+    return "".join(out)
+
+
+def plot(res: MarginResult, path: str) -> None:
+    """PNG: both margin curves (disagreements marked), and Δmargin with its mean and ±k·std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, works without a display
+    import matplotlib.pyplot as plt
+
+    res.classify()
+    x = [p.pos for p in res.positions]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    a1.plot(x, [p.ref_margin for p in res.positions], "o-", label=f"ref {res.ref}")
+    a1.plot(x, [p.test_margin for p in res.positions], "s--", label=f"test {res.test}")
+    bad = [p for p in res.positions if not p.agree]
+    if bad:
+        a1.scatter([p.pos for p in bad], [p.ref_margin for p in bad], marker="x", s=80, color="red",
+                   zorder=5, label="top-1 disagrees")
+    a1.set_ylabel("top1 − top2 logit")
+    a1.legend(fontsize=8)
+    m, band = res.delta_mean, res.band
+    a2.axhspan(m - band, m + band, color="gray", alpha=0.25, label=f"mean ± {res.k:g}·std")
+    a2.axhline(m, color="gray", lw=1)
+    a2.plot(x, [p.delta for p in res.positions], "o-", color="C2", label="Δmargin")
+    a2.set_xlabel("generated position")
+    a2.set_ylabel("Δmargin")
+    a2.legend(fontsize=8)
+    fig.suptitle(f"agreement {res.agreement:.0%}, Δmargin mean {m:+.3f} std {res.delta_std:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""`deepinfer dump`: run a prompt (+ K greedy decode steps) and write every tapped tensor to one HDF5 file."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+import torch
+import typer
+from rich.console import Console
+
+from deepinfer.debug.dumper import parse_layers, run_dump, save
+from deepinfer.debug.fingerprint import run_fingerprint
+from deepinfer.debug.h5schema import DumpReader
+from deepinfer_cli import common
+from deepinfer_cli.errors import UserError, handle_errors
+
+
+def default_path(model: str, backend: str, numerics: str, dtype: str) -> str:
+    """dumps/<model>_<backend>_<numerics>-<dtype>_<UTC time>.h5"""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", model) or "model"
+    return os.path.join("dumps", f"{safe}_{backend}_{numerics}-{dtype}_{stamp}.h5")
+
+
+def _follow_tokens(path: str, steps: int) -> list[int]:
+    """The tokens another dump fed: the greedy pick after the prompt and each step's input."""
+    with DumpReader(path) as r:
+        toks = [int(r.tensor(f"step{k}.input_ids").reshape(-1)[0]) for k in range(1, steps + 1)
+                if f"step{k}.input_ids" in r]
+    if len(toks) < steps:
+        raise UserError(f"--follow {path}: has {len(toks)} decode steps, --steps asks for {steps}")
+    return toks
+
+
+@handle_errors
+def dump_cmd(
+    prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin."),
+    model: str = common.MODEL,
+    layer: list[int] = typer.Option([], "--layer", "-l", help="Layer to capture (repeatable). Default: all."),
+    layers: str = typer.Option(None, "--layers", help="Layers to capture: all | N-M | N,M,..."),
+    out: str = typer.Option(None, "--out", "-o", help="Output .h5 (default: dumps/<model>_<backend>_<numerics>-<dtype>_<time>.h5)."),
+    steps: int = typer.Option(0, "--steps", "-k", help="Greedy decode steps to capture after the prompt."),
+    follow: str = typer.Option(None, "--follow", help="Feed the decode steps the tokens of this dump "
+                               "(teacher forcing: positions line up with a reference run)."),
+    chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
+    backend: str = common.BACKEND,
+    strict: bool = common.STRICT,
+    numerics: str = common.NUMERICS,
+    dtype: str = common.DTYPE,
+    device: str = common.DEVICE,
+    seed: int = common.SEED,
+):
+    """Capture named tensors (per layer: hc mixes, sub-layer inputs, q, kv, compressed kv, indexer,
+    attention output, router, MoE output) plus input_ids and logits, into one HDF5 file.
+
+    Example: deepinfer dump "北京是" --layers 0-1 --steps 4 --out dumps/ref.h5
+    """
+    text = common.read_prompt(prompt)
+    if steps < 0:
+        raise UserError(f"--steps {steps}: must be >= 0")
+    torch.manual_seed(seed)
+    lm = common.setup(model, backend, strict, numerics, dtype, device)
+    sel = parse_layers(layer, layers, lm.cfg.n_layers)
+    ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
+    forced = _follow_tokens(follow, steps) if follow else None
+    # forced[i] is what the reference fed to decode step i+1, i.e. its token i
+    run = run_dump(lm.model, ids, steps, sel, force_tokens=forced)
+    path = out or default_path(lm.cfg.name, common.ops.backend, numerics, dtype)
+    attrs = run_fingerprint(device=lm.model.device, backend=common.ops.backend, numerics=numerics, dtype=dtype,
+                            model_path=lm.model_dir, model_name=lm.cfg.name,
+                            config_fingerprint=lm.cfg.fingerprint(), prompt=text, seed=seed,
+                            steps=steps, layers="all" if sel is None else ",".join(map(str, sel)),
+                            prompt_mode="chat" if chat else "raw", followed=follow or "",
+                            fallback_ops=",".join(sorted(common.ops.fallbacks)))
+    save(run, path, attrs)
+    con = Console(stderr=True)
+    size = os.path.getsize(path)
+    con.print(f"wrote {path}: {len(run.records) + 1} tensors, {size / 1e6:.1f} MB; "
+              f"{len(ids)} prompt tokens, {steps} decode steps, generated {run.tokens}", highlight=False)
+    print(path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("dump")(dump_cmd)

@@ -1,0 +1,91 @@
+"""`deepinfer margin`: does the test configuration change an answer? Top-1 agreement and margins per position."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Tuple
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, MarginResult, from_dumps, parse_spec, plot,
+                                    run_margin, sparkline)
+from deepinfer_cli import common
+from deepinfer_cli.errors import UserError, handle_errors
+
+
+def render(res: MarginResult, con: Console, token_text=None) -> None:
+    s = res.summary()
+    t = Table(title=f"ref {res.ref}  ·  test {res.test}")
+    for col in ("pos", "ref top-1", "test top-1", "ref margin", "test margin", "Δmargin", "logits rel_err", ""):
+        t.add_column(col, justify="left" if col in ("ref top-1", "test top-1", "") else "right")
+    for p in res.positions:
+        tt = (lambda i: f"{i} {token_text(i)!r}") if token_text else str
+        mark = "" if p.agree else f"[red]✗ {p.label}[/red]"
+        if not p.forced:
+            mark += " [dim](inputs differ)[/dim]"
+        t.add_row(str(p.pos), tt(p.ref_token), tt(p.test_token), f"{p.ref_margin:.3f}", f"{p.test_margin:.3f}",
+                  f"{p.delta:+.3f}", f"{p.logits_rel_err:.2e}", mark)
+    con.print(t)
+    con.print("Δmargin " + sparkline([p.delta for p in res.positions], [not p.agree for p in res.positions]),
+              highlight=False)
+    fd = s["first_disagreement"]
+    con.print(f"agreement {s['agreement']:.1%} ({res.n - len(s['disagreements'])}/{res.n}); first disagreement: "
+              f"{'none' if fd is None else f'pos {fd}'}; Δmargin mean {s['delta_mean']:+.3f} std {s['delta_std']:.3f}; "
+              f"noise band {res.k:g}·std = {s['noise_band']:.3f}; near-ties {s['near_ties']}, "
+              f"divergences {s['divergences']}", highlight=False)
+
+
+@handle_errors
+def margin_cmd(
+    prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin (not with --from-dumps)."),
+    model: str = common.MODEL,
+    steps: int = typer.Option(16, "--steps", "-n", help="Greedy positions to compare (prefill + steps-1 decodes)."),
+    ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
+    test: str = typer.Option(DEFAULT_TEST, "--test", help="Test SPEC (teacher-forced on the reference's tokens)."),
+    k: float = typer.Option(2.0, "--k", help="Near-tie threshold: ref margin <= k·std(Δmargin)."),
+    dumps: Optional[Tuple[str, str]] = typer.Option(None, "--from-dumps", help="TEST.h5 REF.h5 made with "
+                                                     "dump --steps (REF second, as in compare)."),
+    chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
+    plot_path: str = typer.Option(None, "--plot", help="Write a PNG of both margin curves and Δmargin."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+):
+    """Top-1 agreement and logit margins of a test configuration against a reference, position by position.
+
+    Example: deepinfer margin "北京是" --steps 16 --ref numerics=exact,dtype=float32 --test numerics=official,dtype=bfloat16
+    """
+    if k < 0:
+        raise UserError(f"--k {k}: must be >= 0")
+    token_text = None
+    if dumps:
+        res, _ = from_dumps(dumps[0], dumps[1], k)
+    else:
+        text = common.read_prompt(prompt)
+        rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
+        # The reference loads first: its tokenizer encodes the prompt, and run_margin reuses it.
+        ref_lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"],
+                              progress=not as_json)
+        ids = ref_lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
+
+        def load(spec):
+            if spec is rs:
+                return ref_lm.model
+            return common.setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"],
+                                progress=not as_json).model
+
+        res, _ = run_margin(ids, steps, rs, ts, load, k)
+        token_text = ref_lm.tokenizer.token_text
+    if plot_path:
+        plot(res, plot_path)
+    if as_json:
+        print(json.dumps(res.to_dict(), ensure_ascii=False))
+    else:
+        con = Console()
+        render(res, con, token_text)
+        if plot_path:
+            con.print(f"plot: {plot_path}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("margin")(margin_cmd)

@@ -1,0 +1,198 @@
+"""`deepinfer probe`: what this machine can run — kernel coverage, Triton/FlagTree, FlagGems, TileLang, env."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from deepinfer_cli.errors import handle_errors
+
+probe_app = typer.Typer(name="probe", help="Probe kernel coverage, compilers and the environment.",
+                        no_args_is_help=True, add_completion=False, rich_markup_mode="rich")
+
+JSON = typer.Option(False, "--json", help="Print one JSON object.")
+_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow", "info": "cyan"}
+
+
+def _status(s: str) -> str:
+    return f"[{_STYLE.get(s, '')}]{s.upper()}[/]"
+
+
+def _esc(s) -> str:
+    return str(s).replace("[", "\\[")
+
+
+def _emit(d: dict, as_json: bool, render) -> None:
+    if as_json:
+        print(json.dumps(d, default=str))
+    else:
+        render(d, Console())
+
+
+def _value(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _checks_table(title: str, rows: list[dict]) -> Table:
+    t = Table(title=title)
+    for c in ("check", "result", "value", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(r["check"], _status(r["status"]), _value(r.get("value")), _esc(r.get("detail", "")))
+    return t
+
+
+# ----------------------------------------------------------------------------------------- kernels
+@probe_app.command("kernels")
+@handle_errors
+def kernels_cmd(as_json: bool = JSON):
+    """Coverage matrix op x backend: implemented, importable here, and used or falling back here."""
+    from deepinfer.debug.probes import probe_kernels
+
+    _emit(probe_kernels(), as_json, _render_kernels)
+
+
+def _render_kernels(d: dict, con: Console) -> None:
+    bk = list(d["backends"])
+    t = Table(title=f"kernel coverage · a run here uses backend {d['default_backend']} ({d['device']})")
+    t.add_column("op")
+    for b in bk:
+        t.add_column(b)
+    t.add_column(f"here ({d['default_backend']})")
+    for row in d["ops"]:
+        cells = []
+        for b in bk:
+            c = row["backends"][b]
+            if c["registered"]:
+                cells.append("[green]yes[/]")
+            elif c["implemented"]:
+                cells.append("[yellow]source only[/]")
+            else:
+                cells.append("-")
+        here = row["here"]
+        cells.append(f"[green]{here}[/]" if here == "used" else f"[yellow]{here}[/]")
+        t.add_row(row["op"], *cells)
+    con.print(t)
+    for b, info in d["backends"].items():
+        state = "importable" if info["importable"] else f"not importable: {info['reason']}"
+        n = len(info["registered"]) or len(info["in_source"])
+        con.print(f"{b}: {state}; {n} op(s) implemented", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------ triton
+def _triton(as_json: bool):
+    from deepinfer.debug.probes import probe_triton
+
+    d = probe_triton()
+    _emit(d, as_json, _render_triton)
+    if not d["ok"]:
+        raise typer.Exit(1)
+
+
+@probe_app.command("triton")
+@handle_errors
+def triton_cmd(as_json: bool = JSON):
+    """Installed Triton (upstream or FlagTree) and the features the engine relies on, incl. an SM90 compile.
+
+    Numeric checks run on the GPU, or under the Triton interpreter when there is none. Exit 1 if a check fails.
+    """
+    _triton(as_json)
+
+
+@probe_app.command("flagtree", hidden=False)
+@handle_errors
+def flagtree_cmd(as_json: bool = JSON):
+    """Alias of `probe triton` (FlagTree installs as the `triton` package)."""
+    _triton(as_json)
+
+
+def _render_triton(d: dict, con: Console) -> None:
+    i = d["install"]
+    if not i["installed"]:
+        con.print("[bold red]triton is not installed[/]")
+    else:
+        tag = f", backend tag {i['backend_tag']}" if i.get("backend_tag") else ""
+        con.print(f"triton {i['version']} ({i['flavor']}, distribution {i['distribution']}{tag}) at {i['path']}; "
+                  f"GPU backends: {', '.join(i['gpu_backends']) or '-'}", highlight=False)
+    if d.get("interpreter"):
+        con.print("no CUDA device: numeric checks ran under the Triton interpreter (TRITON_INTERPRET=1)")
+    con.print(_checks_table("Triton features", d["checks"]))
+    con.print("[green]all checks passed[/]" if d["ok"] else "[bold red]some checks failed[/]")
+
+
+# ---------------------------------------------------------------------------------------- flaggems
+@probe_app.command("flaggems")
+@handle_errors
+def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-separated op names to enable "
+                                             "(default: every op with a test input here)."),
+                 as_json: bool = JSON):
+    """FlagGems: resolve op names, enable only those, check each registered op against PyTorch."""
+    from deepinfer.debug.probes import probe_flaggems
+
+    names = [n.strip() for n in include.split(",") if n.strip()] if include else None
+    d = probe_flaggems(names)
+    _emit(d, as_json, _render_flaggems)
+    if not d["ok"]:
+        raise typer.Exit(1)
+
+
+def _render_flaggems(d: dict, con: Console) -> None:
+    if d["installed"]:
+        con.print(f"flag_gems {d['version']}; enabled via {d.get('enable', '-')}; registered: "
+                  f"{', '.join(d['registered']) or '-'}", highlight=False)
+        for n, close in d["unresolved"].items():
+            con.print(f"unresolved: {n}" + (f" (close: {', '.join(close)})" if close else ""), highlight=False)
+    con.print(_checks_table("FlagGems", d["rows"]))
+
+
+# ---------------------------------------------------------------------------------------- tilelang
+@probe_app.command("tilelang")
+@handle_errors
+def tilelang_cmd(as_json: bool = JSON):
+    """TileLang: version, import, and a small kernel compiled and run (CUDA)."""
+    from deepinfer.debug.probes import probe_tilelang
+
+    d = probe_tilelang()
+    _emit(d, as_json, lambda d, con: con.print(_checks_table(f"TileLang {d['version'] or ''}".strip(), d["rows"])))
+    if not d["ok"]:
+        raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------------------------- env
+@probe_app.command("env")
+@handle_errors
+def env_cmd(as_json: bool = JSON):
+    """GPUs, driver, CUDA, package versions (not imported), /dev/infiniband and expert-parallel transports, py-spy."""
+    from deepinfer.debug.probes import probe_env
+
+    _emit(probe_env(), as_json, _render_env)
+
+
+def _render_env(d: dict, con: Console) -> None:
+    t = Table(title="environment", show_header=False)
+    t.add_column("key")
+    t.add_column("value", overflow="fold")
+    gpus = "; ".join(f"{g['index']}: {g['name']} sm_{g['capability'].replace('.', '')} {g['memory_gib']} GiB"
+                     for g in d["gpus"]) or "none (CUDA not available)"
+    t.add_row("GPUs", gpus)
+    t.add_row("driver", d["driver"] or "-")
+    t.add_row("CUDA (torch)", d["cuda_runtime"] or "-")
+    for k, v in d["packages"].items():
+        t.add_row(k, v or "[yellow]not installed[/]")
+    t.add_row("/dev/infiniband", "present" if d["infiniband"] else "absent")
+    t.add_row("expert parallel", d["expert_parallel"])
+    t.add_row("py-spy", f"{d['py_spy']} ({d['py_spy_version']})" if d["py_spy"] else "[yellow]not installed[/] "
+              "(`deepinfer stack` needs it)")
+    t.add_row("default backend", d["default_backend"])
+    con.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(probe_app, name="probe")

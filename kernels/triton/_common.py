@@ -1,0 +1,74 @@
+"""Helpers shared by the Triton kernels: sizes, dtype maps and in-kernel numerics primitives."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def p2(n: int) -> int:
+    """Next power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dot_ieee(*tensors: torch.Tensor) -> bool:
+    """tl.dot needs input_precision="ieee" for fp32 operands (else TF32 on NVIDIA: ~1e-3 error)."""
+    return any(t.dtype == torch.float32 for t in tensors)
+
+
+@triton.jit
+def pow2_ceil(x):
+    """2^ceil(log2 x) for positive *normal* float32 x, exactly, from the float bits.
+
+    Every caller clamps x >= 2^-126 first (FP8 amax floor 1e-4/448, FP4 floor 6*2^-126 / 6), where this
+    equals the reference's frexp form.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(x):
+    """Round float32 x (already clamped to [-448, 448]) to the nearest e4m3 value, ties to even.
+
+    The result is exactly representable, so the following `.to(tl.float8e4nv)` is exact on every
+    backend. Needed because the Triton interpreter's fp32 -> fp8 cast rounds half-up and drops the
+    mantissa carry (127.2 -> 64); on the GPU it is a few ALU ops per element and bit-identical to
+    the hardware RN cast.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    ue = tl.maximum(e, -6) - 3  # 3 mantissa bits; below 2^-6 the subnormal spacing 2^-9
+    ulp = ((ue + 127) << 23).to(tl.float32, bitcast=True)
+    y = x / ulp  # exact: ulp is a power of two, |y| < 16
+    r = (y + 12582912.0) - 12582912.0  # round to nearest even integer (1.5 * 2^23 magic)
+    return r * ulp
+
+
+@triton.jit
+def sort_key(x, idx):
+    """A distinct int64 key per (float32 value, index): larger value first, then LOWER index first.
+
+    key = ord(x) * 2^31 + (2^31 - 1 - idx) with ord an order-preserving map of float32 into [0, 2^32)
+    (-0.0 canonicalised to +0.0 so the two zeros tie as in torch.sort; NaN canonicalised to +NaN, above
+    +inf, as torch.sort ranks NaN). Keys are >= 0, so -1 marks "no entry". idx must be < 2^31.
+    """
+    x = tl.where(x == 0.0, 0.0, x)
+    x = tl.where(x != x, float("nan"), x)
+    b = x.to(tl.int32, bitcast=True).to(tl.int64)
+    nanbits = tl.full(b.shape, 0x7FC00000, tl.int64)
+    b = tl.where(x != x, nanbits, b)
+    u = tl.where(b >= 0, b + 2147483648, 2147483647 - (b & 2147483647))
+    return u * 2147483648 + (2147483647 - idx.to(tl.int64))
+
+
+@triton.jit
+def key_index(key):
+    """The index encoded in a sort_key (meaningless for the -1 "no entry" key)."""
+    return 2147483647 - (key & 2147483647)

@@ -1,0 +1,109 @@
+"""Lightning indexer: scores Σ_h w·relu(q·k) and the exact, tie-stable top-k selection.
+
+topk_indices is a hierarchical bitonic selection on 63-bit keys (value order, then LOWER index, see
+`_common.sort_key`): every key is distinct, so any correct sort gives exactly the reference's stable
+descending order. Round 1 sorts chunks of CHUNK scores and keeps each chunk's best KP = next_pow2(k)
+keys; further rounds merge candidate lists the same way until one chunk remains, whose first k keys
+decode to indices (-1 for padding / entries past n_valid). The number of rounds depends only on
+shapes, so nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.registry import implement
+
+from ._common import key_index, p2, sort_key
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, S, H, T, D,
+                           BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+    bs = tl.program_id(0).to(tl.int64)  # b * S + s
+    tb = tl.program_id(1)
+    b = bs // S
+    h = tl.arange(0, BH)
+    t = tb * BT + tl.arange(0, BT)
+    acc = tl.zeros([BH, BT], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        q = tl.load(q_ptr + (bs * H + h[:, None]) * D + d[None, :], mask=(h[:, None] < H) & (d[None, :] < D), other=0.0)
+        k = tl.load(k_ptr + (b * T + t[None, :]) * D + d[:, None], mask=(t[None, :] < T) & (d[:, None] < D), other=0.0)
+        if IEEE:
+            acc += tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(q, k)
+    w = tl.load(w_ptr + bs * H + h, mask=h < H, other=0.0).to(tl.float32)
+    sc = tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0)
+    tl.store(o_ptr + bs * T + t, sc, mask=t < T)
+
+
+@implement("indexer_scores", "triton")
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    B, S, H, D = q.shape
+    T = k.size(1)
+    q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+    ieee = q.dtype == torch.float32 or k.dtype == torch.float32 or q.dtype != k.dtype
+    out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
+    if B * S * T == 0:
+        return out
+    BH = max(16, p2(H))
+    BT = 32 if BH <= 64 else 16
+    BD = max(16, min(p2(D), 64))
+    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, S, H, T, D, BH=BH, BT=BT, BD=BD, IEEE=ieee)
+    return out
+
+
+@triton.jit
+def _topk_round_kernel(src_ptr, nv_ptr, dst_ptr, out_ptr, n_src, n_dst, k,
+                       FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, C: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    j = ch * C + tl.arange(0, C)
+    if FROM_SCORES:
+        nv = tl.load(nv_ptr + row)
+        x = tl.load(src_ptr + row * n_src + j, mask=j < n_src, other=0.0).to(tl.float32)
+        key = tl.where((j < n_src) & (j < nv), sort_key(x, j), -1)
+    else:
+        key = tl.load(src_ptr + row * n_src + j, mask=j < n_src, other=-1)
+    key = tl.sort(key, 0, descending=True)
+    r = tl.arange(0, C)
+    if FINAL:
+        idx = tl.where(key >= 0, key_index(key), -1)
+        tl.store(out_ptr + row * k + r, idx, mask=r < k)
+    else:
+        tl.store(dst_ptr + row * n_dst + ch * KP + r, key, mask=r < KP)
+
+
+CHUNK = 2048  # keys sorted per program per round (tests lower it to exercise several rounds)
+
+
+@implement("topk_indices", "triton")
+def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.Tensor:
+    B, S, T = scores.shape
+    rows = B * S
+    out = torch.empty(B, S, k, dtype=torch.int64, device=scores.device)
+    if rows == 0 or k == 0:
+        return out
+    sc = scores.contiguous()
+    nv = n_valid.to(torch.int64).contiguous()
+    KP = p2(k)
+    C = max(2 * KP, p2(CHUNK))
+    if T <= C:
+        Cf = max(p2(T), KP)
+        _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP)
+        return out
+    nch = triton.cdiv(T, C)
+    cand = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
+    _topk_round_kernel[(rows, nch)](sc, nv, cand, out, T, nch * KP, k, FROM_SCORES=True, FINAL=False, C=C, KP=KP)
+    n = nch * KP
+    while n > C:
+        nch = triton.cdiv(n, C)
+        nxt = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
+        _topk_round_kernel[(rows, nch)](cand, nv, nxt, out, n, nch * KP, k, FROM_SCORES=False, FINAL=False, C=C, KP=KP)
+        cand, n = nxt, nch * KP
+    _topk_round_kernel[(rows, 1)](cand, nv, out, out, n, 0, k, FROM_SCORES=False, FINAL=True, C=max(p2(n), KP), KP=KP)
+    return out

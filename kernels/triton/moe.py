@@ -1,0 +1,136 @@
+"""MoE router (scores, biased top-k or hash routing, renormalised weights) and clamped SwiGLU.
+
+moe_route: one program per BT tokens; the gate GEMM runs as BT x E tiles over D blocks (fp32
+accumulate); scores are kept in registers; top-k is k rounds of max over distinct 63-bit keys
+(value, then lower expert id -- the reference's stable-sort tie-break), so no sort and no ties.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.registry import implement
+
+from ._common import key_index, p2, sort_key
+
+_SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus: x above the threshold 20, else log1p(exp(x)); log1p via the compensated
+    # log(u) * y / (u - 1) form (u = 1 + y), accurate to a few ulp where log(1 + y) is not.
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    l1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, l1p)
+
+
+@triton.jit
+def _moe_route_kernel(x_ptr, g_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, D, TOPK,
+                      route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                      BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, BKT: tl.constexpr,
+                      IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+    e = tl.arange(0, BE)
+    mt = t < T
+    me = e < E
+    acc = tl.zeros([BT, BE], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        md = d < D
+        x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+        g = tl.load(g_ptr + e[None, :] * D + d[:, None], mask=me[None, :] & md[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, g)
+    if FUNC == 0:
+        lg = tl.where(me[None, :], acc, float("-inf"))
+        ex = tl.exp(lg - tl.max(lg, 1)[:, None])
+        sc = ex / tl.sum(ex, 1)[:, None]
+    elif FUNC == 1:
+        sc = tl.sigmoid(acc)
+    else:
+        sc = tl.sqrt(_softplus(acc))
+    m2 = mt[:, None] & me[None, :]
+    tl.store(s_ptr + t[:, None] * E + e[None, :], sc, mask=m2)
+    kk = tl.arange(0, BKT)
+    mk = kk < TOPK
+    if HASH:
+        ids = tl.load(ids_ptr + t, mask=mt, other=0).to(tl.int64)
+        sel = tl.load(t2e_ptr + ids[:, None] * TOPK + kk[None, :], mask=mt[:, None] & mk[None, :], other=0).to(tl.int64)
+    else:
+        s_sel = sc
+        if HAS_BIAS:
+            s_sel = sc + tl.load(bias_ptr + e, mask=me, other=0.0).to(tl.float32)[None, :]
+        key = tl.where(me[None, :], sort_key(s_sel, e[None, :]), -1)
+        sel = tl.zeros([BT, BKT], tl.int64)
+        for r in range(0, TOPK):
+            best = tl.max(key, 1)
+            sel = tl.where(kk[None, :] == r, key_index(best)[:, None], sel)
+            key = tl.where(key == best[:, None], -1, key)
+    # gather the chosen scores: w[t, r] = sc[t, sel[t, r]]
+    w = tl.sum(tl.where(sel[:, :, None] == e[None, None, :], sc[:, None, :], 0.0), 2)
+    if FUNC != 0:
+        w = w / tl.sum(tl.where(mk[None, :], w, 0.0), 1)[:, None]
+    w = w * route_scale
+    mo = mt[:, None] & mk[None, :]
+    tl.store(w_ptr + t[:, None] * TOPK + kk[None, :], w, mask=mo)
+    tl.store(i_ptr + t[:, None] * TOPK + kk[None, :], sel, mask=mo)
+
+
+@implement("moe_route", "triton")
+def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+              input_ids: torch.Tensor, topk: int, score_func: str, route_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, D = x.shape
+    E = gate_w.size(0)
+    func = _SCORE_FUNCS[score_func] if score_func in _SCORE_FUNCS else 2  # reference: else-branch
+    k = tid2eid.size(1) if tid2eid is not None else topk
+    x, gate_w = x.contiguous(), gate_w.contiguous()
+    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    indices = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return weights, indices, scores
+    ieee = x.dtype == torch.float32 or gate_w.dtype == torch.float32 or x.dtype != gate_w.dtype
+    BE = max(16, p2(E))
+    BT = 16
+    BD = max(16, min(p2(D), 8192 // BE))
+    _moe_route_kernel[(triton.cdiv(T, BT),)](
+        x, gate_w, bias.contiguous() if bias is not None else x,
+        tid2eid.contiguous() if tid2eid is not None else x, input_ids.contiguous(),
+        weights, indices, scores, T, E, D, k, float(route_scale),
+        FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None,
+        BT=BT, BE=BE, BD=BD, BKT=max(2, p2(k)), IEEE=ieee)
+    return weights, indices, scores
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    o = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    m = o < n
+    g = tl.load(g_ptr + o, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + o, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + o, y, mask=m)
+
+
+@implement("swiglu", "triton")
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    n = gate.numel()
+    if n == 0:
+        return y
+    BLOCK = 1024
+    _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, float(limit), CLAMP=limit > 0, BLOCK=BLOCK)
+    return y

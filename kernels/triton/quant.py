@@ -1,0 +1,141 @@
+"""Block quantisation kernels: FP8 act_quant / fp8_fake_quant, FP4 fake quant, Walsh-Hadamard.
+
+One program per (row, block) of the last dim; the scale is the reference's power-of-two ceiling of
+amax / fmax computed from the float bits (exact), the division by a power of two is exact, and the
+float32 -> e4m3 cast rounds to nearest even with the clamp applied first (as torch's cast).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.registry import implement
+
+from ._common import p2, pow2_ceil, round_e4m3
+
+
+@triton.jit
+def _fp8_block_kernel(x_ptr, q_ptr, s_ptr, y_ptr, K, NB, block,
+                      FAKE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cols = b * block + tl.arange(0, BLOCK)
+    m = (tl.arange(0, BLOCK) < block) & (cols < K)
+    x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-4)
+    s = pow2_ceil(tl.math.div_rn(amax, 448.0))
+    q = round_e4m3(tl.minimum(tl.maximum(x / s, -448.0), 448.0)).to(tl.float8e4nv)
+    if FAKE:
+        tl.store(y_ptr + row * K + cols, (q.to(tl.float32) * s).to(y_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(q_ptr + row * K + cols, q, mask=m)
+        tl.store(s_ptr + row * NB + b, s)
+
+
+@implement("act_quant", "triton")
+def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    K = x.size(-1)
+    assert K % block == 0, f"act_quant: last dim {K} is not a multiple of {block}"
+    xc = x.contiguous()
+    NB = K // block
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(*x.shape[:-1], NB, dtype=torch.float32, device=x.device)
+    rows = xc.numel() // max(K, 1)
+    if rows and NB:
+        _fp8_block_kernel[(rows, NB)](xc, q, s, q, K, NB, block, FAKE=False, BLOCK=p2(block))
+    return q, s
+
+
+@implement("fp8_fake_quant", "triton")
+def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    K = x.size(-1)
+    assert K % block == 0, f"fp8_fake_quant: last dim {K} is not a multiple of {block}"
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    rows = xc.numel() // max(K, 1)
+    if rows and K:
+        _fp8_block_kernel[(rows, K // block)](xc, y, y, y, K, K // block, block, FAKE=True, BLOCK=p2(block))
+    return y
+
+
+@triton.jit
+def fp4_round(v):
+    """Round to the nearest e2m1 magnitude grid point (ties to the even code), saturating at 6; keeps sign."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    down = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    up = ((a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a >= 1.25).to(tl.int32)
+          + (a >= 1.75).to(tl.int32) + (a >= 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a >= 5.0).to(tl.int32))
+    i = tl.where(down % 2 == 0, down, up)
+    mag = tl.where(i <= 4, i.to(tl.float32) * 0.5,
+                   tl.where(i == 5, 3.0, tl.where(i == 6, 4.0, 6.0)))
+    return tl.where(v < 0, -mag, mag)
+
+
+@triton.jit
+def _fp4_fake_kernel(x_ptr, y_ptr, K, block, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cols = b * block + tl.arange(0, BLOCK)
+    m = (tl.arange(0, BLOCK) < block) & (cols < K)
+    x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 0), 6.0 * 2.0**-126)
+    s = pow2_ceil(tl.math.div_rn(amax, 6.0))
+    y = fp4_round(tl.minimum(tl.maximum(x / s, -6.0), 6.0)) * s
+    tl.store(y_ptr + row * K + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@implement("fp4_fake_quant", "triton")
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    K = x.size(-1)
+    assert K % block == 0, f"fp4_fake_quant: last dim {K} is not a multiple of {block}"
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    rows = xc.numel() // max(K, 1)
+    if rows and K:
+        _fp4_fake_kernel[(rows, K // block)](xc, y, K, block, BLOCK=p2(block))
+    return y
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, y_ptr, M, scale, N: tl.constexpr, LOGN: tl.constexpr, BM: tl.constexpr,
+                     IEEE: tl.constexpr):
+    # y = x @ H_N with H_N[i, j] = (-1)^popcount(i & j) / sqrt(N) (Sylvester order), built in registers.
+    pid = tl.program_id(0)
+    rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + rows[:, None] * N + i[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
+    a = i[:, None] & i[None, :]
+    par = tl.zeros([N, N], tl.int32)
+    for bit in tl.static_range(LOGN):
+        par ^= (a >> bit) & 1
+    h = tl.where(par == 0, scale, -scale)
+    if IEEE:
+        y = tl.dot(x, h, input_precision="ieee")
+    else:
+        y = tl.dot(x, h)
+    tl.store(y_ptr + rows[:, None] * N + i[None, :], y.to(y_ptr.dtype.element_ty), mask=rows[:, None] < M)
+
+
+@implement("hadamard", "triton")
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    N = x.size(-1)
+    assert N & (N - 1) == 0, f"Hadamard size {N} is not a power of two"
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    M = xc.numel() // max(N, 1)
+    if M == 0:
+        return y
+    if N < 16:  # tl.dot needs every dim >= 16: run the transform at width 16 on a zero-padded copy
+        xp = torch.zeros(M, 16, dtype=x.dtype, device=x.device)
+        xp[:, :N] = xc.reshape(M, N)
+        yp = torch.empty_like(xp)
+        # H_16 restricted to the first N rows/cols is H_N (Sylvester); rescale 1/sqrt(N).
+        _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, IEEE=True)
+        return yp[:, :N].reshape(x.shape).to(x.dtype)
+    BM = 16 if N >= 256 else 32
+    # the matrix is ±1/sqrt(N) in fp32 and the product runs in fp32 (ieee), as the reference does
+    _hadamard_kernel[(triton.cdiv(M, BM),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM, IEEE=True)
+    return y

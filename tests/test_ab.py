@@ -1,0 +1,180 @@
+"""`deepinfer ab`: the torch backend agrees with itself, a wrong kernel fails (exit 1), the cross-host
+dump/compare round trip passes and catches a tampered output, and the Triton backend runs under the
+interpreter on a CPU machine (skipped when the backend cannot be loaded)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from deepinfer.ops.registry import REGISTRY, _ensure_reference
+from deepinfer_cli.app import app
+
+runner = CliRunner()
+_ensure_reference()
+
+
+def _json(r) -> dict:
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_torch_vs_torch_all_pass():
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--ref", "torch", "--seed", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    d = _json(r)
+    ran = [c for c in d["cases"] if c["status"] != "skip"]
+    assert {c["op"] for c in ran} == set(REGISTRY)
+    assert all(c["status"] == "pass" for c in ran)
+    assert all(m["bitwise"] for c in ran for m in c["outputs"])
+    assert d["summary"]["failed"] == 0 and d["summary"]["passed"] == len(ran)
+    if not torch.cuda.is_available():  # Flash/Pro shapes are reported, not silently dropped
+        skipped = [c for c in d["cases"] if c["status"] == "skip"]
+        assert {c["shapes"] for c in skipped} == {"flash", "pro"}
+        assert all("CUDA" in c["reason"] for c in skipped)
+
+
+def test_table_output_and_summary_line():
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--shapes", "tiny", "--ops", "^(rms_norm|sample)$"])
+    assert r.exit_code == 0, r.output
+    assert "rms_norm" in r.stdout and "PASS" in r.stdout and "FAIL" not in r.stdout
+    assert "6 passed, 0 failed, 0 skipped" in r.stdout
+
+
+def test_fresh_inputs_and_seed():
+    from deepinfer.debug.ab_cases import SHAPES, build
+
+    a = build("rms_norm", SHAPES["tiny"], "decode", 1, "cpu")[0].args[0]
+    b = build("rms_norm", SHAPES["tiny"], "decode", 1, "cpu")[0].args[0]
+    c = build("rms_norm", SHAPES["tiny"], "decode", 2, "cpu")[0].args[0]
+    assert torch.equal(a, b) and not torch.equal(a, c) and bool((a != 0).all())
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """Register test-only 'triton' impls without importing any backend package."""
+    import deepinfer.debug.ab as ab
+
+    monkeypatch.setattr(ab, "load_backend", lambda backend: None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so `ab` does not try to switch the interpreter on
+
+    def put(op, fn):
+        monkeypatch.setitem(REGISTRY[op].impls, "triton", fn)
+
+    return put
+
+
+def test_wrong_impl_fails_exit_1(fake_triton):
+    ref = REGISTRY["rms_norm"].ref
+    fake_triton("rms_norm", lambda x, w, eps: (ref(x, w, eps).float() * 1.05).to(x.dtype))
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--ops", "^rms_norm$", "--shapes", "tiny", "--json"])
+    assert r.exit_code == 1, r.output
+    d = _json(r)
+    assert d["summary"]["failed"] == 4 and all(c["status"] == "fail" for c in d["cases"])
+    assert "outside tol" in d["cases"][0]["outputs"][0]["detail"]
+
+
+def test_unwritten_cache_rows_show_through_poison(fake_triton):
+    def partial(cache, rows, slots, values):
+        cache[rows[:-1], slots[:-1]] = values[:-1].to(cache.dtype)
+
+    fake_triton("kv_store", partial)
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--ops", "^kv_store$", "--shapes", "tiny"])
+    assert r.exit_code == 1 and "NaN mismatch" in r.stdout
+
+
+def test_index_outputs_compare_as_sets(fake_triton):
+    topk, route = REGISTRY["topk_indices"].ref, REGISTRY["moe_route"].ref
+
+    def route_reordered(*a, **k):
+        w, i, s = route(*a, **k)
+        return w.flip(-1), i.flip(-1), s
+
+    def route_wrong_weights(*a, **k):
+        w, i, s = route(*a, **k)
+        return w.flip(-1), i, s
+
+    fake_triton("topk_indices", lambda *a, **k: topk(*a, **k).flip(-1))
+    fake_triton("moe_route", route_reordered)
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--ops", "topk|moe", "--shapes", "tiny"])
+    assert r.exit_code == 0, r.output
+    fake_triton("moe_route", route_wrong_weights)
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--ops", "moe", "--shapes", "tiny"])
+    assert r.exit_code == 1
+
+
+def test_reference_runs_before_backend(fake_triton):
+    """A backend that patches torch when it runs cannot affect the reference outputs."""
+    order = []
+    ref = REGISTRY["swiglu"].ref
+
+    def patched(gate, up, limit):
+        order.append("backend")
+        return ref(gate, up, limit)
+
+    import deepinfer.debug.ab as ab
+
+    real_call = ab.call
+
+    def spy(op, fn, args, kwargs):
+        order.append("ref" if fn is ref else "backend-call")
+        return real_call(op, fn, args, kwargs)
+
+    import unittest.mock as mock
+
+    fake_triton("swiglu", patched)
+    with mock.patch.object(ab, "call", spy):
+        rep = ab.run_ab("triton", ops_regex="^swiglu$", shapes="tiny", seed=0)
+    assert rep.ok
+    first_backend = order.index("backend-call")
+    assert all(o == "ref" for o in order[:first_backend]) and "ref" not in order[first_backend:]
+
+
+def test_dump_compare_round_trip_and_tamper(tmp_path):
+    d = tmp_path / "cases"
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--shapes", "tiny", "--seed", "3", "--dump", str(d),
+                            "--ops", "rms_norm|act_quant|kv_store|topk|moe_route|sample|fp4_gemm"])
+    assert r.exit_code == 0, r.output
+    files = sorted(os.listdir(d))
+    assert "rms_norm__tiny__decode__hidden.h5" in files and len(files) == 20
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(d), "--json"])
+    assert r.exit_code == 0, r.output
+    out = _json(r)
+    assert out["summary"]["passed"] == 20 and out["source"] == str(d)
+
+    import h5py
+
+    with h5py.File(d / "rms_norm__tiny__decode__hidden.h5", "r+") as f:
+        ds = f["tensors/out.0"]
+        a = ds[()]
+        a.reshape(-1)[5] ^= 0x0100  # flip one exponent bit of one bf16 output
+        ds[...] = a
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(d), "--json"])
+    assert r.exit_code == 1
+    bad = [c for c in _json(r)["cases"] if c["status"] != "pass"]
+    assert [c["case"] for c in bad] == ["rms_norm__tiny__decode__hidden"]
+
+
+def test_compare_missing_dir_is_one_line(tmp_path):
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_triton_backend_under_interpreter():
+    """Runs the other engineer's Triton kernels on CPU via TRITON_INTERPRET=1 (set by `ab` itself)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter path is for CPU machines")
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "deepinfer", "ab", "--backend", "triton", "--shapes", "tiny",
+                        "--ops", "^(rms_norm|act_quant|kv_store|swiglu|sparse_attn|indexer_scores|moe_route)$",
+                        "--seed", "0", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    assert d["interpreter"] is True and "TRITON_INTERPRET=1" in d["note"]
+    assert d["summary"]["failed"] == 0 and d["summary"]["passed"] >= 14
