@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -34,8 +35,9 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
     """Choose the backend (before any compute, so --strict fails early), then load the model."""
     dev = resolve_device(device)
     ops.configure(backend or None, strict if strict else None)
-    if ops.backend != "torch" and dev.type != "cuda":
+    interpreted = ops.backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if ops.backend != "torch" and dev.type != "cuda" and not interpreted:
         from deepinfer.ops.registry import BackendError
 
-        raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev})")
+        raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
     return load_model(model, numerics, dtype, str(dev), progress=progress)

@@ -7,11 +7,9 @@ write every element), launches with a grid that depends only on shapes, and neve
 
 from __future__ import annotations
 
-from . import attention, cache, compressor, gemm, indexer, mhc, moe, norm, quant, rope, sampling  # noqa: F401
+from . import attention, cache, compressor, gemm, indexer, linear, mhc, moe, norm, quant, rope, sampling  # noqa: F401
 
-REFERENCE_ONLY: dict[str, str] = {
-    "linear": "plain bf16/fp32 x Wᵀ: F.linear already dispatches to cuBLAS, the right kernel for it",
-}
+REFERENCE_ONLY: dict[str, str] = {}
 """Ops the Triton backend intentionally leaves to the torch reference, with the reason."""
 
 __all__ = ["REFERENCE_ONLY"]

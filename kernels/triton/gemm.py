@@ -5,8 +5,6 @@ per product), and the power-of-two scales multiply each K-block's partial sum, w
 reference's "scale first, then multiply" exactly up to the fp32 summation order. The dots pass
 max_num_imprecise_acc=0: Hopper's FP8 wgmma otherwise accumulates with a ~14-bit mantissa (Triton's
 sm_90 default), which at K = 7168 misses the fp32 tolerance by 100x (seen on H200).
-
-`linear` (plain bf16/fp32 x Wᵀ) is intentionally left to the reference: F.linear is cuBLAS.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""`deepinfer bench`: prefill / decode speed of the engine against floors from measured bandwidth and FLOPs."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from deepinfer.engine.bench import EAGER_NOTE, BenchOptions, run_bench
+from deepinfer.engine.loader import OptionError
+from deepinfer_cli import common
+from deepinfer_cli.errors import handle_errors
+
+GiB = 2**30
+
+DOC_HEADER = """# Performance
+
+Rows are appended by `deepinfer bench ... --record docs/performance.md`; every number in a row was
+measured in that one run on the named device (nothing is copied from specs).
+
+## How to read this table
+
+* **date, device, torch / triton**: when and where the row was measured.
+* **backend · numerics**: the kernel backend (`torch` reference, `triton`, `tilelang`) and the numerics mode
+  (`official` = FP8/FP4 weights as stored, `exact` = dequantised). The engine runs eagerly (no CUDA graphs yet).
+* **model**: the preset (random weights in the release formats, e.g. `v4-flash-slice4` = 4 Flash layers
+  with every attention kind + MTP) or the checkpoint name.
+* **TTFT ms (P)**: time to first token for one P-token prompt = one prefill (warm median of 3).
+* **prefill tok/s**: P / TTFT.
+* **decode ms/step (x floor)**: per batch size B, one decode step of B rows together; in brackets the
+  ratio to the floor (1.0x = at the floor). Floor = max(bytes / measured copy bandwidth, FLOPs / measured
+  bf16 matmul rate); bytes = every main layer's attention + shared expert + norms, the expected distinct
+  routed experts E(1-(1-k/E)^B) per layer, the LM head (as bf16, the checkpoint format), the KV entries
+  read. The JSON output (`--json`) also has the floor with the bytes the engine actually holds.
+* **tok/s @B**: decode tokens per second at the largest batch.
+* **peak GiB**: peak allocated device memory (weights + caches + activations).
+* **vs transformers**: transformers' DeepseekV4ForCausalLM (bf16, eager) decode step time / ours, at
+  batch 1 and the largest batch (>1 = DeepInfer faster), or why it could not run.
+
+| date | device | torch / triton | backend · numerics | model | command | TTFT ms (P) | prefill tok/s | decode ms/step (x floor) | tok/s @B | peak GiB | vs transformers |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def _parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise OptionError(f"--batch {text!r}: expected comma-separated integers, e.g. 1,8,32") from None
+    if not out or min(out) < 1:
+        raise OptionError(f"--batch {text!r}: batch sizes must be >= 1")
+    return out
+
+
+def _peer_cell(report: dict) -> str:
+    peer = report.get("peer")
+    if not peer:
+        return "-"
+    if "error" in peer:
+        return "failed: " + peer["error"].replace("|", "/")[:80]
+    return "; ".join(f"B={r['batch']}: {r['speedup_ours']:.2f}x" for r in peer["decode"] if "speedup_ours" in r)
+
+
+def record(path: str, report: dict, command: str) -> None:
+    """Append one row for `report` to the markdown table in `path` (created with its header if missing)."""
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(DOC_HEADER)
+    pf, dec = report["prefill"], report["decode"]
+    last = dec[-1]
+    cells = [
+        datetime.date.today().isoformat(), report["device_name"],
+        f"{report['torch']} / {report['triton'] or '-'}", f"{report['backend']} · {report['numerics']}",
+        report["model"], f"`{command}`", f"{pf['ttft_ms']:.1f} ({pf['prompt_len']})", f"{pf['tokens_per_s']:.0f}",
+        "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in dec),
+        f"{last['tokens_per_s']:.0f} @{last['batch']}",
+        f"{report['peak_mem_bytes'] / GiB:.1f}" if report.get("peak_mem_bytes") else "-", _peer_cell(report),
+    ]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("| " + " | ".join(c.replace("\n", " ") for c in cells) + " |\n")
+
+
+def _print(report: dict, con: Console) -> None:
+    gb = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    con.print(f"[bold]{report['model']}[/bold] · {report['source']}", highlight=False)
+    con.print(f"{report['device_name']} · torch {report['torch']} · triton {report['triton'] or '-'} · backend "
+              f"{report['backend']} · {report['numerics']}/{report['dtype']}", highlight=False)
+    con.print(f"measured: copy bandwidth {report['bandwidth_Bps'] / 1e9:.0f} GB/s, {report['matmul_measured']} "
+              f"{report['matmul_flops'] / 1e12:.1f} TFLOP/s; weights made in {report['weights_s']:.1f} s; engine "
+              f"holds {gb(report['engine_weight_bytes'])} GiB of weights (checkpoint format, main layers: "
+              f"{gb(report['checkpoint_bytes_main'])} GiB)", highlight=False)
+    con.print(f"[dim]{report['note']}[/dim]")
+    pf = report["prefill"]
+    con.print(f"prefill 1 x {pf['prompt_len']}: TTFT {pf['ttft_ms']:.1f} ms (cold {pf['cold_ms']:.0f} ms), "
+              f"{pf['tokens_per_s']:.0f} tokens/s; floor {pf['floor']['floor_ms']:.2f} ms -> {pf['ratio']:.1f}x",
+              highlight=False)
+    t = Table(title=f"decode ({report['gen_len']} steps after a {report['prompt_len']}-token prompt per row)")
+    for col in ("batch", "ms/step", "tokens/s", "floor bytes ms", "engine-bytes ms", "FLOP ms", "x floor",
+                "x engine floor", "experts/layer", "peak GiB"):
+        t.add_column(col, justify="right")
+    for d in report["decode"]:
+        f = d["floor"]
+        t.add_row(str(d["batch"]), f"{d['ms_per_step']:.2f}", f"{d['tokens_per_s']:.1f}", f"{f['t_bytes_ckpt_ms']:.3f}",
+                  f"{f['t_bytes_engine_ms']:.3f}", f"{f['t_flops_ms']:.3f}", f"{d['ratio']:.1f}",
+                  f"{d['ratio_engine_bytes']:.1f}", f"{f['distinct_experts_per_layer']:.1f}",
+                  gb(d["peak_mem_bytes"]) if "peak_mem_bytes" in d else "-")
+    con.print(t)
+    if report.get("fallbacks"):
+        con.print(f"ops on the torch reference (no {report['backend']} kernel): {', '.join(report['fallbacks'])}",
+                  highlight=False)
+    peer = report.get("peer")
+    if peer:
+        p = Table(title=f"peer: {peer['name']}")
+        for col in ("batch", "transformers ms/step", "DeepInfer ms/step", "DeepInfer speed-up"):
+            p.add_column(col, justify="right")
+        if "error" in peer:
+            p.add_row("-", "failed", "-", peer["error"])
+        else:
+            ours = {d["batch"]: d["ms_per_step"] for d in report["decode"]}
+            for r in peer["decode"]:
+                p.add_row(str(r["batch"]), f"{r['ms_per_step']:.2f}", f"{ours[r['batch']]:.2f}",
+                          f"{r['speedup_ours']:.2f}x")
+        con.print(p)
+
+
+@handle_errors
+def bench_cmd(
+    model: str = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: --preset)."),
+    preset: str = typer.Option(None, "--preset", help="Random weights in the release formats: tiny | "
+                               "flash-slice:N | pro-slice:N | flash | pro (default tiny when no --model)."),
+    batch: str = typer.Option("1,8,32,64", "--batch", help="Decode batch sizes, comma-separated."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per row (prefill / TTFT length)."),
+    gen_len: int = typer.Option(32, "--gen-len", help="Timed decode steps per batch size."),
+    backend: str = common.BACKEND,
+    strict: bool = common.STRICT,
+    numerics: str = common.NUMERICS,
+    dtype: str = common.DTYPE,
+    device: str = common.DEVICE,
+    eager: bool = typer.Option(False, "--eager", help="Accepted for scripts; CUDA graphs are not implemented, "
+                               "so the engine always runs eagerly."),
+    peer: str = typer.Option(None, "--peer", help="Also time `transformers` (DeepseekV4ForCausalLM, bf16) "
+                             "on the same weights."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompt tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
+                                  "(e.g. docs/performance.md)."),
+):
+    """Measure TTFT, prefill and decode speed, and compare with floors from measured bandwidth and FLOPs.
+
+    Example: deepinfer bench --preset flash-slice:4 --batch 1,8,32 --device cuda --json
+    """
+    if model and preset:
+        raise OptionError("--model and --preset are exclusive")
+    opts = BenchOptions(preset=None if model else (preset or "tiny"), model=model, batches=_parse_batches(batch),
+                        prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, numerics=numerics,
+                        dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json)
+    err = Console(stderr=True)
+    if eager or not as_json:
+        err.print(f"[dim]{EAGER_NOTE}[/dim]")
+    report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    if record_to:
+        argv = ["deepinfer", "bench"] + (["--model", model] if model else ["--preset", opts.preset])
+        argv += ["--batch", batch, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
+        argv += ["--backend", backend] if backend else []
+        argv += ["--numerics", numerics] if numerics != "official" else []
+        argv += (["--device", device] if device else []) + (["--peer", peer] if peer else [])
+        record(record_to, report, shlex.join(argv))
+    if as_json:
+        print(json.dumps(report, default=str))
+        return
+    _print(report, Console())
+    if record_to:
+        print(f"recorded a row in {record_to}", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_cmd)

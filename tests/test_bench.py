@@ -1,0 +1,185 @@
+"""`deepinfer bench` on CPU: presets and slices, random official-format weights, floors, the CLI's JSON.
+
+Flash/Pro presets are checked at the config level only (their weights are tens of GB); random weights and
+the benchmark itself run on `tiny_config()` and its 3-layer slice.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from deepinfer.checkpoint.reader import expected_storage
+from deepinfer.config import ConfigError, tiny_config
+from deepinfer.engine.bench import BenchOptions, expected_distinct, floors, hf_name, model_bytes, run_bench
+from deepinfer.engine.random_weights import random_state
+from deepinfer.model.transformer import Transformer
+from deepinfer.model.weights import Numerics
+from deepinfer.presets import flash_config, preset_config, pro_config, slice_config
+from deepinfer.tiny import _fp32_kept
+from deepinfer_cli.app import app
+
+KINDS = {"swa", "csa", "hca"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The tiny model's ops are too small to gain from threads, and a busy machine makes torch's
+    # spinning worker threads 30x slower: one thread keeps these tests fast and steady.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_preset_parsing():
+    assert preset_config("tiny") == tiny_config()
+    assert preset_config("flash") == flash_config() and preset_config("pro") == pro_config()
+    s = preset_config("flash-slice:4")
+    assert s.n_layers == 4 and s.n_mtp_layers == 1 and s.dim == 4096 and s.name == "v4-flash-slice4"
+    assert preset_config("pro-slice:3").dim == 7168
+    for bad in ("flash-slice:0", "flash-slice:44", "pro-slice:x", "llama", ""):
+        with pytest.raises(ConfigError):
+            preset_config(bad)
+
+
+def test_release_shapes():
+    f, p = flash_config(), pro_config()
+    assert (f.n_layers, len(f.attn_kinds), f.n_heads, f.head_dim) == (43, 44, 64, 512)
+    assert (f.q_lora_rank, f.o_groups, f.o_lora_rank, f.window_size) == (1024, 8, 1024, 128)
+    assert f.compress_ratios[:4] == (0, 0, 4, 128) and f.compress_ratios[-2:] == (4, 0)
+    assert (f.n_routed_experts, f.moe_inter_dim, f.n_activated_experts) == (256, 2048, 6)
+    assert (f.index_n_heads, f.index_head_dim, f.index_topk, f.route_scale) == (64, 128, 512, 1.5)
+    assert (f.rope_factor, f.original_seq_len, f.compress_rope_theta, f.n_hash_layers) == (16.0, 65536, 160000.0, 3)
+    assert (p.dim, p.n_layers, len(p.attn_kinds), p.n_heads, p.q_lora_rank, p.o_groups) == (7168, 61, 62, 128, 1536, 16)
+    assert p.compress_ratios[:3] == (128, 128, 4) and p.compress_ratios[-2:] == (4, 0)
+    assert (p.n_routed_experts, p.moe_inter_dim, p.index_topk, p.route_scale) == (384, 3072, 1024, 2.5)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_flash_slice_keeps_every_kind(n):
+    s = slice_config(flash_config(), n)
+    main = s.attn_kinds[:n]
+    assert set(main) == KINDS and len(s.attn_kinds) == n + 1 and s.attn_kinds[-1] == "swa"
+    assert s.n_hash_layers == min(3, n - 1) and not all(s.hash_layers)
+    assert all(r == (0 if k == "swa" else 4 if k == "csa" else 128) for k, r in zip(s.attn_kinds, s.compress_ratios))
+
+
+def test_pro_and_tiny_slices():
+    p = slice_config(pro_config(), 4)  # Pro has no SWA main layer: SWA only in its MTP block, as released
+    assert set(p.attn_kinds[:4]) == {"csa", "hca"} and set(p.attn_kinds) == KINDS
+    t = slice_config(tiny_config(), 3)
+    assert set(t.attn_kinds[:3]) == KINDS and t.hash_layers == (True, False, False)
+    assert slice_config(flash_config(), 1).hash_layers == (False,)  # the one layer routes by top-k
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(), slice_config(tiny_config(), 3)], ids=["tiny", "tiny-slice3"])
+def test_random_state_is_the_official_layout(cfg):
+    want = expected_storage(cfg)
+    st = random_state(cfg, "cpu", seed=1)
+    assert list(st) == list(want)
+    for name, (kind, shape) in want.items():
+        t = st[name]
+        assert tuple(t.shape) == shape, name
+        if kind == "fp8":
+            assert t.dtype == torch.float8_e4m3fn and torch.isfinite(t.float()).all()
+        elif kind == "fp4":
+            assert t.dtype == torch.int8
+        elif kind == "scale":
+            assert t.dtype == torch.float32
+            assert torch.equal(torch.exp2(torch.log2(t).round()), t), f"{name}: not powers of two"
+        elif kind == "int":
+            assert t.dtype == torch.int64 and int(t.min()) >= 0 and int(t.max()) < cfg.n_routed_experts
+            assert (t.sort(1).values.diff(dim=1) > 0).all(), "tid2eid rows must be distinct experts"
+        else:
+            assert t.dtype == (torch.float32 if _fp32_kept(name) else torch.bfloat16), name
+
+
+def test_random_state_is_deterministic():
+    cfg = slice_config(tiny_config(), 1)
+    a, b, c = (random_state(cfg, "cpu", seed=s) for s in (1, 1, 2))
+    for n in ("layers.0.ffn.experts.3.w1.weight", "layers.0.attn.wq_b.scale", "embed.weight"):
+        assert torch.equal(a[n], b[n]) and not torch.equal(a[n], c[n])
+
+
+def test_random_weights_have_fan_in_spread_and_run():
+    cfg = tiny_config()
+    st = random_state(cfg, "cpu", seed=0)
+    model = Transformer(cfg, st, Numerics("exact", torch.float32), "cpu")  # every tensor used, none unknown
+    for lin in (model.layers[1].attn.wq_b, model.layers[1].ffn.experts[0].w1):
+        std = lin.weight.std().item() * lin.weight.size(1) ** 0.5
+        assert 0.5 < std < 2.0
+    mb = model_bytes(cfg, model)  # before allocate: caches must not count as weights
+    one, eight = (floors(cfg, mb, [20] * b, bandwidth=1e10, flops_rate=1e11, cache_elem=2) for b in (1, 8))
+    assert one["distinct_experts_per_layer"] == pytest.approx(cfg.n_activated_experts)
+    assert eight["distinct_experts_per_layer"] > one["distinct_experts_per_layer"]
+    assert 0 < one["bytes_ckpt"] < eight["bytes_ckpt"] and 0 < one["flops"] < eight["flops"]
+    assert one["floor_ms"] == max(one["t_bytes_ckpt_ms"], one["t_flops_ms"]) > 0
+    model.allocate(1, 32)
+    logits, _ = model.prefill(torch.randint(2, 1000, (1, 20)))
+    assert torch.isfinite(logits).all()
+
+
+def test_expected_distinct_experts():
+    assert expected_distinct(256, 6, 1) == pytest.approx(6)
+    assert expected_distinct(256, 6, 8) < 48 and expected_distinct(256, 6, 10_000) == pytest.approx(256)
+
+
+def test_hf_names():
+    idx = "model.layers.2.self_attn.compressor.indexer."
+    assert hf_name("layers.2.attn.indexer.compressor.wkv.weight") == idx + "kv_proj.weight"
+    assert hf_name("layers.2.attn.indexer.weights_proj.weight") == idx + "scorer.weights_proj.weight"
+    assert hf_name("layers.0.attn.compressor.norm.weight") == "model.layers.0.self_attn.compressor.kv_norm.weight"
+    assert hf_name("layers.0.hc_ffn_fn") == "model.layers.0.ffn_hc.fn"
+    assert hf_name("layers.1.ffn.gate.bias") == "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert hf_name("layers.1.ffn.experts.0.w1.weight") is None and hf_name("mtp.0.attn.wq_a.weight") is None
+
+
+def _finite_positive(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_bench_tiny_cpu_with_peer():
+    pytest.importorskip("transformers")
+    r = run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=8, gen_len=1, device="cpu",
+                               peer="transformers", progress=False))
+    assert r["eager"] is True and r["cuda_graphs"] is False
+    assert _finite_positive(r["bandwidth_Bps"]) and _finite_positive(r["matmul_flops"])
+    pf = r["prefill"]
+    assert _finite_positive(pf["ttft_ms"]) and _finite_positive(pf["tokens_per_s"]) and _finite_positive(pf["ratio"])
+    assert [d["batch"] for d in r["decode"]] == [1]
+    for d in r["decode"]:
+        f = d["floor"]
+        for v in (d["ms_per_step"], d["tokens_per_s"], d["ratio"], d["ratio_engine_bytes"], f["floor_ms"],
+                  f["bytes_ckpt"], f["bytes_engine"], f["flops"]):
+            assert _finite_positive(float(v))
+        assert f["bytes_engine"] > f["bytes_ckpt"]  # fp32 head and scales held by the engine
+    peer = r["peer"]
+    assert "error" not in peer, peer.get("error")
+    assert [p["batch"] for p in peer["decode"]] == [1]
+    assert all(_finite_positive(p["speedup_ours"]) for p in peer["decode"])
+
+
+def test_cli_json_and_record(tmp_path):
+    doc = tmp_path / "perf.md"
+    args = ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "6", "--gen-len", "2", "--device", "cpu",
+            "--json", "--eager", "--record", str(doc)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["model"] == "deepinfer-tiny" and out["backend"] == "torch" and out["gen_len"] == 2
+    assert {"prefill", "decode", "bandwidth_Bps", "matmul_flops", "engine_weight_bytes", "note"} <= set(out)
+    assert out["decode"][0]["batch"] == 1 and out["decode"][0]["ratio"] > 0
+    text = doc.read_text()
+    assert "How to read this table" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 20")]
+    assert len(rows) == 1 and "deepinfer bench --preset tiny" in rows[0] and "B=1:" in rows[0]
+
+
+def test_cli_bad_options():
+    for args in (["bench", "--batch", "0"], ["bench", "--preset", "nope"], ["bench", "--batch", "a,b"],
+                 ["bench", "--peer", "vllm", "--device", "cpu", "--batch", "1"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
