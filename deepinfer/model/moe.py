@@ -1,5 +1,11 @@
 """V4 MoE: sqrtsoftplus router (bias for selection only, hash table in the first layers), routed
-clamped-SwiGLU experts weighted before their down projection, plus one shared expert."""
+clamped-SwiGLU experts weighted before their down projection, plus one shared expert.
+
+The routed part works on (token, expert) *pairs*: `compute_experts(x_rows [P, D], w [P], e [P])` runs
+row p through local expert e[p] (e = -1 marks a padding row, output 0). Locally the pairs are every
+token's top-k; with expert parallelism (`deepinfer.engine.distributed`) `dispatch` is replaced by an
+all-to-all exchange that calls `compute_experts` on the rows a rank received for its own experts.
+"""
 
 from __future__ import annotations
 
@@ -26,16 +32,25 @@ class Expert:
 
 
 class MoE:
-    """Routed experts + the shared expert for one layer."""
+    """Routed experts + the shared expert for one layer.
 
-    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, hash_routed: bool):
+    `experts` holds this process's experts: ids `expert_offset .. expert_offset + len(experts) - 1`
+    (all of them unless expert parallelism sharded the layer).
+    """
+
+    def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, hash_routed: bool,
+                 expert_range: tuple[int, int] | None = None):
         self.name = prefix.rstrip(".")
         self.topk, self.score_func, self.route_scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
+        self.n_experts = cfg.n_routed_experts
         self.gate_w = W.f32(prefix + "gate.weight")
         self.bias = None if hash_routed else W.f32(prefix + "gate.bias")
         self.tid2eid = W.raw(prefix + "gate.tid2eid").long() if hash_routed else None
-        self.experts = [Expert(W, f"{prefix}experts.{e}.", cfg.swiglu_limit) for e in range(cfg.n_routed_experts)]
+        lo, hi = expert_range or (0, cfg.n_routed_experts)
+        self.expert_offset = lo
+        self.experts = [Expert(W, f"{prefix}experts.{e}.", cfg.swiglu_limit) for e in range(lo, hi)]
         self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
+        self.dispatch = self.dispatch_local
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, D], input_ids [B, S] -> [B, S, D]."""
@@ -46,10 +61,27 @@ class MoE:
         tap(self.name + ".router.scores", scores)
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
-        y = torch.zeros(xt.shape, dtype=torch.float32, device=x.device)
-        # Reference loop over the experts that received tokens (the kernels replace it).
-        for e in torch.unique(idx).tolist():
-            tok, k = torch.where(idx == e)
-            y.index_add_(0, tok, self.experts[e](xt[tok], weights[tok, k, None]).float())
-        y += self.shared(xt).float()
+        y = self.dispatch(xt, weights, idx)  # [T, D] float32
+        y = y + self.shared(xt).float()
         return y.to(x.dtype).view(shape)
+
+    def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """All experts are local: pairs = every token's top-k. -> [T, D] float32 (summed over k)."""
+        T, k = idx.shape
+        rows = xt.repeat_interleave(k, dim=0)
+        out = self.compute_experts(rows, weights.reshape(-1), idx.reshape(-1) - self.expert_offset)
+        return out.view(T, k, -1).sum(1)
+
+    def compute_experts(self, x_rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Row p through local expert e[p], scaled by w[p] before w2; e = -1 rows give 0.
+
+        x_rows [P, D] compute dtype, w [P] f32, e [P] int64 (local ids) -> [P, D] float32.
+        Reference loop over the experts present (host sync; the kernels replace it).
+        """
+        out = torch.zeros(x_rows.shape, dtype=torch.float32, device=x_rows.device)
+        for j in torch.unique(e).tolist():
+            if j < 0:
+                continue
+            (p,) = torch.where(e == j)
+            out[p] = self.experts[j](x_rows[p], w[p, None]).float()
+        return out
