@@ -368,11 +368,23 @@ def _check_fits(ckpt: Checkpoint, need: int, device: torch.device) -> None:
         )
 
 
+_EXPERT = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")
+
+
+def routed_expert(name: str) -> int | None:
+    """The routed expert id a tensor belongs to (`layers.3.ffn.experts.17.w1.weight` -> 17), else None."""
+    m = _EXPERT.match(name)
+    return int(m[1]) if m else None
+
+
 def load_state(
-    ckpt: Checkpoint, cfg: ModelConfig, device: str | torch.device = "cpu", progress: bool = True
+    ckpt: Checkpoint, cfg: ModelConfig, device: str | torch.device = "cpu", progress: bool = True,
+    expert_range: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Validate, then load every tensor shard by shard (each file opened once), memory-mapped, to `device`.
 
+    `expert_range` (lo, hi): load only routed experts lo..hi-1 (expert parallelism); the others are never
+    read, but validation still checks the whole checkpoint.
     Returns {official name: tensor} in `expected_tensors` order:
     fp8 weights float8_e4m3fn [N, K]; fp4 weights int8 [N, K/2]; `.scale` float32 (e8m0 decoded);
     floats as stored; int tables int64. Ignored MTP copies are not loaded.
@@ -382,13 +394,20 @@ def load_state(
 
     validate(ckpt, cfg)
     want = expected_storage(cfg)
+    if expert_range is not None:
+        lo, hi = expert_range
+        want = {n: v for n, v in want.items() if (e := routed_expert(n)) is None or lo <= e < hi}
     device = torch.device(device)
     _check_fits(ckpt, sum(_loaded_bytes(ckpt._entry(n), k) for n, (k, _) in want.items()), device)
     out: dict[str, torch.Tensor] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"loading {os.path.basename(ckpt.model_dir)}", total=ckpt.nbytes())
+        total = sum(ckpt._entry(n).nbytes for n in want)
+        task = bar.add_task(f"loading {os.path.basename(ckpt.model_dir)}", total=total)
         for path, entries in ckpt.by_file().items():
+            entries = [(name, e) for name, e in entries if name in want]
+            if not entries:
+                continue
             with _open_shard(path) as f:
                 for name, e in entries:
                     out[name] = _convert(_get(f, e).to(device), want[name][0], e.dtype)

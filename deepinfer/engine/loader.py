@@ -62,8 +62,11 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> str:
 
 
 def load_model(model: str | None = None, numerics: str = "official", dtype: str = "bfloat16",
-               device: str | None = None, progress: bool = True) -> LoadedModel:
-    """Open, validate and load a checkpoint; build the model for `numerics`/`dtype` on `device`."""
+               device: str | None = None, progress: bool = True,
+               expert_range: tuple[int, int] | None = None) -> LoadedModel:
+    """Open, validate and load a checkpoint; build the model for `numerics`/`dtype` on `device`.
+
+    `expert_range` (lo, hi): hold (and read) only routed experts lo..hi-1 (expert parallelism)."""
     num = resolve_numerics(numerics, dtype)
     dev = resolve_device(device)
     model_dir = resolve_model_dir(model, progress)
@@ -74,7 +77,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
                           compress_ratios=cfg.compress_ratios[:cfg.n_layers])  # transformers drops MTP
     if model in (None, "", "deepinfer-tiny"):
         cfg = cfg.replace(name="deepinfer-tiny")
-    state = load_state(ckpt, cfg, dev, progress=progress)
-    net = Transformer(cfg, state, num, dev)
+    state = load_state(ckpt, cfg, dev, progress=progress, expert_range=expert_range)
+    net = Transformer(cfg, state, num, dev, expert_range=expert_range)
     del state
     return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, ckpt.layout)

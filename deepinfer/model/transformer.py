@@ -30,10 +30,10 @@ class Block:
     """One transformer block with hyper-connection streams around attention and MoE."""
 
     def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, layer_id: int, numerics: Numerics,
-                 hash_routed: bool):
+                 hash_routed: bool, expert_range: tuple[int, int] | None = None):
         self.cfg, self.name = cfg, prefix.rstrip(".")
         self.attn = Attention(cfg, W, prefix + "attn.", layer_id, numerics)
-        self.ffn = MoE(cfg, W, prefix + "ffn.", hash_routed)
+        self.ffn = MoE(cfg, W, prefix + "ffn.", hash_routed, expert_range)
         self.attn_norm = W.f32(prefix + "attn_norm.weight")
         self.ffn_norm = W.f32(prefix + "ffn_norm.weight")
         self.hc_attn = HCParams(W, prefix + "hc_attn")
@@ -75,9 +75,9 @@ class MTPBlock:
     then one full block, its own hc head and norm, and the shared LM head."""
 
     def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, layer_id: int, numerics: Numerics,
-                 embed: torch.Tensor, head_weight: torch.Tensor):
+                 embed: torch.Tensor, head_weight: torch.Tensor, expert_range: tuple[int, int] | None = None):
         self.cfg, self.embed = cfg, embed
-        self.block = Block(cfg, W, prefix, layer_id, numerics, hash_routed=False)
+        self.block = Block(cfg, W, prefix, layer_id, numerics, hash_routed=False, expert_range=expert_range)
         self.e_proj, self.h_proj = W.linear(prefix + "e_proj"), W.linear(prefix + "h_proj")
         self.enorm, self.hnorm = W.f32(prefix + "enorm.weight"), W.f32(prefix + "hnorm.weight")
         self.head = Head(cfg, HCParams(W, prefix + "hc_head"), W.f32(prefix + "norm.weight"), head_weight)
@@ -92,16 +92,19 @@ class MTPBlock:
 
 class Transformer:
     """The whole model. Build with `Transformer(cfg, state, numerics, device)`; `allocate` the caches
-    (rows = concurrent sequences, max_seq_len = longest prompt + generation) before running."""
+    (rows = concurrent sequences, max_seq_len = longest prompt + generation) before running.
+    `expert_range` (lo, hi): this process holds routed experts lo..hi-1 only (expert parallelism)."""
 
-    def __init__(self, cfg: ModelConfig, state: dict, numerics: Numerics, device="cpu"):
+    def __init__(self, cfg: ModelConfig, state: dict, numerics: Numerics, device="cpu",
+                 expert_range: tuple[int, int] | None = None):
         self.cfg, self.numerics, self.device = cfg, numerics, torch.device(device)
         W = WeightSource(state, numerics, device)
         self.embed = W.compute("embed.weight")
-        self.layers = [Block(cfg, W, f"layers.{i}.", i, numerics, cfg.hash_layers[i]) for i in range(cfg.n_layers)]
+        self.layers = [Block(cfg, W, f"layers.{i}.", i, numerics, cfg.hash_layers[i], expert_range)
+                       for i in range(cfg.n_layers)]
         head_w = W.f32("head.weight")
         self.head = Head(cfg, HCParams(W, "hc_head"), W.f32("norm.weight"), head_w)
-        self.mtp = [MTPBlock(cfg, W, f"mtp.{m}.", cfg.n_layers + m, numerics, self.embed, head_w)
+        self.mtp = [MTPBlock(cfg, W, f"mtp.{m}.", cfg.n_layers + m, numerics, self.embed, head_w, expert_range)
                     for m in range(cfg.n_mtp_layers)]
         unused = set(state) - W.taken
         if unused:  # the validator should have caught these; never ignore weights silently

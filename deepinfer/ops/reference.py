@@ -383,3 +383,31 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
         smooth = 1 - ramp
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
     return freqs
+
+
+# ------------------------------------------------------------------------------- grouped expert GEMM
+@defop("grouped_gemm", tol={"float32": (1e-5, 1e-5)})
+def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
+                 w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Per-row expert GEMM: C[p] = A[p] · W[e[p]]ᵀ (the routed experts' w1 / w3 / w2 in one call).
+
+    a [P, K]: float8_e4m3fn with a_s [P, K/128] f32 (act_quant), or a float dtype with a_s None.
+    e [P] int64 local expert ids; -1 marks a padding row, whose output row is 0.
+    w [E, N, K] float8_e4m3fn + w_s [E, ceil(N/128), ceil(K/128)] f32 (fp8_gemm per expert), or
+    [E, N, K/2] int8 e2m1 pairs + w_s [E, N, K/32] f32 (fp4_gemm per expert), or [E, N, K] float + None
+    (linear per expert, in a's dtype). -> [P, N] out_dtype.
+    Reference: a host-synchronising loop over the experts present (the kernels sort rows by expert).
+    """
+    P, N = a.size(0), w.size(1)
+    out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
+    for j in torch.unique(e).tolist():
+        if j < 0:
+            continue
+        (p,) = torch.where(e == j)
+        if w.dtype == torch.float8_e4m3fn:
+            out[p] = fp8_gemm(a[p], a_s[p], w[j], w_s[j], out_dtype=out_dtype)
+        elif w.dtype in (torch.int8, torch.uint8):
+            out[p] = fp4_gemm(a[p], a_s[p], w[j].view(torch.int8), w_s[j], out_dtype=out_dtype)
+        else:
+            out[p] = linear(a[p], w[j]).to(out_dtype)
+    return out

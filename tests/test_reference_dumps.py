@@ -1,0 +1,48 @@
+"""Replay reference dumps made on an H200 (2026-11-29, torch 2.11 + Triton 3.6) on this machine.
+
+* `ab-h200-triton-tiny/`: per-op inputs and the H200 Triton outputs (`deepinfer ab --dump`); replayed
+  here with the torch reference and with the Triton interpreter (`--compare` semantics: element-wise
+  against the saved outputs with each op's tolerance, index sets per row, sampled tokens exactly).
+* `tiny_h200_triton_exact_f32.h5`: a model dump (`deepinfer dump --numerics exact --dtype float32`,
+  layers 0-1, 2 decode steps); a CPU dump following its tokens must match every tensor.
+"""
+
+import json
+import os
+
+from typer.testing import CliRunner
+
+from deepinfer_cli.app import app
+
+REF = os.path.join(os.path.dirname(__file__), "..", "dumps", "reference")
+runner = CliRunner()
+
+
+def _summary(r):
+    return json.loads(r.stdout.strip().splitlines()[-1])["summary"]
+
+
+def test_h200_kernel_outputs_replay_on_torch():
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", os.path.join(REF, "ab-h200-triton-tiny"), "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
+    s = _summary(r)
+    assert s["failed"] == 0 and s["passed"] >= 25
+
+
+def test_h200_kernel_outputs_replay_on_triton_interpreter():
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--compare", os.path.join(REF, "ab-h200-triton-tiny"),
+                            "--ops", "^(rms_norm|act_quant|fp8_gemm|fp4_gemm|hc_pre|hc_post|swiglu|kv_store|topk_indices|sample)$",
+                            "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
+    s = _summary(r)
+    assert s["failed"] == 0 and s["passed"] >= 10
+
+
+def test_cpu_model_dump_matches_h200_dump(tmp_path, tiny_dir):
+    h200 = os.path.join(REF, "tiny_h200_triton_exact_f32.h5")
+    out = str(tmp_path / "cpu.h5")
+    r = runner.invoke(app, ["dump", "北京是中国的首都", "--layers", "0-1", "--steps", "2", "--numerics", "exact",
+                            "--dtype", "float32", "--device", "cpu", "--follow", h200, "-o", out])
+    assert r.exit_code == 0, r.output[-3000:]
+    r = runner.invoke(app, ["compare", out, h200, "--rtol", "1e-4", "--atol", "1e-5", "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
