@@ -8,10 +8,34 @@ import typer
 
 from deepinfer_cli import generate
 
+EXAMPLES = """[bold]Examples[/bold]
+
+  deepinfer generate "北京是" --max-new-tokens 16 --json
+
+  deepinfer generate --input-file prompts.jsonl --max-batch 32 --json
+
+  deepinfer dump "北京是" --layers 0-3 --steps 4 -o a.h5
+
+  deepinfer show a.h5
+
+  deepinfer compare a.h5 b.h5 --rtol 1e-2 --json
+
+  deepinfer margin "北京是" --steps 16 --ref numerics=exact,dtype=float32 --test numerics=official
+
+  deepinfer ab --backend triton --shapes tiny,flash --bench
+
+  deepinfer probe triton --json   (also: probe kernels | flagtree | flaggems | tilelang | env)
+
+  deepinfer stack --native
+
+  deepinfer bench --preset flash-slice:4 --batch 1,8,32,64 --peer transformers
+"""
+
 app = typer.Typer(
     name="deepinfer",
-    help="DeepSeek-V4 inference engine and numerics toolkit.\n\n"
-    "Example: deepinfer generate \"北京是\" --max-new-tokens 16",
+    help="DeepSeek-V4 inference engine and numerics toolkit. Without --model every command uses the "
+    "embedded deepinfer-tiny.",
+    epilog=EXAMPLES,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -1,19 +1,21 @@
-"""Generation: prefill each prompt into its cache row, then decode every running row together.
+"""Generation: continuous batching (`engine.scheduler`) over a fixed number of cache rows, with the
+decode step run by `engine.runner.DecodeRunner` (eager, or CUDA graphs per batch-size bucket).
 
-Prompts of different lengths share one batch: each row keeps its own position, finishes on EOS, a stop
-string or `max_new_tokens`, and stops costing compute once finished (finished rows are dropped from the
-decode batch). Sampling and logprobs go through the op registry (`sample`, `logprobs`).
+Prompts of different lengths and sampling settings share one batch: each row keeps its own position and
+parameters, finishes on EOS, a stop string or `max_new_tokens`, and frees its row at once for a waiting
+prompt. Sampling and logprobs go through the op registry (`sample`, `logprobs`).
 """
 
 from __future__ import annotations
 
-import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.runner import DecodeRunner
+from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.model.transformer import Transformer
-from deepinfer.ops import ops
 
 
 @dataclass
@@ -77,73 +79,62 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
         c.top_logprobs.append([(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())])
 
 
-def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams, eos_id: int,
-             decode_text=None) -> GenerationResult:
-    """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings."""
-    params.check()
+def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             eos_id: int, decode_text=None, max_batch: int | None = None, graphs: bool = False,
+             pad_to_buckets: bool = False) -> GenerationResult:
+    """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings.
+
+    params: one `SamplingParams` for every prompt, or a list with one per prompt.
+    max_batch: cache rows (slots) = sequences decoding at once (default: min(64, len(prompts))); more
+    prompts wait and are admitted as sequences finish (continuous batching, `engine.scheduler`).
+    graphs: replay the decode step from CUDA graphs (CUDA only; ignored on other devices).
+    pad_to_buckets: run the graph mode's bucket/padding/spare-row path eagerly (testing).
+    """
     B = len(prompts)
     if B == 0:
         raise ValueError("no prompts")
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * B
+    if len(plist) != B:
+        raise ValueError(f"{len(plist)} SamplingParams for {B} prompts: give one, or one per prompt")
+    for p in plist:
+        p.check()
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: the prompt needs at least one token")
-    max_len = max(len(p) for p in prompts) + params.max_new_tokens
-    if model.rows < B or model.max_seq_len < max_len:
-        model.allocate(max(B, model.rows), max(max_len, model.max_seq_len))
-    dev = model.device
-    comps = [Completion(list(p)) for p in prompts]
-    temp = torch.full((B,), params.temperature, device=dev)
-    top_k = torch.full((B,), params.top_k, dtype=torch.long, device=dev)
-    top_p = torch.full((B,), params.top_p, device=dev)
-    # each row its own stream of noise: seed, row index; positions advance per token
-    seeds = torch.tensor([params.seed * 1_000_003 + i for i in range(B)], dtype=torch.long, device=dev)
+    slots = min(B, 64) if max_batch is None else max_batch
+    if slots < 1:
+        raise ValueError(f"--max-batch {slots}: must be at least 1")
+    slots = min(slots, B)
+    max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist))
+    if model.rows < slots + 1 or model.max_seq_len < max_len:  # + 1: the runner's spare (padding) row
+        model.allocate(max(slots + 1, model.rows), max(max_len, model.max_seq_len))
+    runner = _runner(model, slots, graphs, pad_to_buckets)
+    runner.capture()  # graph mode: before any prefill, so a capture error costs nothing
 
-    t0 = time.perf_counter()
-    last_logits = []
-    for i, p in enumerate(prompts):  # one prefill per prompt into cache row i (lengths differ)
-        logits, _ = model.prefill(torch.tensor([p], device=dev), rows=torch.tensor([i], device=dev))
-        last_logits.append(logits[:, -1])
-    logits = torch.cat(last_logits)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
-
-    active = list(range(B))
-    positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-    n_decoded = 0
-    while active:
-        idx = torch.tensor(active, device=dev)
-        toks = ops.sample(logits, temp[idx], top_k[idx], top_p[idx], seeds[idx], positions[idx])
-        lps = ops.logprobs(logits)
-        toks_l = toks.tolist()
-        still = []
-        for j, row in enumerate(active):
-            c = comps[row]
-            _record(c, toks_l[j], lps[j], logits[j], params.logprobs)
-            if toks_l[j] == eos_id and not params.ignore_eos:
-                c.finish_reason = "eos"
-            elif len(c.token_ids) >= params.max_new_tokens:
-                c.finish_reason = "length"
-            elif params.stop and decode_text is not None and _hit_stop(c, params.stop, decode_text):
-                c.finish_reason = "stop"
-            else:
-                still.append((row, j))
-        if not still:
-            break
-        active = [r for r, _ in still]
-        keep = torch.tensor([j for _, j in still], device=dev)
-        rows = torch.tensor(active, device=dev)
-        logits = model.decode(toks[keep].view(-1, 1), positions[rows], rows=rows)[:, -1]
-        positions[rows] += 1
-        n_decoded += len(active)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
+    comps = [Completion(list(pr)) for pr in prompts]
+    sched = Scheduler(model, runner, eos_id, _record,
+                      lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text))
+    for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
+        sched.submit(Request(i, list(pr), p, c))
+    st = sched.run()
     if decode_text is not None:
-        for c in comps:
+        for c, p in zip(comps, plist):
             c.text = decode_text(c.token_ids)
             if c.finish_reason == "stop":
-                c.text = _cut_at_stop(c.text, params.stop)
-    return GenerationResult(comps, t1 - t0, t2 - t1, n_decoded)
+                c.text = _cut_at_stop(c.text, p.stop)
+    return GenerationResult(comps, st.prefill_s, st.decode_s, st.decode_tokens)
+
+
+_RUNNERS: "weakref.WeakKeyDictionary[Transformer, DecodeRunner]" = weakref.WeakKeyDictionary()
+
+
+def _runner(model: Transformer, slots: int, graphs: bool, pad_to_buckets: bool) -> DecodeRunner:
+    """One runner per model, reused while the allocation, backend, slots and mode stay the same (graphs
+    are captured once, not per call)."""
+    r = _RUNNERS.get(model)
+    if r is None or not r.valid_for(model, slots, graphs, pad_to_buckets):
+        r = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
+        _RUNNERS[model] = r
+    return r
 
 
 def _hit_stop(c: Completion, stops, decode_text) -> bool:

@@ -1,0 +1,169 @@
+"""Continuous batching over a fixed set of cache rows (slots).
+
+Requests (prompt token ids + their own `SamplingParams`) wait in a FIFO queue. `max_batch` slots = cache
+rows = the most sequences decoding at once; the model is allocated with `max_batch + 1` rows, the last
+one being the `DecodeRunner`'s spare row for bucket padding. Each step:
+
+1. admit: while a slot is free and a request waits, prefill its whole prompt into that slot (the model
+   has no chunked prefill yet, so prompts are prefilled in one piece, one prompt per call);
+2. sample: one `sample` / `logprobs` call over every sequence that has fresh logits (just-prefilled and
+   running alike) with per-row temperature / top_k / top_p / seed / position tensors;
+3. finish: a sequence ends on EOS, a stop string or `max_new_tokens` and frees its slot at once (the
+   next step admits a waiting request into it);
+4. decode: the running sequences together, one token each at their own positions, through the runner.
+
+Determinism: the `sample` op's noise is a hash of (seed, position, token id); a request's seed is
+`params.seed * 1_000_003 + index` (index = its place in the submitted list), never its slot, so the same
+seeds and inputs give the same tokens whatever the batch composition or admission order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.runner import DecodeRunner
+from deepinfer.ops import ops
+
+
+@dataclass
+class Request:
+    index: int  # place in the submitted list: the seed offset and the result order
+    input_ids: list[int]
+    params: object  # SamplingParams
+    completion: object  # Completion
+    slot: int = -1
+    position: int = 0  # position of the next token to sample (and then to decode)
+
+    @property
+    def seed(self) -> int:
+        return self.params.seed * 1_000_003 + self.index
+
+
+@dataclass
+class SchedulerStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens fed through decode steps (live rows, padding excluded)
+    decode_steps: int = 0
+    prefills: int = 0
+    max_running: int = 0
+
+
+class Scheduler:
+    """Continuous batching of `requests` over `runner.max_batch` slots (rows 0 .. max_batch - 1).
+
+    record(completion, token, logprob_row, logit_row, n_top) and finished(request) -> reason | "" are the
+    generate loop's bookkeeping hooks (kept there so `Completion` stays defined in one place).
+    """
+
+    def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check):
+        self.model, self.runner, self.eos_id = model, runner, eos_id
+        self.record, self.stop_check = record, stop_check
+        self.max_batch = runner.max_batch
+        self.waiting: deque[Request] = deque()
+        self.free = list(range(self.max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    def submit(self, req: Request) -> None:
+        need = len(req.input_ids) + req.params.max_new_tokens
+        if need > self.model.max_seq_len:
+            raise ValueError(f"request {req.index}: {len(req.input_ids)} prompt + {req.params.max_new_tokens} new "
+                             f"tokens exceed the cache's max_seq_len {self.model.max_seq_len}")
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _admit(self) -> list[tuple[Request, torch.Tensor]]:
+        """Prefill waiting requests into free slots -> [(request, last logits [V])]."""
+        out = []
+        if not (self.waiting and self.free):
+            return out
+        dev = self.model.device
+        self._sync()
+        t0 = time.perf_counter()
+        while self.waiting and self.free:
+            req = self.waiting.popleft()
+            req.slot = self.free.pop()
+            ids = torch.tensor([req.input_ids], dtype=torch.long, device=dev)
+            logits, _ = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev))
+            req.position = len(req.input_ids)
+            out.append((req, logits[0, -1]))
+            self.stats.prefills += 1
+        self._sync()
+        self.stats.prefill_s += time.perf_counter() - t0
+        return out
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        dev = logits.device
+        p = [r.params for r in reqs]
+        temp = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev)
+        top_p = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.long, device=dev)
+        pos = torch.tensor([r.position for r in reqs], dtype=torch.long, device=dev)
+        toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)
+        lps = ops.logprobs(logits)
+        toks_l = toks.tolist()
+        for j, r in enumerate(reqs):
+            self.record(r.completion, toks_l[j], lps[j], logits[j], r.params.logprobs)
+        return toks_l
+
+    def _finish_reason(self, r: Request, tok: int) -> str:
+        c, p = r.completion, r.params
+        if tok == self.eos_id and not p.ignore_eos:
+            return "eos"
+        if len(c.token_ids) >= p.max_new_tokens:
+            return "length"
+        if p.stop and self.stop_check(c, p.stop):
+            return "stop"
+        return ""
+
+    def run(self) -> SchedulerStats:
+        """Run until every submitted request has finished."""
+        dev = self.model.device
+        t_start = time.perf_counter()
+        pending: list[Request] = []  # running requests whose decode logits are in `dec_logits`
+        dec_logits = None
+        while self.waiting or self.running:
+            admitted = self._admit()
+            reqs = pending + [r for r, _ in admitted]
+            rows = ([dec_logits] if pending else []) + [lg.unsqueeze(0) for _, lg in admitted]
+            logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+            toks = self._sample(reqs, logits)
+            self.running = []
+            next_toks = []
+            for r, t in zip(reqs, toks):
+                reason = self._finish_reason(r, t)
+                if reason:
+                    r.completion.finish_reason = reason
+                    self.free.append(r.slot)  # freed now: the next step can admit into it
+                    r.slot = -1
+                else:
+                    self.running.append(r)
+                    next_toks.append(t)
+            self.free.sort(reverse=True)
+            if not self.running:
+                pending, dec_logits = [], None
+                continue
+            n = len(self.running)
+            self.stats.max_running = max(self.stats.max_running, n)
+            ids = torch.tensor(next_toks, dtype=torch.long, device=dev).view(n, 1)
+            pos = torch.tensor([r.position for r in self.running], dtype=torch.long, device=dev)
+            slots = torch.tensor([r.slot for r in self.running], dtype=torch.long, device=dev)
+            dec_logits = self.runner.decode(ids, pos, slots)
+            for r in self.running:
+                r.position += 1
+            pending = list(self.running)
+            self.stats.decode_tokens += n
+            self.stats.decode_steps += 1
+        self._sync()
+        self.stats.decode_s = time.perf_counter() - t_start - self.stats.prefill_s
+        return self.stats
