@@ -1,22 +1,24 @@
-"""`deepinfer generate`: complete a prompt with the reference engine (or a kernel backend)."""
+"""`deepinfer generate`: complete a prompt (or a file of prompts, continuously batched) with the reference
+engine (or a kernel backend)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from deepinfer.engine.generate import SamplingParams, generate
+from deepinfer.engine.runner import GraphCaptureError
 from deepinfer_cli import common
-from deepinfer_cli.errors import handle_errors
+from deepinfer_cli.errors import UserError, fail, handle_errors
 
 
 @handle_errors
 def generate_cmd(
-    prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin."),
+    prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin (or use --input-file)."),
     model: str = common.MODEL,
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
@@ -32,33 +34,50 @@ def generate_cmd(
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
     logprobs: int = typer.Option(0, "--logprobs", help="Report the top-N alternatives per generated token."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text and a table."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text and a table "
+                                 "(with --input-file: one JSON object per prompt per line)."),
+    input_file: str = typer.Option(None, "--input-file", help="Prompts from a file: one per line, or JSONL "
+                                   "objects {\"prompt\": ..., and optional max_new_tokens, temperature, top_k, "
+                                   "top_p, seed, stop, chat, think overriding the options}."),
+    max_batch: int = typer.Option(None, "--max-batch", help="Sequences decoding at once (cache rows); more "
+                                  "prompts wait for a free row. Default: min(64, number of prompts)."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs for the decode step (graphs are only "
+                               "attempted on CUDA with a kernel backend; the torch reference always runs eager)."),
 ):
-    """Generate a completion.
+    """Generate a completion (or many: --input-file, continuously batched).
 
     Example: deepinfer generate "北京是" --max-new-tokens 16 --json
     """
     if chat and think:
         raise typer.BadParameter("--chat and --think are exclusive")
-    text = common.read_prompt(prompt)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=tuple(stop), logprobs=logprobs)
-    params.check()
+    if max_batch is not None and max_batch < 1:
+        raise UserError(f"--max-batch {max_batch}: must be at least 1")
+    base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          seed=seed, stop=tuple(stop), logprobs=logprobs)
+    base.check()
+    mode = "chat" if chat else "think" if think else "raw"
+    if input_file is not None:
+        if prompt is not None:
+            raise UserError("give a PROMPT or --input-file, not both")
+        items = read_input_file(input_file, base, mode)
+    else:
+        items = [(common.read_prompt(prompt), mode, base)]
     lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json)
     tok = lm.tokenizer
-    ids = tok.encode_prompt(text, "chat" if chat else "think" if think else "raw")
-    res = generate(lm.model, [ids], params, tok.eos_id, tok.decode)
+    ids = [tok.encode_prompt(text, m) for text, m, _ in items]
+    graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"
+    try:
+        res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, tok.decode,
+                       max_batch=max_batch, graphs=graphs)
+    except GraphCaptureError as e:
+        raise fail(str(e)) from None
+    if input_file is not None:
+        _print_many(lm, numerics, dtype, items, res, logprobs, as_json)
+        return
+    text = items[0][0]
     c = res.completions[0]
     if as_json:
-        out = {
-            "model": lm.cfg.name, "backend": common.ops.backend, "numerics": numerics, "dtype": dtype,
-            "prompt": text, "input_ids": c.input_ids, "token_ids": c.token_ids, "text": c.text,
-            "logprobs": c.logprobs, "margins": c.margins, "finish_reason": c.finish_reason,
-            "tokens_per_s": res.tokens_per_s, "prefill_s": res.prefill_s,
-        }
-        if logprobs:
-            out["top_logprobs"] = [[[i, lp] for i, lp in row] for row in c.top_logprobs]
-        print(json.dumps(out, ensure_ascii=False))
+        print(json.dumps(_json_obj(lm, numerics, dtype, text, c, res, logprobs), ensure_ascii=False))
         return
     con = Console()
     con.print(text + c.text, markup=False, highlight=False)
@@ -75,6 +94,104 @@ def generate_cmd(
     con.print(t)
     con.print(f"{len(c.token_ids)} tokens, finish: {c.finish_reason}; prefill {res.prefill_s * 1e3:.0f} ms, "
               f"decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+
+
+def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
+    out = {
+        "model": lm.cfg.name, "backend": common.ops.backend, "numerics": numerics, "dtype": dtype,
+        "prompt": text, "input_ids": c.input_ids, "token_ids": c.token_ids, "text": c.text,
+        "logprobs": c.logprobs, "margins": c.margins, "finish_reason": c.finish_reason,
+        "tokens_per_s": res.tokens_per_s, "prefill_s": res.prefill_s,
+    }
+    if logprobs:
+        out["top_logprobs"] = [[[i, lp] for i, lp in row] for row in c.top_logprobs]
+    return out
+
+
+def _print_many(lm, numerics, dtype, items, res, logprobs, as_json) -> None:
+    if as_json:  # JSONL: one object per prompt, in input order
+        for i, ((text, _, _), c) in enumerate(zip(items, res.completions)):
+            print(json.dumps({"index": i, **_json_obj(lm, numerics, dtype, text, c, res, logprobs)},
+                             ensure_ascii=False))
+        return
+    con = Console()
+    for i, ((text, _, _), c) in enumerate(zip(items, res.completions)):
+        con.rule(f"[{i}] {len(c.token_ids)} tokens, finish: {c.finish_reason}")
+        con.print(text + c.text, markup=False, highlight=False)
+    total = sum(len(c.token_ids) for c in res.completions)
+    con.print(f"{len(items)} prompts, {total} tokens; prefill {res.prefill_s * 1e3:.0f} ms, "
+              f"decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+
+
+_OVERRIDES = {"max_new_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float), "seed": int}
+
+
+def read_input_file(path: str, base: SamplingParams, mode: str) -> list[tuple[str, str, SamplingParams]]:
+    """-> [(prompt text, prompt mode raw|chat|think, SamplingParams)] in file order.
+
+    JSONL when the file ends in .jsonl/.ndjson or its first non-blank line is a JSON object; otherwise one
+    prompt per line. Blank lines are skipped.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise UserError(f"--input-file {path}: {e.strerror or e}") from None
+    numbered = [(n, ln) for n, ln in enumerate(lines, 1) if ln.strip()]
+    if not numbered:
+        raise UserError(f"--input-file {path}: no prompts in the file")
+    jsonl = path.endswith((".jsonl", ".ndjson")) or _is_json_object(numbered[0][1])
+    if not jsonl:
+        return [(ln, mode, base) for _, ln in numbered]
+    out = []
+    for n, ln in numbered:
+        where = f"--input-file {path} line {n}"
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UserError(f'{where}: expected an object with a "prompt" string')
+        unknown = set(obj) - {"prompt", "chat", "think", "stop", *_OVERRIDES}
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        kw = {}
+        for k, typ in _OVERRIDES.items():
+            if k in obj:
+                v = obj[k]
+                if isinstance(v, bool) or not isinstance(v, typ):
+                    raise UserError(f"{where}: {k} must be a number, got {v!r}")
+                kw[k] = v
+        if "stop" in obj:
+            st = obj["stop"]
+            st = [st] if isinstance(st, str) else st
+            if not isinstance(st, list) or not all(isinstance(s, str) for s in st):
+                raise UserError(f"{where}: stop must be a string or a list of strings")
+            kw["stop"] = tuple(st)
+        m = mode
+        for k in ("chat", "think"):
+            if k in obj and not isinstance(obj[k], bool):
+                raise UserError(f"{where}: {k} must be true or false")
+        if obj.get("chat") and obj.get("think"):
+            raise UserError(f"{where}: chat and think are exclusive")
+        if "chat" in obj or "think" in obj:
+            m = "chat" if obj.get("chat") else "think" if obj.get("think") else "raw"
+        p = dataclasses.replace(base, **kw)
+        try:
+            p.check()
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+        out.append((obj["prompt"], m, p))
+    return out
+
+
+def _is_json_object(line: str) -> bool:
+    if not line.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def register(app: typer.Typer) -> None:

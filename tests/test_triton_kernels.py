@@ -306,6 +306,23 @@ def test_sparse_attn(seed, S, H, D, K, dtype):
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("B,S,H,D,K,dtype", [(2, 1, 20, 48, 300, torch.float32), (3, 1, 64, 64, 200, torch.float16)])
+def test_sparse_attn_split(seed, B, S, H, D, K, dtype):
+    """Decode-sized calls split the slots over programs (flash-decoding) and combine with the sink."""
+    g = gen(seed)
+    N = 50
+    q = randn(g, B, S, H, D, dtype=dtype)
+    kv = randn(g, B, N, D, dtype=dtype)
+    idx = torch.randint(0, N, (B, S, K), generator=g)
+    idx[torch.rand(B, S, K, generator=g) < 0.3] = -1
+    idx[0, 0] = -1
+    idx[-1, -1, :150] = -1  # whole splits with nothing to attend to
+    out, ref = run_both("sparse_attn", q, kv, randn(g, H, scale=3.0), idx.to(DEV), D ** -0.5)
+    check("sparse_attn", out, ref)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 def _hc_inputs(g, hc, D, dtype, n_mix):
     x = randn(g, 2, 3, hc, D, dtype=dtype)
@@ -408,6 +425,46 @@ def test_sample(seed, V):
     positions = torch.randint(0, 10**6, (B,), generator=g)
     args = [t.to(DEV) for t in (logits, temperature, top_k, top_p, seeds, positions)]
     check("sample", *run_both("sample", *args))
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("cand", [None, 4])
+def test_sample_hard_rows(seed, cand, monkeypatch):
+    """Histogram cut corner cases: massive ties, an all-equal row, a cut in the never-winning tail, top_p 0,
+    and (cand = 4) the binary-search fallback for boundary sub-bins with more candidates than fit."""
+    import deepinfer_kernels.triton.sampling as smp
+
+    if cand is not None:
+        monkeypatch.setattr(smp, "CAND", cand)
+    g = gen(seed)
+    B, V = 8, 700
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[0] = (logits[0] * 1.5).round()  # large tie groups
+    logits[1] = 0.25  # every token ties
+    logits[2] *= 20  # most of the row can never win the Gumbel-max
+    logits[3, :300] = float("-inf")
+    temperature = torch.tensor([1.0, 0.9, 1.0, 1.2, 0.5, 1.0, 2.0, 1.0])
+    top_k = torch.tensor([0, 100, 0, 0, 7, 0, 400, 1])
+    top_p = torch.tensor([0.7, 0.5, 1.0, 0.9, 1.0, 0.0, 0.97, 1.0])
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    positions = torch.randint(0, 10**6, (B,), generator=g)
+    args = [t.to(DEV) for t in (logits, temperature, top_k, top_p, seeds, positions)]
+    check("sample", *run_both("sample", *args))
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("M,N,K", [(5, 130, 1024), (130, 200, 640)])  # split-K decode / 128x128 swizzled tiles
+def test_gemm_paths(seed, M, N, K):
+    g = gen(seed)
+    a = (torch.randn(M, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)
+    a_s = _pow2(g, M, -(-K // 128))
+    w = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)
+    out, ref = run_both("fp8_gemm", a, a_s, w, _pow2(g, -(-N // 128), -(-K // 128)), torch.float32)
+    check("fp8_gemm", out, ref, tol_override={"float32": (1e-5, 1e-6 * ref.abs().max().item())})
+    vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    w4 = fp4_pack(vals[torch.randint(0, 16, (N, K), generator=g)]).to(DEV)
+    out, ref = run_both("fp4_gemm", a, a_s, w4, _pow2(g, N, K // 32), torch.float32)
+    check("fp4_gemm", out, ref, tol_override={"float32": (1e-5, 1e-6 * ref.abs().max().item())})
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -332,6 +332,24 @@ def build_logprobs(d: Dims, phase: str, g, device):
     return [Variant("lm_head", ((torch.randn(B, d.vocab, generator=g) * 5).to(device),), {})]
 
 
+
+
+def build_grouped_gemm(d: Dims, phase: str, g, device):
+    """Routed experts' w1 (N=moe_inter, K=dim) and w2 (N=dim, K=moe_inter) over all E experts, FP4
+    (random codes, power-of-two scales); 1/16 of the rows are padding (-1)."""
+    B, S = _bs(d, phase)
+    P, E = B * S * d.topk, d.n_experts
+    e = torch.randint(0, E, (P,), generator=g)
+    e[torch.randperm(P, generator=g)[: P // 16]] = -1
+    out = []
+    for nm, N, K in (("expert_w1", d.moe_inter, d.dim), ("expert_w2", d.dim, d.moe_inter)):
+        a, a_s = act_quant(_act(g, (P, K), torch.device("cpu")), 128)
+        w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+        w_s = torch.exp2(torch.randint(-12, -6, (E, N, K // 32), generator=g).float())
+        out.append(Variant(nm, tuple(t.to(device) for t in (a, a_s, e, w, w_s)), {"out_dtype": torch.bfloat16}))
+    return out
+
+
 BUILDERS = {name[len("build_"):]: fn for name, fn in globals().items() if name.startswith("build_")}
 
 

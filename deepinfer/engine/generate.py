@@ -112,7 +112,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
 
     comps = [Completion(list(pr)) for pr in prompts]
     sched = Scheduler(model, runner, eos_id, _record,
-                      lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text))
+                      lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots)
     for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
         sched.submit(Request(i, list(pr), p, c))
     st = sched.run()

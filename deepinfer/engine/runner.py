@@ -107,11 +107,15 @@ class DecodeRunner:
         return "graphs" if self.graphs else "eager-bucketed" if self.bucketed else "eager"
 
     def valid_for(self, model, max_batch: int, graphs: bool, pad_to_buckets: bool = False) -> bool:
-        """Can this runner serve these settings (same allocation, backend, slots, mode)?"""
+        """Can this runner serve these settings (same allocation, backend and mode; graphs: up to the
+        captured max_batch, so a smaller batch does not re-capture; otherwise the same max_batch)?"""
         want_graphs = bool(graphs) and model.device.type == "cuda"
-        return (model is self.model and model.rope is self._allocation and ops.backend == self._backend
-                and max_batch == self.max_batch and want_graphs == self.graphs
-                and (self.graphs or pad_to_buckets == self.bucketed))
+        if not (model is self.model and model.rope is self._allocation and ops.backend == self._backend
+                and want_graphs == self.graphs):
+            return False
+        if self.graphs:
+            return max_batch <= self.max_batch
+        return max_batch == self.max_batch and pad_to_buckets == self.bucketed
 
     def bucket_for(self, n: int) -> int:
         for b in self.buckets:
@@ -142,11 +146,14 @@ class DecodeRunner:
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
+            main = torch.cuda.current_stream(dev)
             try:
                 with torch.cuda.graph(g, pool=pool, stream=side):
                     out = self.model.decode(bk.input_ids, bk.positions, bk.rows)
                     bk.logits = out[:, -1]
             except Exception as e:  # noqa: BLE001 - re-raised as one clear error
+                # a failing capture_end skips the graph context's stream restore: put the stream back
+                torch.cuda.set_stream(main)
                 self._clear()
                 raise GraphCaptureError(_describe_capture_failure(e, b)) from e
             bk.graph = g
@@ -218,15 +225,18 @@ def _describe_capture_failure(e: BaseException, bucket: int) -> str:
         while tb is not None:
             codes_in_tb.append(tb.tb_frame.f_code)
             tb = tb.tb_next
-        op = next(((codes[c], f) for c, f in zip(reversed(codes_in_tb), reversed(frames)) if c in codes), None)
-        ours = next((f for f in reversed(frames)
+        pairs = list(zip(codes_in_tb, frames))[::-1]  # innermost first
+        op = next(((codes[c], f) for c, f in pairs if c in codes), None)
+        ours = next(((c, f) for c, f in pairs
                      if ("deepinfer" in f.filename or "kernels" in f.filename)
                      and not f.filename.endswith(("engine/runner.py", "model/transformer.py"))), None)
         if op is not None:
             (name, backend), f = op
             where = f"op {name!r} (backend {backend!r}, {_short(f.filename, root)}:{f.lineno})"
         elif ours is not None:
-            where = f"{ours.name} ({_short(ours.filename, root)}:{ours.lineno}; backend {ops.backend!r})"
+            c, f = ours
+            qual = getattr(c, "co_qualname", f.name)
+            where = f"{qual} ({_short(f.filename, root)}:{f.lineno}; backend {ops.backend!r})"
         if where is not None:
             original = ex
             break
@@ -234,7 +244,7 @@ def _describe_capture_failure(e: BaseException, bucket: int) -> str:
     return (f"CUDA graph capture of the decode step (batch bucket {bucket}) failed in "
             f"{where or f'the decode step (backend {ops.backend!r})'}: {type(original).__name__}: {msg}. "
             "Graph mode needs every op of the decode step to run without a host sync (the torch "
-            "reference MoE syncs; use a backend with grouped MoE kernels, e.g. --backend triton); "
+            "reference MoE, grouped_gemm, syncs: use a kernel backend, --backend triton); "
             "run with --eager to disable CUDA graphs")
 
 

@@ -54,16 +54,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Continuous batching of `requests` over `runner.max_batch` slots (rows 0 .. max_batch - 1).
+    """Continuous batching over `max_batch` slots (rows 0 .. max_batch - 1; default `runner.max_batch`).
 
     record(completion, token, logprob_row, logit_row, n_top) and finished(request) -> reason | "" are the
     generate loop's bookkeeping hooks (kept there so `Completion` stays defined in one place).
     """
 
-    def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check):
+    def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check, max_batch: int | None = None):
         self.model, self.runner, self.eos_id = model, runner, eos_id
         self.record, self.stop_check = record, stop_check
-        self.max_batch = runner.max_batch
+        self.max_batch = runner.max_batch if max_batch is None else max_batch
+        if not 1 <= self.max_batch <= runner.max_batch:
+            raise ValueError(f"max_batch {self.max_batch}: the runner serves 1 .. {runner.max_batch} rows")
         self.waiting: deque[Request] = deque()
         self.free = list(range(self.max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
         self.running: list[Request] = []

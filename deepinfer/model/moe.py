@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import tap
-from deepinfer.model.weights import WeightSource
+from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 
 
@@ -24,6 +24,12 @@ class Expert:
         self.w1, self.w2, self.w3 = (W.linear(f"{prefix}w{i}") for i in (1, 2, 3))
         self.limit = limit
 
+    @classmethod
+    def from_linears(cls, w1: Linear, w2: Linear, w3: Linear, limit: float) -> "Expert":
+        ex = cls.__new__(cls)
+        ex.w1, ex.w2, ex.w3, ex.limit = w1, w2, w3, limit
+        return ex
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         h = ops.swiglu(self.w1(x), self.w3(x), self.limit)
         if weight is not None:  # the official code scales before w2 (so w2's FP8 input sees it)
@@ -31,11 +37,87 @@ class Expert:
         return self.w2(h.to(x.dtype))
 
 
+class StackedLinear:
+    """One matrix (w1, w2 or w3) of every local expert, stacked: `Linear`'s three forms with a leading
+    expert dim -- weight [E, N, K] (float / fp8) or [E, N, K/2] int8 (fp4); scale [E, ceil(N/128),
+    ceil(K/128)] (fp8), [E, N, K/32] (fp4) or None (float)."""
+
+    __slots__ = ("weight", "scale", "fmt")
+
+    def __init__(self, W: WeightSource, prefixes: list[str]):
+        self.weight = self.scale = None
+        self.fmt = ""
+        for j, prefix in enumerate(prefixes):  # copy each expert in, then drop it: no second full copy
+            lin = W.linear(prefix)
+            if j == 0:
+                self.fmt = lin.fmt
+                E = len(prefixes)
+                self.weight = torch.empty((E, *lin.weight.shape), dtype=lin.weight.dtype, device=lin.weight.device)
+                if lin.scale is not None:
+                    self.scale = torch.empty((E, *lin.scale.shape), dtype=lin.scale.dtype, device=lin.scale.device)
+            if lin.fmt != self.fmt or lin.weight.shape != self.weight.shape[1:]:
+                raise ValueError(f"{prefix}: {lin.fmt} {tuple(lin.weight.shape)} differs from the layer's other "
+                                 f"experts ({self.fmt} {tuple(self.weight.shape[1:])})")
+            self.weight[j].copy_(lin.weight)
+            if self.scale is not None:
+                self.scale[j].copy_(lin.scale)
+            del lin
+
+    def __getitem__(self, j: int) -> Linear:
+        """Expert j's matrix as a `Linear` over views of the stacks (no copy)."""
+        return Linear(self.weight[j], None if self.scale is None else self.scale[j], self.fmt)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The GEMM input as `Linear` feeds it: act_quant per 128 for FP8/FP4 weights, x as is for float."""
+        return (x, None) if self.fmt == "float" else ops.act_quant(x, 128)
+
+    def __call__(self, a: tuple[torch.Tensor, torch.Tensor | None], e: torch.Tensor, out_dtype: torch.dtype
+                 ) -> torch.Tensor:
+        """Row p of the (quantised) input through expert e[p]'s matrix: -> [P, N] out_dtype (e = -1: 0)."""
+        return ops.grouped_gemm(a[0], a[1], e, self.weight, self.scale, out_dtype=out_dtype)
+
+
+class RoutedExperts:
+    """This process's routed experts as stacked weights, run on (row, expert) pairs with one
+    `grouped_gemm` per matrix: no host sync, no per-expert launches (CUDA-graph capturable with a
+    backend whose grouped_gemm is sync-free, e.g. Triton). `experts[j]` is expert j as an `Expert` over
+    views of the stacks (for inspection and the per-expert reference)."""
+
+    def __init__(self, W: WeightSource, prefix: str, ids: range, limit: float):
+        self.limit = limit
+        self.n = len(ids)
+        self.w1, self.w2, self.w3 = (StackedLinear(W, [f"{prefix}experts.{e}.w{i}" for e in ids]) for i in (1, 2, 3))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, j: int) -> Expert:
+        if not -self.n <= j < self.n:
+            raise IndexError(j)
+        return Expert.from_linears(self.w1[j], self.w2[j], self.w3[j], self.limit)
+
+    def __iter__(self):
+        return (self[j] for j in range(self.n))
+
+    def __call__(self, x_rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """x_rows [P, D], w [P] f32, e [P] int64 (local ids, -1 = padding) -> [P, D] float32.
+
+        Per row exactly `Expert.__call__`: act_quant once for w1 and w3 (both quantise the same input),
+        clamped SwiGLU in f32, the routing weight applied before w2, cast to x's dtype, w2.
+        """
+        dt = x_rows.dtype
+        a = self.w1.quantize_input(x_rows)
+        h = ops.swiglu(self.w1(a, e, dt), self.w3(a, e, dt), self.limit)
+        h = (w.float().unsqueeze(-1) * h).to(dt)
+        return self.w2(self.w2.quantize_input(h), e, dt).float()
+
+
 class MoE:
     """Routed experts + the shared expert for one layer.
 
     `experts` holds this process's experts: ids `expert_offset .. expert_offset + len(experts) - 1`
-    (all of them unless expert parallelism sharded the layer).
+    (all of them unless expert parallelism sharded the layer), each matrix stacked over the experts
+    (`RoutedExperts`); `experts[j]` is local expert j as an `Expert` over views of the stacks.
     """
 
     def __init__(self, cfg: ModelConfig, W: WeightSource, prefix: str, hash_routed: bool,
@@ -48,7 +130,7 @@ class MoE:
         self.tid2eid = W.raw(prefix + "gate.tid2eid").long() if hash_routed else None
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_offset = lo
-        self.experts = [Expert(W, f"{prefix}experts.{e}.", cfg.swiglu_limit) for e in range(lo, hi)]
+        self.experts = RoutedExperts(W, prefix, range(lo, hi), cfg.swiglu_limit)
         self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
         self.dispatch = self.dispatch_local
 
@@ -76,12 +158,6 @@ class MoE:
         """Row p through local expert e[p], scaled by w[p] before w2; e = -1 rows give 0.
 
         x_rows [P, D] compute dtype, w [P] f32, e [P] int64 (local ids) -> [P, D] float32.
-        Reference loop over the experts present (host sync; the kernels replace it).
+        One `grouped_gemm` per matrix over the stacked experts; no host sync on a sync-free backend.
         """
-        out = torch.zeros(x_rows.shape, dtype=torch.float32, device=x_rows.device)
-        for j in torch.unique(e).tolist():
-            if j < 0:
-                continue
-            (p,) = torch.where(e == j)
-            out[p] = self.experts[j](x_rows[p], w[p, None]).float()
-        return out
+        return self.experts(x_rows, w, e)

@@ -1,12 +1,26 @@
 """Sparse shared-KV attention with a sink (prefill and decode alike).
 
-One program per query token (b, s) and head block: the token's K selected kv rows are gathered by
-index in BK-row tiles, logits = Q Kᵀ for all heads of the block at once (K = V is shared across
-heads), online softmax in fp32 seeded with the sink (m = sink, l = exp(sink - sink) = 1, so the sink
-sits in the denominator only and a token whose slots are all -1 gets exactly 0), -1 slots masked.
+Each program takes one query token (b, s), a block of BH heads and a range of its K selected slots:
+the token's kv rows are gathered by index in BK-row tiles, loaded once for all BH heads (V4 is MQA:
+K = V is one row shared by every head), logits = Q Kᵀ and P V are tensor-core dots, online softmax
+in fp32, -1 slots masked.
+
+Tiling: BH = 32 heads for D = 512 (the [BH, D] fp32 accumulator + the Q tile + a [BK, D] kv tile fit
+the register file at 8 warps; 64 heads spilled), more heads for smaller D.
+  * prefill (many query tokens): one program per (token, head block) over all K slots, seeded with
+    the sink (m = sink, l = exp(sink - sink) = 1: the sink sits in the denominator only, and a token
+    whose slots are all -1 gets exactly 0).
+  * decode (few query tokens: B*S*head-blocks < 2 programs per SM): flash-decoding. The K slots are
+    split over programs (>= 2 kv tiles each) so that ~2 programs per SM run; each writes its partial
+    (m, l, acc) -- seeded with m = sink and l = 0, so m is never -inf and no split NaNs on empty
+    slots -- to an fp32 workspace, and a combine kernel merges the splits in a fixed order
+    (deterministic) and adds the sink: l = exp(sink - m) + Σ l_s e^(m_s - m). Flash decode shapes
+    (32 tokens x 64 heads x 512, 640 slots) go from 32 programs to 32 x 2 x 5.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -17,11 +31,24 @@ from deepinfer.ops.registry import implement
 from ._common import p2
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, S, H, N, D, KSEL, scale,
-                        BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL, CHUNK,
+                        scale, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+                        SPLIT: tl.constexpr):
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     hb = tl.program_id(1)
+    sp = tl.program_id(2)
     b = bs // S
     h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
@@ -30,11 +57,16 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, S, H, N, D, KSE
     q = tl.load(q_ptr + (bs * H + h[:, None]) * D + d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
     sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
     m_i = sink
-    l_i = tl.full([BH], 1.0, tl.float32)
+    if SPLIT:
+        l_i = tl.zeros([BH], tl.float32)
+    else:
+        l_i = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
-    for k0 in range(0, KSEL, BK):
+    k_lo = sp * CHUNK
+    k_hi = tl.minimum(k_lo + CHUNK, KSEL)
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
-        idx = tl.load(idx_ptr + bs * KSEL + kk, mask=kk < KSEL, other=-1).to(tl.int64)
+        idx = tl.load(idx_ptr + bs * KSEL + kk, mask=kk < k_hi, other=-1).to(tl.int64)
         valid = idx >= 0
         kv = tl.load(kv_ptr + (b * N + idx[:, None]) * D + d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
         if IEEE:
@@ -52,9 +84,38 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, S, H, N, D, KSE
             pv = tl.dot(p.to(kv.dtype), kv)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=mh[:, None] & md[None, :])
+    if SPLIT:  # partial (m, l, acc) of split sp: [splits, B*S, H] and [splits, B*S, H, D]
+        row = (sp * tl.num_programs(0) + bs) * H + h
+        tl.store(ml_ptr + 2 * row, m_i, mask=mh)
+        tl.store(ml_ptr + 2 * row + 1, l_i, mask=mh)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=mh[:, None] & md[None, :])
+    else:
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mh[:, None] & md[None, :])
+
+
+@triton.jit
+def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS,
+                                BH: tl.constexpr, BD: tl.constexpr):
+    bs = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    d = tl.arange(0, BD)
+    mh = h < H
+    msk = mh[:, None] & (d[None, :] < D)
+    sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
+    m = sink
+    for s in range(0, SPLITS):
+        m = tl.maximum(m, tl.load(ml_ptr + 2 * ((s * BS + bs) * H + h), mask=mh, other=0.0))
+    l = tl.exp(sink - m)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for s in range(0, SPLITS):  # fixed order: deterministic
+        row = (s * BS + bs) * H + h
+        w = tl.exp(tl.load(ml_ptr + 2 * row, mask=mh, other=0.0) - m)
+        l += w * tl.load(ml_ptr + 2 * row + 1, mask=mh, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=msk, other=0.0)
+    o = acc / l[:, None]
+    tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=msk)
 
 
 @implement("sparse_attn", "triton")
@@ -68,9 +129,29 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     if B * S * H == 0:
         return o
     ieee = q.dtype == torch.float32 or kv.dtype == torch.float32 or q.dtype != kv.dtype
-    BH = max(16, min(p2(H), 64))
     BD = max(16, p2(D))
+    BH = max(16, min(p2(H), 64, 16384 // BD))
     BK = 16 if BD >= 256 else 32
-    _sparse_attn_kernel[(B * S, triton.cdiv(H, BH))](q, kv, sink, idx, o, S, H, N, D, KSEL, float(scale),
-                                                      BH=BH, BK=BK, BD=BD, IEEE=ieee)
+    nw = 8 if BH * BD >= 8192 else 4
+    hbs = triton.cdiv(H, BH)
+    progs = B * S * hbs
+    target = 2 * _sms(q.device)
+    splits = 1
+    if progs < target and KSEL > 2 * BK:
+        splits = min(triton.cdiv(target, progs), triton.cdiv(KSEL, 2 * BK))
+    chunk = triton.cdiv(triton.cdiv(KSEL, splits), BK) * BK if KSEL else BK
+    splits = max(1, triton.cdiv(KSEL, chunk))
+    if splits == 1:
+        _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
+                                             float(scale), BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=False,
+                                             num_warps=nw)
+        return o
+    ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
+    _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
+                                              float(scale), BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=True,
+                                              num_warps=nw)
+    BHc = max(1, min(p2(H), 4096 // BD))
+    _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
+                                                              BH=BHc, BD=BD, num_warps=4)
     return o

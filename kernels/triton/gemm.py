@@ -1,13 +1,37 @@
 """Block-scaled GEMMs: FP8 x FP8 (128-block scales) and FP8 x FP4 (e2m1 unpacked in-kernel).
 
-C = A Wᵀ, fp32 accumulation. Both operands stay in 8 bits into tl.dot (e4m3 x e4m3 -> fp32 is exact
-per product), and the power-of-two scales multiply each K-block's partial sum, which equals the
-reference's "scale first, then multiply" exactly up to the fp32 summation order. The dots pass
-max_num_imprecise_acc=0: Hopper's FP8 wgmma otherwise accumulates with a ~14-bit mantissa (Triton's
-sm_90 default), which at K = 7168 misses the fp32 tolerance by 100x (seen on H200).
+C = A Wᵀ, fp32 accumulation, every product exact, so the result equals the reference's "scale first,
+then multiply" up to the fp32 summation order.
+
+fp8_gemm: e4m3 x e4m3 tl.dot per 128-wide K block (one A scale per row and one W scale per 128x128
+block multiply the block's partial sum). The dots pass max_num_imprecise_acc=0: Hopper's FP8 wgmma
+otherwise accumulates with a ~14-bit mantissa (Triton's sm_90 default), which at K = 7168 misses the
+fp32 tolerance by 100x (seen on H200).
+
+fp4_gemm: each 128-wide K block loads 64 packed bytes per weight row, decodes both nibbles, multiplies
+the per-32 power-of-two scales in (exact in bf16: e2m1 has 2 significant bits and bf16 the full fp32
+exponent range), interleaves them back into natural K order (join + reshape), and feeds one bf16 dot
+with A pre-scaled by its per-128 power-of-two scale (fp8 x 2^e is exact in bf16). bf16 x bf16 products
+are exact in the fp32 accumulator, so the dot chains straight into the accumulator (no per-group
+partial dots as before: that kernel ran 32-wide K steps and was issue-bound at 23 GB/s). Under the
+Triton interpreter (whose bf16 dot is broken) the same values go through an fp32 dot.
+
+Tiling (heuristics by shape, deterministic; no autotune):
+  * decode (M <= 64): memory-bound weight streaming. BM = next_pow2(M) >= 16, BN = 64, BK = 128, and
+    split-K over a second grid axis so that about 2 programs per SM stream disjoint weight slices
+    (each split >= 2 K blocks); splits write fp32 partials to a [splits, M, N] workspace that a tiny
+    kernel sums in a fixed order (deterministic: no atomics) and casts to out_dtype. E.g. flash wq_a
+    (M 32, N 1024, K 4096) went from 16 programs to 16 x 8; expert_w1 from 32 programs of 32-K steps
+    to 32 x 8 programs of 128-K steps.
+  * prefill (M > 64): 128x128 output tiles (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4
+    (fp8: 32 KB of operands per stage), 1-D grid with a group-M swizzle (GROUP_M = 8) so that
+    consecutive programs share weight tiles in L2.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -15,27 +39,94 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def _config(M: int, N: int, K: int, device: torch.device):
+    """(BM, BN, GROUP_M, splits, K blocks per split, num_warps, num_stages) for C[M, N] with BK = 128."""
+    nkb = triton.cdiv(K, 128)
+    if M <= 64:
+        BM, BN = max(16, triton.next_power_of_2(M)), 64
+        tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+        splits = max(1, min(nkb // 2, triton.cdiv(2 * _sms(device), tiles)))
+        per = triton.cdiv(nkb, splits)
+        return BM, BN, 1, triton.cdiv(nkb, per), per, 4, 3
+    BM = 64 if M <= 128 else 128
+    return BM, 128, 8, 1, nkb, 8, 3
+
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, KS_A, KS_W,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Group-M swizzled (pid_m, pid_n) of the 1-D program id."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsz = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
+    return pid_m, pid_n
+
+
+@triton.jit
+def _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT: tl.constexpr):
+    msk = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:  # fp32 partial of split program_id(1)
+        pk = tl.program_id(1).to(tl.int64)
+        tl.store(p_ptr + (pk * M + rm[:, None]) * N + rn[None, :], acc, mask=msk)
+    else:
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, c_ptr, MN, SPLITS, BLOCK: tl.constexpr):
+    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, SPLITS):  # fixed order: deterministic
+        acc += tl.load(p_ptr + s * MN + i, mask=i < MN, other=0.0)
+    tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=i < MN)
+
+
+def _finish(part, c, splits):
+    if splits > 1:
+        MN = c.numel()
+        _splitk_reduce_kernel[(triton.cdiv(MN, 1024),)](part, c, MN, splits, BLOCK=1024)
+    return c
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT: tl.constexpr):
     # BK == 128: one scale per K block for A (per row) and for W (per 128x128 block)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     n_blk = (pid_n * BN) // 128  # BN divides 128: the whole N tile shares one weight-scale row
-    for kb in range(0, tl.cdiv(K, BK)):
+    kb0 = tl.program_id(1) * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, BK))
+    for kb in range(kb0, kb1):
         k = kb * BK + rk
         a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
         sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + n_blk * KS_W + kb)
         acc += tl.dot(a, w, max_num_imprecise_acc=0) * (sa[:, None] * sw)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT)
 
 
 @implement("fp8_gemm", "triton")
@@ -47,11 +138,14 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    BM = 16 if M <= 16 else (32 if M <= 32 else 64)
-    BN = 64
-    _fp8_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a, a_s, w, w_s, c, M, N, K, a_s.size(1), w_s.size(1), BM=BM, BN=BN, BK=128)
-    return c
+    BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
+    if BN == 128 and M > 64:
+        ns = 4  # 2 x 16 KB of fp8 operands per stage
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, M, N, K, a_s.size(1), w_s.size(1), per,
+                           BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns)
+    return _finish(part, c, splits)
 
 
 @triton.jit
@@ -65,36 +159,40 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, KS_A, KS_W,
-                     BM: tl.constexpr, BN: tl.constexpr):
-    # K steps of 32 = one FP4 scale group = 16 packed bytes (byte i: element 2i low nibble, 2i+1 high).
-    # The dot's K order is free, so lane j < 16 takes element 2j (low nibble of byte j) and lane
-    # j >= 16 element 2(j-16)+1 (high nibble of byte j-16): A is loaded in that permuted column order,
-    # no interleave needed. e2m1 values are exact in e4m3, so the dot is e4m3 x e4m3 -> fp32 (K = 32).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+                     DOT_BF16: tl.constexpr):
+    # K blocks of 128 = 64 packed bytes per weight row (byte i: element 2i low nibble, 2i+1 high nibble)
+    # = 4 scale groups of 32. One A scale per 128 block.
+    pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    j = tl.arange(0, 32)
-    jb = j % 16
-    hi = j >= 16
-    acol = 2 * jb + hi.to(tl.int32)
-    acc = tl.zeros([BM, BN], tl.float32)
+    rk = tl.arange(0, 128)
+    jb = tl.arange(0, 64)
+    g4 = tl.arange(0, 4)
     KH = K // 2
-    for g in range(0, tl.cdiv(K, 32)):
-        ka = g * 32 + acol
-        kb = g * 16 + jb
-        a = tl.load(a_ptr + rm[:, None] * K + ka[None, :], mask=(rm[:, None] < M) & (ka[None, :] < K), other=0.0)
-        byte = tl.load(w_ptr + rn[None, :] * KH + kb[:, None], mask=(rn[None, :] < N) & (kb[:, None] < KH), other=0)
+    KG = K // 32
+    acc = tl.zeros([BM, BN], tl.float32)
+    kb0 = tl.program_id(1) * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, 128))
+    for kb in range(kb0, kb1):
+        k = kb * 128 + rk
+        a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
+        a = a.to(tl.float32) * sa[:, None]  # exact: power-of-two scale
+        kh = kb * 64 + jb
+        byte = tl.load(w_ptr + rn[:, None] * KH + kh[None, :], mask=(rn[:, None] < N) & (kh[None, :] < KH), other=0)
         byte = byte.to(tl.int32) & 0xFF
-        code = tl.where(hi[:, None], byte >> 4, byte & 0xF)
-        w = _e2m1(code).to(a_ptr.dtype.element_ty)
-        part = tl.dot(a, w, max_num_imprecise_acc=0)
-        sa = tl.load(as_ptr + rm * KS_A + (g * 32) // 128, mask=rm < M, other=0.0)
-        sw = tl.load(ws_ptr + rn * KS_W + g, mask=rn < N, other=0.0)
-        acc += part * sa[:, None] * sw[None, :]
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        g = kb * 4 + g4
+        sw = tl.load(ws_ptr + rn[:, None] * KS_W + g[None, :], mask=(rn[:, None] < N) & (g[None, :] < KG), other=0.0)
+        lo = tl.reshape(tl.reshape(_e2m1(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+        hi = tl.reshape(tl.reshape(_e2m1(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+        w = tl.reshape(tl.join(lo, hi), [BN, 128])  # natural K order: element 2i then 2i+1
+        if DOT_BF16:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT)
 
 
 @implement("fp4_gemm", "triton")
@@ -107,8 +205,10 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    BM = 16 if M <= 16 else (32 if M <= 32 else 64)
-    BN = 64
-    _fp4_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a, a_s, w.view(torch.uint8), w_s, c, M, N, K, a_s.size(1), w_s.size(1), BM=BM, BN=BN)
-    return c
+    BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, M, N, K, a_s.size(1), w_s.size(1), per,
+                           BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET,
+                           num_warps=nw, num_stages=ns)
+    return _finish(part, c, splits)

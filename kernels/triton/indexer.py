@@ -1,5 +1,9 @@
 """Lightning indexer: scores Σ_h w·relu(q·k) and the exact, tie-stable top-k selection.
 
+indexer_scores: one program per (query token, BT-key tile) with every head at once (a [BH, BT] tensor-core
+dot over the head dim, ReLU, weighted head sum in registers). BT = 128 for 64 heads (was 32: Q was
+re-read 16x per token at flash prefill and the tiles were too small to hide latency).
+
 topk_indices is a hierarchical bitonic selection on 63-bit keys (value order, then LOWER index, see
 `_common.sort_key`): every key is distinct, so any correct sort gives exactly the reference's stable
 descending order. Round 1 sorts chunks of CHUNK scores and keeps each chunk's best KP = next_pow2(k)
@@ -51,9 +55,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     if B * S * T == 0:
         return out
     BH = max(16, p2(H))
-    BT = 32 if BH <= 64 else 16
-    BD = max(16, min(p2(D), 64))
-    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, S, H, T, D, BH=BH, BT=BT, BD=BD, IEEE=ieee)
+    # one [BH, BT] fp32 tile per program: BT up to 128 (BH * BT <= 8192) so Q is re-read T/128 times,
+    # not T/32; the whole head dim (<= 128) per step
+    BT = max(16, min(p2(T), 8192 // BH, 128))
+    BD = max(16, min(p2(D), 128))
+    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, S, H, T, D, BH=BH, BT=BT, BD=BD, IEEE=ieee,
+                                                        num_warps=4)
     return out
 
 

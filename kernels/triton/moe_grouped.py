@@ -1,6 +1,6 @@
 """Grouped (per-row expert) GEMM for the routed experts: C[p] = A[p] · W[e[p]]ᵀ, host-sync free.
 
-vLLM-style layout: `moe_align` sorts the P (token, expert) rows by expert with plain torch ops and
+vLLM-style layout: `moe_align` (torch) / `_align_kernel` (one Triton program, decode sizes) sort the P (token, expert) rows by expert with plain torch ops and
 pads each expert's run to a multiple of BM rows, so every block of BM sorted rows belongs to one
 expert. The kernel grid is (max blocks, cdiv(N, BN)) -- a function of (P, E, N) only, never of the
 routing -- and each program loads its block's expert id (unused blocks: -1, return at once), gathers
@@ -11,7 +11,7 @@ step that routes through here can be captured in a CUDA graph.
 
 Numerics per weight format (same as `gemm.py` / `linear.py`, whose references the op's reference loops):
   fp8   e4m3 x e4m3 dots over K blocks of 128, times the row's A scale and the 128x128 W block scale;
-  fp4   e2m1 decoded in-kernel to e4m3 (exact), one A scale per 128 K, and four dots of K = 32 per
+  fp4   e2m1 decoded in-kernel to e4m3 by bit arithmetic (exact), one A scale per 128 K, and four dots of K = 32 per
         128-K step, each times its per-32 W scale (scales are powers of two: exact in any order);
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
@@ -26,7 +26,6 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from .gemm import _e2m1
 
 
 # ------------------------------------------------------------------------------------- row alignment
@@ -67,6 +66,67 @@ def moe_align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_rows, block_expert
 
 
+@triton.jit
+def _align_kernel(e_ptr, rows_ptr, bexp_ptr, rank_ptr, P, E, NB,
+                  BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """`moe_align` in ONE program (decode sizes): the same layout, 2 launches instead of ~35 torch ops.
+
+    Pass 1, chunks of BP rows: a row's rank in its expert = rows of that expert in earlier chunks (the
+    running per-expert counts) + earlier rows of this chunk (a BP x BP comparison) -> scratch. Then the
+    block offsets (cumsum of ceil(count / BM)); pass 2 scatters each row to start * BM + rank; last,
+    block b's expert = #experts whose blocks end at or before b (>= E: unused, -1). rows_ptr comes
+    prefilled with P.
+    """
+    i = tl.arange(0, BP)
+    xs = tl.arange(0, BE)
+    counts = tl.zeros([BE], tl.int32)
+    for p0 in range(0, P, BP):
+        p = p0 + i
+        ev = tl.load(e_ptr + p, mask=p < P, other=-1)
+        ev = tl.where((ev >= 0) & (ev < E), ev, -1).to(tl.int32)
+        before = (ev[:, None] == ev[None, :]) & (i[None, :] < i[:, None])
+        onehot = ev[:, None] == xs[None, :]
+        rank = tl.sum(tl.where(onehot, counts[None, :], 0), 1) + tl.sum(before.to(tl.int32), 1)
+        tl.store(rank_ptr + p, rank, mask=p < P)
+        counts += tl.sum(onehot.to(tl.int32), 0)
+    nblk = (counts + BM - 1) // BM
+    blk_end = tl.cumsum(nblk, 0)
+    blk_start = blk_end - nblk
+    for p0 in range(0, P, BP):
+        p = p0 + i
+        ev = tl.load(e_ptr + p, mask=p < P, other=-1)
+        ok = (ev >= 0) & (ev < E) & (p < P)
+        ev = tl.where(ok, ev, -1).to(tl.int32)
+        rank = tl.load(rank_ptr + p, mask=ok, other=0)
+        start = tl.sum(tl.where(ev[:, None] == xs[None, :], blk_start[None, :], 0), 1)
+        tl.store(rows_ptr + (start * BM + rank).to(tl.int64), p.to(tl.int64), mask=ok)
+    for b0 in range(0, NB, BP):
+        b = b0 + i
+        x = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(bexp_ptr + b, tl.where(x < E, x, -1).to(tl.int64), mask=b < NB)
+
+
+ALIGN_KERNEL_MAX_P = 4096
+"""Up to this many rows (decode) `align` runs the one-program kernel; above (prefill) the torch form,
+whose ~35 launches are small next to the GEMMs there and which scales where one program would not."""
+
+
+def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align`'s layout; the choice of implementation depends on the sizes only."""
+    P, E = e.numel(), int(n_experts)
+    if P > ALIGN_KERNEL_MAX_P or E > 1024 or P == 0:
+        return moe_align(e, E, block_m)
+    nb = align_max_blocks(P, E, block_m)
+    rows = torch.full((nb * block_m,), P, dtype=torch.int64, device=e.device)
+    bexp = torch.empty(nb, dtype=torch.int64, device=e.device)
+    rank = torch.empty(P, dtype=torch.int32, device=e.device)
+    BE = max(16, triton.next_power_of_2(E))
+    BP = max(16, min(64, 16384 // BE))
+    _align_kernel[(1,)](e.reshape(-1).long().contiguous(), rows, bexp, rank, P, E, nb,
+                        BM=block_m, BP=BP, BE=BE, num_warps=8)
+    return rows, bexp
+
+
 def _block_m(P: int, E: int) -> int:
     """Rows per block from the average rows per expert (decode: ~1-3 -> 16, the smallest tl.dot M)."""
     avg = P / max(E, 1)
@@ -74,6 +134,18 @@ def _block_m(P: int, E: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _e2m1_to_e4m3(code):
+    """4-bit e2m1 codes (int32, 0..15) -> the same values as float8e4nv, by bits (exact, no float math).
+
+    Magnitude m = code & 7 is 0, 0.5, 1, 1.5, 2, 3, 4, 6; for m >= 2 the e4m3 bits are (m << 2) + 0x30
+    (exponent (m >> 1) + 6, mantissa bit m & 1 at the top), 0.5 is 0x30, 0 is 0; bit 3 -> bit 7.
+    """
+    m = code & 7
+    bits = tl.where(m >= 2, (m << 2) + 0x30, tl.where(m == 1, 0x30, 0)) | ((code & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
 @triton.jit
 def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -136,7 +208,7 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
             byte = tl.load(w_base + rn[None, :] * KH + kb[:, None], mask=mn[None, :] & (kb[:, None] < KH), other=0)
             byte = byte.to(tl.int32) & 0xFF
             code = tl.where(hi[:, None], byte >> 4, byte & 0xF)
-            w = _e2m1(code).to(a_ptr.dtype.element_ty)
+            w = _e2m1_to_e4m3(code)
             gi = kc * 4 + g + tl.zeros([BN], tl.int32)  # scale group (vector: a scalar mask operand trips the interpreter)
             sw = tl.load(ws_base + rn * KS_W + gi, mask=mn & (gi < KS_W), other=0.0)
             part += tl.dot(a, w, max_num_imprecise_acc=0) * sw[None, :]
@@ -185,7 +257,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     if P == 0 or N == 0 or E == 0:
         return c
     BM = _block_m(P, E)
-    rows, bexp = moe_align(e, E, BM)
+    rows, bexp = align(e, E, BM)
     nb = bexp.numel()
     a = a.contiguous()
     w = w.contiguous()

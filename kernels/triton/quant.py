@@ -3,9 +3,19 @@
 One program per (row, block) of the last dim; the scale is the reference's power-of-two ceiling of
 amax / fmax computed from the float bits (exact), the division by a power of two is exact, and the
 float32 -> e4m3 cast rounds to nearest even with the clamp applied first (as torch's cast).
+
+hadamard: a tensor-core dot of a BM-row tile with the ±1 Sylvester matrix (built in registers once per
+program, reused over ITERS row blocks so the build is amortised), then one multiply by N^-0.5.
+bf16/fp16 inputs go into the dot in their own dtype on the GPU (±1 is exact; fp32 accumulate; under
+the interpreter, whose bf16 dot is broken, as tf32-exact fp32); fp32 inputs are split into three
+tf32-exact pieces (3 dots), which keeps fp32 accuracy without the FMA-bound "ieee" dot. The former
+kernel (ieee fp32 dot, S_N rebuilt by every 32-row program) was ALU-bound at 3.65 ms for
+2048 x 64 x 128; this one is a streaming copy (~67 MB at flash prefill).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -14,6 +24,8 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import p2, pow2_ceil, round_e4m3
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -100,23 +112,43 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 @triton.jit
+def _tf32_hi(x):
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # keep 10 mantissa bits
+
+
+@triton.jit
 def _hadamard_kernel(x_ptr, y_ptr, M, scale, N: tl.constexpr, LOGN: tl.constexpr, BM: tl.constexpr,
-                     IEEE: tl.constexpr):
-    # y = x @ H_N with H_N[i, j] = (-1)^popcount(i & j) / sqrt(N) (Sylvester order), built in registers.
+                     ITERS: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+    # y = (x @ S_N) * N^-0.5 with S_N[i, j] = (-1)^popcount(i & j) (Sylvester order), built once per
+    # program in registers and reused for ITERS row blocks. NATIVE: bf16/fp16 x ±1 in the input dtype
+    # (exact products, fp32 accumulate). Otherwise tf32 dots, exact too: bf16/fp16 values are exact in
+    # tf32, and an fp32 input is first split into three tf32-exact pieces (SPLIT).
     pid = tl.program_id(0)
-    rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
     i = tl.arange(0, N)
-    x = tl.load(x_ptr + rows[:, None] * N + i[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
     a = i[:, None] & i[None, :]
     par = tl.zeros([N, N], tl.int32)
     for bit in tl.static_range(LOGN):
         par ^= (a >> bit) & 1
-    h = tl.where(par == 0, scale, -scale)
-    if IEEE:
-        y = tl.dot(x, h, input_precision="ieee")
-    else:
-        y = tl.dot(x, h)
-    tl.store(y_ptr + rows[:, None] * N + i[None, :], y.to(y_ptr.dtype.element_ty), mask=rows[:, None] < M)
+    h = tl.where(par == 0, 1.0, -1.0)
+    if NATIVE:  # bf16/fp16 operands straight into the dot (±1 exact): half the registers and bytes
+        h = h.to(x_ptr.dtype.element_ty)
+    for it in range(ITERS):
+        rows = ((pid * ITERS + it) * BM + tl.arange(0, BM)).to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * N + i[None, :], mask=rows[:, None] < M, other=0.0)
+        if NATIVE:
+            y = tl.dot(x, h)
+        elif SPLIT:
+            x = x.to(tl.float32)
+            x1 = _tf32_hi(x)
+            r = x - x1
+            x2 = _tf32_hi(r)
+            y = tl.dot(x1, h, input_precision="tf32")
+            y = tl.dot(x2, h, y, input_precision="tf32")
+            y = tl.dot(r - x2, h, y, input_precision="tf32")
+        else:
+            y = tl.dot(x.to(tl.float32), h, input_precision="tf32")
+        tl.store(y_ptr + rows[:, None] * N + i[None, :], (y * scale).to(y_ptr.dtype.element_ty),
+                 mask=rows[:, None] < M)
 
 
 @implement("hadamard", "triton")
@@ -128,14 +160,20 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     M = xc.numel() // max(N, 1)
     if M == 0:
         return y
+    split = x.dtype == torch.float32
+    native = not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16)  # the interpreter's bf16 dot is broken
     if N < 16:  # tl.dot needs every dim >= 16: run the transform at width 16 on a zero-padded copy
         xp = torch.zeros(M, 16, dtype=x.dtype, device=x.device)
         xp[:, :N] = xc.reshape(M, N)
         yp = torch.empty_like(xp)
         # H_16 restricted to the first N rows/cols is H_N (Sylvester); rescale 1/sqrt(N).
-        _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, IEEE=True)
+        _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, ITERS=1, SPLIT=split,
+                                                NATIVE=native)
         return yp[:, :N].reshape(x.shape).to(x.dtype)
-    BM = 16 if N >= 256 else 32
-    # the matrix is ±1/sqrt(N) in fp32 and the product runs in fp32 (ieee), as the reference does
-    _hadamard_kernel[(triton.cdiv(M, BM),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM, IEEE=True)
+    BM = 64 if N <= 128 else (32 if N <= 256 else 16)
+    nblk = triton.cdiv(M, BM)
+    iters = 8 if nblk >= 8 * 264 else (4 if nblk >= 4 * 264 else 1)  # amortise building S_N per program
+    _hadamard_kernel[(triton.cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
+                                                    ITERS=iters, SPLIT=split, NATIVE=native,
+                                                    num_warps=8 if N >= 128 else 4)
     return y

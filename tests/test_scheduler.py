@@ -1,0 +1,245 @@
+"""Continuous batching (engine.scheduler) and the decode runner's bucket padding, on the tiny model (CPU).
+
+A prompt's tokens and logprobs must not depend on what else is in the batch: its slot, the other
+prompts' lengths and parameters, how many slots there are, when it is admitted, or the padding entries
+of a bucket.
+"""
+
+import pytest
+import torch
+
+from deepinfer.engine.generate import Completion, SamplingParams, _record, generate
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.runner import DecodeRunner, _describe_capture_failure, bucket_sizes
+from deepinfer.engine.scheduler import Request, Scheduler
+
+PROMPTS = [
+    [0, 6127, 389],
+    [0, 17607, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
+    [0, 5],
+    [0, 99, 4321, 777, 5, 6, 7, 8, 9],
+    [0, 1234, 31, 32, 33, 34],
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(None, numerics="official", dtype="float32", progress=False)
+
+
+def assert_same(a, b, atol=1e-5):
+    assert a.token_ids == b.token_ids
+    assert a.finish_reason == b.finish_reason
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=atol)
+
+
+def alone(lm, prompts, params, eos_id, **kw):
+    """Each prompt run by itself (one slot)."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    return [generate(lm.model, [pr], p, eos_id, max_batch=1, **kw).completions[0] for pr, p in zip(prompts, plist)]
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes(100)[-2:] == [64, 100]
+    with pytest.raises(ValueError):
+        bucket_sizes(0)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(lm):
+    """Each prompt alone (one slot), greedy, 6 tokens."""
+    return alone(lm, PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True), eos_id=1)
+
+
+def test_fewer_slots_than_prompts_matches_single_runs(lm, greedy_ref):
+    """5 prompts of different lengths through 2 slots: admission as slots free up, same results."""
+    got = generate(lm.model, PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True), eos_id=1,
+                   max_batch=2).completions
+    for a, b in zip(got, greedy_ref):
+        assert_same(a, b)
+
+
+def test_early_finish_frees_slot_and_matches_single_runs(lm, greedy_ref):
+    """EOS forced (the first prompt's first token is "EOS"): that sequence ends after one token, its slot
+    is reused at once, and every other sequence is what it is alone (its greedy tokens up to that id)."""
+    eos = greedy_ref[0].token_ids[0]
+    got = generate(lm.model, PROMPTS, SamplingParams(max_new_tokens=6), eos_id=eos, max_batch=2).completions
+    assert got[0].finish_reason == "eos" and got[0].token_ids == [eos]
+    for a, ref in zip(got, greedy_ref):
+        ids = ref.token_ids
+        n = ids.index(eos) + 1 if eos in ids else len(ids)
+        assert a.token_ids == ids[:n]
+        assert a.finish_reason == ("eos" if eos in ids else "length")
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(ref.logprobs[:n]), atol=1e-5)
+    assert any(c.finish_reason == "length" for c in got)
+
+
+def test_scheduler_admits_as_slots_free(lm):
+    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    lens = [1, 6, 2, 3, 5]  # different lengths: sequences finish at different steps
+    plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    lm.model.allocate(3, 64)
+    runner = DecodeRunner(lm.model, 2)
+    comps = [Completion(list(pr)) for pr in PROMPTS]
+    sched = Scheduler(lm.model, runner, 1, _record, lambda c, s: False)
+    for i, (pr, pp, c) in enumerate(zip(PROMPTS, plist, comps)):
+        sched.submit(Request(i, pr, pp, c))
+    st = sched.run()
+    assert [len(c.token_ids) for c in comps] == lens
+    assert all(c.finish_reason == "length" for c in comps)
+    assert st.prefills == 5 and st.max_running == 2
+    assert st.decode_tokens == sum(n - 1 for n in lens)  # the last token of each is never decoded
+    assert sorted(sched.free) == [0, 1] and not sched.running
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sched.submit(Request(9, [0] * 62, p, Completion([0] * 62)))
+    del p
+
+
+def test_per_request_sampling_params(lm, greedy_ref):
+    plist = [
+        SamplingParams(max_new_tokens=6, ignore_eos=True),  # greedy
+        SamplingParams(max_new_tokens=3, temperature=1.0, top_k=50, top_p=0.9, seed=5, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, temperature=0.7, top_k=1, seed=9, ignore_eos=True),  # = greedy
+        SamplingParams(max_new_tokens=4, temperature=1.3, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.5, seed=2, ignore_eos=True),
+    ]
+    got = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3).completions
+    assert [len(c.token_ids) for c in got] == [6, 3, 5, 4, 2]
+    assert len(got[1].top_logprobs) == 3 and all(len(t) == 2 for t in got[1].top_logprobs)
+    assert got[0].top_logprobs == [] and got[3].top_logprobs == []
+    assert_same(got[0], greedy_ref[0])
+    assert got[2].token_ids == greedy_ref[2].token_ids[:5]  # top_k 1 samples greedily
+    assert got[3].token_ids != greedy_ref[3].token_ids[:4]  # temperature 1.3 really samples
+    # the seed is (request seed, index in the list), never the slot: one slot gives the same results
+    one_slot = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=1).completions
+    for a, b in zip(got, one_slot):
+        assert_same(a, b)
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate(lm.model, PROMPTS, plist[:2], eos_id=1)
+
+
+def test_deterministic_across_batch_compositions(lm, greedy_ref):
+    """Sampled generation: same seeds and inputs -> same tokens for every slot count and padding mode."""
+    p = SamplingParams(max_new_tokens=5, temperature=1.0, top_k=40, seed=3, ignore_eos=True)
+    runs = [generate(lm.model, PROMPTS, p, eos_id=1, max_batch=s, pad_to_buckets=pad).completions
+            for s, pad in ((5, False), (2, False), (3, True))]
+    for other in runs[1:]:
+        for a, b in zip(other, runs[0]):
+            assert_same(a, b)
+    # the first prompt's greedy tokens do not depend on the others' sampling settings or lengths
+    g = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    mixed = generate(lm.model, PROMPTS, [g, p, p, p, p], eos_id=1, max_batch=4).completions
+    assert_same(mixed[0], greedy_ref[0])
+    for a, b in zip(mixed[1:], runs[0][1:]):
+        assert_same(a, b)
+
+
+def test_generate_with_bucket_padding_equals_eager(lm, greedy_ref):
+    """Sequences of different lengths: the live batch shrinks 5 -> 4 -> 3 ... and most steps run padded
+    (5 slots: buckets 1, 2, 4, 5; 3 slots: buckets 1, 2, 3 with admissions)."""
+    lens = [6, 2, 4, 3, 5]
+    plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    for slots in (3, 5):
+        got = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, pad_to_buckets=True).completions
+        for a, b, n in zip(got, greedy_ref, lens):
+            assert a.token_ids == b.token_ids[:n] and a.finish_reason == "length"
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs[:n]), atol=1e-5)
+    # graphs=True on a CPU model: no graphs (CUDA only), plain eager
+    r = DecodeRunner(lm.model, 5, graphs=True)
+    assert r.mode == "eager" and not r.buckets
+
+
+def _state(model):
+    """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
+    out = []
+    for a in model.attentions():
+        out.append(a.kv_cache)
+        if a.compressor is not None:
+            out += [a.compressor.kv_state, a.compressor.score_state]
+        if a.indexer is not None:
+            c = a.indexer.compressor
+            out += [c.cache, c.kv_state, c.score_state]
+    return out
+
+
+def test_runner_padding_matches_unpadded_decode_and_spares_live_rows(lm):
+    """Decode steps through bucket padding (n live rows in a bigger bucket, padding on the spare row)
+    give the same logits and the same live-row cache contents as the unpadded eager step."""
+    model = lm.model
+    slots = 6  # buckets 1, 2, 4, 6
+    model.allocate(slots + 1, 48)
+    eager = DecodeRunner(model, slots)
+    padded = DecodeRunner(model, slots, pad_to_buckets=True)
+    assert padded.mode == "eager-bucketed" and padded.spare_row == slots
+    assert list(padded.buckets) == [1, 2, 4, 6]
+    live = [0, 2, 3, 4, 5]  # not contiguous, not starting at the bucket size
+
+    def prefill():
+        for r in live:
+            pr = PROMPTS[r % len(PROMPTS)]
+            model.prefill(torch.tensor([pr]), rows=torch.tensor([r]))
+        return torch.tensor([len(PROMPTS[r % len(PROMPTS)]) for r in live])
+
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(2, 129280, (12, len(live)), generator=gen)
+    results = {}
+    for name, runner in (("eager", eager), ("padded", padded)):
+        pos = prefill()
+        logits = []
+        for t in range(12):
+            n = [5, 3, 1, 5, 2, 4, 5, 3, 5, 5, 1, 5][t]  # 5 -> bucket 6, 3 -> 4, 2 -> 2, 1 -> 1
+            idx = torch.arange(n)
+            out = runner.decode(toks[t, :n].view(n, 1), pos[idx], torch.tensor(live)[idx])
+            assert out.shape == (n, 129280)
+            logits.append(out)
+            pos[idx] += 1
+        live_state = [s[live].clone() for s in _state(model)]
+        results[name] = (logits, live_state)
+    for a, b in zip(results["eager"][0], results["padded"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(results["eager"][1], results["padded"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="max_batch"):
+        padded.decode(torch.zeros(7, 1, dtype=torch.long), torch.zeros(7, dtype=torch.long),
+                      torch.zeros(7, dtype=torch.long))
+    with pytest.raises(ValueError, match="cache rows"):
+        DecodeRunner(model, slots + 1, pad_to_buckets=True)  # no room for the spare row
+    model.allocate(slots + 1, 48)
+    with pytest.raises(RuntimeError, match="re-allocated"):
+        padded.decode(toks[0, :1].view(1, 1), torch.tensor([3]), torch.tensor([0]))
+
+
+def test_capture_failure_names_the_op_or_function(lm, monkeypatch):
+    """The capture error message points at the host-syncing code (simulated on CPU: the exception an op
+    raises inside a CUDA capture, then the one `capture_end` raises while handling it)."""
+    def fail_in(fn):
+        try:
+            try:
+                fn()
+            except Exception:
+                raise RuntimeError("operation failed due to a previous error during capture")
+        except RuntimeError as e:
+            return _describe_capture_failure(e, 4)
+
+    from deepinfer.ops import ops
+
+    msg = fail_in(lambda: ops.sample(torch.zeros(2, 5), torch.zeros(3), torch.zeros(2, dtype=torch.long),
+                                     torch.ones(2), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)))
+    assert "op 'sample'" in msg and "backend 'torch'" in msg and "--eager" in msg and "bucket 4" in msg
+
+    def sync(*a, **k):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    model = lm.model
+    model.allocate(2, 16)
+    model.prefill(torch.tensor([[0, 5, 6]]), rows=torch.tensor([0]))
+    monkeypatch.setattr(torch, "unique", sync)  # the reference MoE's host sync
+    msg = fail_in(lambda: model.decode(torch.tensor([[7]]), torch.tensor([3]), torch.tensor([0])))
+    # the reference MoE's sync: the grouped_gemm op's loop over experts (or, before that op, the loop
+    # in MoE.compute_experts)
+    assert "op 'grouped_gemm'" in msg or "MoE.compute_experts" in msg, msg
+    assert "not permitted when stream is capturing" in msg and "--eager" in msg
