@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deepinfer.engine.bench import EAGER_NOTE, BenchOptions, run_bench
+from deepinfer.engine.bench import BenchOptions, run_bench
 from deepinfer.engine.loader import OptionError
 from deepinfer_cli import common
 from deepinfer_cli.errors import handle_errors
@@ -28,7 +28,7 @@ measured in that one run on the named device (nothing is copied from specs).
 
 * **date, device, torch / triton**: when and where the row was measured.
 * **backend · numerics**: the kernel backend (`torch` reference, `triton`, `tilelang`) and the numerics mode
-  (`official` = FP8/FP4 weights as stored, `exact` = dequantised). The engine runs eagerly (no CUDA graphs yet).
+  (`official` = FP8/FP4 weights as stored, `exact` = dequantised). Decode runs as captured CUDA graphs on CUDA with a kernel backend (eager with `--eager` or the torch backend).
 * **model**: the preset (random weights in the release formats, e.g. `v4-flash-slice4` = 4 Flash layers
   with every attention kind + MTP) or the checkpoint name.
 * **TTFT ms (P)**: time to first token for one P-token prompt = one prefill (warm median of 3).
@@ -96,7 +96,11 @@ def _print(report: dict, con: Console) -> None:
               f"{report['matmul_flops'] / 1e12:.1f} TFLOP/s; weights made in {report['weights_s']:.1f} s; engine "
               f"holds {gb(report['engine_weight_bytes'])} GiB of weights (checkpoint format, main layers: "
               f"{gb(report['checkpoint_bytes_main'])} GiB)", highlight=False)
-    con.print(f"[dim]{report['note']}[/dim]")
+    con.print(f"[dim]decode: {'CUDA graphs' if report['cuda_graphs'] else 'eager'} "
+              f"({', '.join(sorted({d['mode'] for d in report['decode']}))})[/dim]")
+    for d in report["decode"]:
+        if d.get("graph_error"):
+            con.print(f"[red]batch {d['batch']}: graph capture failed, timed eagerly: {d['graph_error']}[/red]")
     pf = report["prefill"]
     con.print(f"prefill 1 x {pf['prompt_len']}: TTFT {pf['ttft_ms']:.1f} ms (cold {pf['cold_ms']:.0f} ms), "
               f"{pf['tokens_per_s']:.0f} tokens/s; floor {pf['floor']['floor_ms']:.2f} ms -> {pf['ratio']:.1f}x",
@@ -143,8 +147,7 @@ def bench_cmd(
     numerics: str = common.NUMERICS,
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
-    eager: bool = typer.Option(False, "--eager", help="Accepted for scripts; CUDA graphs are not implemented, "
-                               "so the engine always runs eagerly."),
+    eager: bool = typer.Option(False, "--eager", help="Time decode eagerly instead of as captured CUDA graphs."),
     peer: str = typer.Option(None, "--peer", help="Also time `transformers` (DeepseekV4ForCausalLM, bf16) "
                              "on the same weights."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompt tokens."),
@@ -162,8 +165,6 @@ def bench_cmd(
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json)
     err = Console(stderr=True)
-    if eager or not as_json:
-        err.print(f"[dim]{EAGER_NOTE}[/dim]")
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:
         argv = ["deepinfer", "bench"] + (["--model", model] if model else ["--preset", opts.preset])

@@ -170,7 +170,8 @@ def test_cli_json_and_record(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["model"] == "deepinfer-tiny" and out["backend"] == "torch" and out["gen_len"] == 2
-    assert {"prefill", "decode", "bandwidth_Bps", "matmul_flops", "engine_weight_bytes", "note"} <= set(out)
+    assert {"prefill", "decode", "bandwidth_Bps", "matmul_flops", "engine_weight_bytes", "cuda_graphs"} <= set(out)
+    assert out["cuda_graphs"] is False and all(d["mode"] == "eager" for d in out["decode"])
     assert out["decode"][0]["batch"] == 1 and out["decode"][0]["ratio"] > 0
     text = doc.read_text()
     assert "How to read this table" in text

@@ -45,7 +45,6 @@ from deepinfer.model.weights import Linear
 from deepinfer.ops import ops
 from deepinfer.tiny import _fp32_kept
 
-EAGER_NOTE = "CUDA graphs are not implemented yet: the engine runs eagerly (with or without --eager)."
 WARMUP_STEPS = 2
 
 
@@ -306,10 +305,17 @@ def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int
     return {"prompt_len": P, "cold_ms": cold * 1e3, "ttft_ms": warm * 1e3, "tokens_per_s": P / warm}
 
 
-def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int) -> dict:
-    """Prefill B rows (P tokens each), then time K decode steps of the whole batch."""
+def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int,
+                graphs: bool = False) -> dict:
+    """Prefill B rows (P tokens each), then time K decode steps of the whole batch.
+
+    graphs: replay the step as a captured CUDA graph (`DecodeRunner`); a capture failure is reported in
+    the result (`graph_error`) and that row is timed eagerly instead -- never silently.
+    """
+    from deepinfer.engine.runner import DecodeRunner, GraphCaptureError
+
     max_len = P + WARMUP_STEPS + K + 1
-    model.allocate(B, max_len)
+    model.allocate(B + 1, max_len)  # +1: the runner's spare row for bucket padding
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prompts = _prompts(cfg, B, P, seed + 1).to(device)
@@ -321,18 +327,28 @@ def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     prefill_s = time.perf_counter() - t
     ids = _prompts(cfg, (WARMUP_STEPS + K) * B, 1, seed + 2).view(WARMUP_STEPS + K, B, 1).to(device)
     pos = torch.full((B,), P, dtype=torch.long, device=device)
+    runner, graph_error, capture_s = DecodeRunner(model, B, graphs=graphs), None, None
+    if runner.graphs:
+        t = time.perf_counter()
+        try:
+            runner.capture()
+            capture_s = time.perf_counter() - t
+        except GraphCaptureError as e:
+            graph_error = str(e)
+            runner = DecodeRunner(model, B, graphs=False)
     for s in range(WARMUP_STEPS):
-        model.decode(ids[s], pos, rows)
+        runner.decode(ids[s], pos, rows)
         pos = pos + 1
     sync(device)
     t = time.perf_counter()
     for s in range(WARMUP_STEPS, WARMUP_STEPS + K):
-        model.decode(ids[s], pos, rows)
+        runner.decode(ids[s], pos, rows)
         pos = pos + 1
     sync(device)
     dt = (time.perf_counter() - t) / K
     out = {"batch": B, "ms_per_step": dt * 1e3, "tokens_per_s": B / dt, "prefill_rows_s": prefill_s,
-           "mean_position": P + WARMUP_STEPS + (K - 1) / 2}
+           "mean_position": P + WARMUP_STEPS + (K - 1) / 2, "mode": runner.mode, "graph_error": graph_error,
+           "capture_s": capture_s}
     if device.type == "cuda":
         out["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     return out
@@ -600,6 +616,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
+    # Graphs need CUDA and a backend whose decode step never syncs with the host (the torch reference
+    # MoE does); --eager turns them off.
+    graphs = device.type == "cuda" and not opts.eager and ops.backend != "torch"
     log(f"building the model on {device} ...")
     cfg, model, state, source, t_weights = build(opts, device, numerics)
     held = (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
@@ -612,7 +631,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     report = {
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
         "device_name": device_name(device), **_versions(), "backend": ops.backend, "numerics": numerics.mode,
-        "dtype": opts.dtype, "eager": True, "cuda_graphs": False, "note": EAGER_NOTE,
+        "dtype": opts.dtype, "eager": not graphs, "cuda_graphs": graphs,
         "layers": cfg.n_layers, "attn_kinds": list(cfg.attn_kinds[:cfg.n_layers]),
         "weights_s": t_weights, "engine_weight_bytes": _walk(model, set(), set()),
         "device_bytes_after_build": held,
@@ -630,7 +649,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     report["decode"] = []
     for B in batches:
         log(f"decode: batch {B}, {opts.gen_len} steps ...")
-        d = time_decode(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed)
+        d = time_decode(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed, graphs=graphs)
+        if d["graph_error"]:
+            log(f"CUDA graph capture failed, timed eagerly: {d['graph_error']}")
         d["floor"] = floors(cfg, mb, [round(d["mean_position"])] * B, bw, rate, cache_elem)
         d["ratio"] = d["ms_per_step"] / d["floor"]["floor_ms"]
         d["ratio_engine_bytes"] = d["ms_per_step"] / d["floor"]["floor_engine_ms"]
