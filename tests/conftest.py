@@ -8,7 +8,7 @@ import torch
 os.environ.setdefault("DEEPINFER_BACKEND", "torch")  # tests pick backends explicitly
 # Triton reads TRITON_INTERPRET when it is imported: on a CPU machine every test that touches Triton runs
 # kernels in the interpreter, so set it before any test module imports triton.
-if not torch.cuda.is_available() and not os.environ.get("DEEPINFER_TRITON_COMPILED"):
+if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-COMPILED = os.environ.get("DEEPINFER_TRITON_COMPILED") == "1"
-if not COMPILED:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede `import triton`
+# Compiled on a CUDA host, interpreted on CPU: tests/conftest.py sets TRITON_INTERPRET for CPU sessions
+# before triton is imported (setting it here would leak into every later test module of the session).
+COMPILED = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +54,7 @@ def _align_input(P, E, seed):
         e[: P // 2] = E - 1  # one expert with many rows
     if P > 10:
         e[5] = E + 3  # out of range: dropped like -1
-    return e
+    return e.to(DEV)
 
 
 @pytest.mark.parametrize("impl", ["torch", "kernel"])
@@ -203,7 +203,7 @@ def _model(tiny_dir, numerics):
     if numerics not in _MODELS:
         from deepinfer.engine.loader import load_model
 
-        _MODELS[numerics] = load_model(None, numerics=numerics, dtype="float32", device="cpu", progress=False)
+        _MODELS[numerics] = load_model(None, numerics=numerics, dtype="float32", device=DEV, progress=False)
     return _MODELS[numerics]
 
 
@@ -216,7 +216,7 @@ def _pairs(moe, seed, P=40):
     e = torch.randint(0, E - 1, (P,), generator=g)  # expert E-1 gets no rows
     e[:20] = 3  # one expert with more rows than a block
     e[torch.randperm(P, generator=g)[:5]] = -1
-    return x, w, e
+    return x.to(DEV), w.to(DEV), e.to(DEV)
 
 
 @pytest.mark.parametrize("numerics", ["official", "exact"])
@@ -259,13 +259,13 @@ def test_engine_end_to_end_matches_the_per_expert_loop(tiny_dir, numerics, monke
     from deepinfer.model.moe import MoE
 
     net = _model(tiny_dir, numerics).model
-    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, 1000, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEV)
 
     def run():
         net.allocate(2, 16)
         logits, _ = net.prefill(ids)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
-        step = net.decode(nxt, torch.full((2,), 12))
+        step = net.decode(nxt, torch.full((2,), 12, device=DEV))
         return logits, step
 
     new = run()
@@ -296,7 +296,7 @@ def test_triton_compute_experts_has_no_host_sync(tiny_dir, numerics, monkeypatch
             m.setattr(torch, name, boom(f"torch.{name}"))
         got = moe.compute_experts(x, w, e)
         T = 8
-        ids = torch.randint(2, 1000, (1, T))
-        xt = torch.randn(1, T, x.size(1))
+        ids = torch.randint(2, 1000, (1, T)).to(DEV)
+        xt = torch.randn(1, T, x.size(1)).to(DEV)
         moe(xt, ids)  # the whole MoE call: router, dispatch, experts, shared expert
     assert torch.equal(got, expect)

@@ -269,7 +269,9 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 # ---------------------------------------------------------------------------------------------- MoE
-@defop("moe_route", tol={"float32": (1e-5, 1e-6)})
+# Scores come from K = hidden (4096-7168) long fp32 dot products: two correct summation orders differ by
+# up to ~K·2^-24·Σ|x·w| per element, which with cancellation reaches 1e-4 of the score (H200, flash shapes).
+@defop("moe_route", tol={"float32": (1e-4, 1e-5)})
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
               input_ids: torch.Tensor, topk: int, score_func: str, route_scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
