@@ -98,6 +98,13 @@ def _print(report: dict, con: Console) -> None:
               f"{gb(report['checkpoint_bytes_main'])} GiB)", highlight=False)
     con.print(f"[dim]decode: {'CUDA graphs' if report['cuda_graphs'] else 'eager'} "
               f"({', '.join(sorted({d['mode'] for d in report['decode']}))})[/dim]")
+    if report.get("profile"):
+        t = Table(title="decode step profile (eager): kernels by time")
+        for c in ("kernel", "calls/step", "ms/step", "share"):
+            t.add_column(c, justify="left" if c == "kernel" else "right")
+        for r in report["profile"]:
+            t.add_row(r["name"], f"{r['calls_per_step']:.0f}", f"{r['ms_per_step']:.3f}", f"{r['share']:.1%}")
+        con.print(t)
     for d in report["decode"]:
         if d.get("graph_error"):
             con.print(f"[red]batch {d['batch']}: graph capture failed, timed eagerly: {d['graph_error']}[/red]")
@@ -148,6 +155,8 @@ def bench_cmd(
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
     eager: bool = typer.Option(False, "--eager", help="Time decode eagerly instead of as captured CUDA graphs."),
+    profile: bool = typer.Option(False, "--profile", help="Also profile one eager decode step at the first batch "
+                                 "size and list the kernels by time."),
     peer: str = typer.Option(None, "--peer", help="Also time `transformers` (DeepseekV4ForCausalLM, bf16) "
                              "on the same weights."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompt tokens."),
@@ -163,7 +172,8 @@ def bench_cmd(
         raise OptionError("--model and --preset are exclusive")
     opts = BenchOptions(preset=None if model else (preset or "tiny"), model=model, batches=_parse_batches(batch),
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, numerics=numerics,
-                        dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json)
+                        dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
+                        profile=profile)
     err = Console(stderr=True)
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:

@@ -66,6 +66,7 @@ class BenchOptions:
     peer: str | None = None
     eager: bool = False
     progress: bool = True
+    profile: bool = False
     notes: list = field(default_factory=list)
 
 
@@ -656,6 +657,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         d["ratio"] = d["ms_per_step"] / d["floor"]["floor_ms"]
         d["ratio_engine_bytes"] = d["ms_per_step"] / d["floor"]["floor_engine_ms"]
         report["decode"].append(d)
+    if opts.profile:
+        log(f"profiling one eager decode step at batch {batches[0]} ...")
+        report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)
     report["fallbacks"] = sorted(ops.fallbacks)
     if device.type == "cuda":
         report["peak_mem_bytes"] = max([d.get("peak_mem_bytes", 0) for d in report["decode"]]
@@ -667,3 +671,34 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         report["peer"] = run_peer(cfg, state, device, batches, opts.prompt_len, opts.gen_len, opts.seed, ours)
     del model, state
     return report
+
+
+def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int, steps: int = 3,
+                   top: int = 20) -> list[dict]:
+    """Where a decode step's time goes: torch.profiler over `steps` eager steps (graphs would hide the
+    kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.allocate(B, P + steps + 4)
+    prompts = _prompts(cfg, B, P, seed + 1).to(device)
+    rows = torch.arange(B, device=device)
+    for i in range(B):
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    ids = _prompts(cfg, (steps + 1) * B, 1, seed + 2).view(steps + 1, B, 1).to(device)
+    pos = torch.full((B,), P, dtype=torch.long, device=device)
+    model.decode(ids[0], pos, rows)  # warm-up (compiles)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for s in range(1, steps + 1):
+            model.decode(ids[s], pos + s, rows)
+        sync(device)
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    if device.type == "cuda":  # kernels only (CPU-side ops also carry device time of their children)
+        kernels = [e for e in evs if "CUDA" in str(getattr(e, "device_type", ""))]
+        evs = kernels or evs
+    total = sum(getattr(e, key) for e in evs) or 1.0
+    evs.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": getattr(e, key) / 1e3 / steps,
+             "share": getattr(e, key) / total} for e in evs[:top]]
