@@ -48,7 +48,10 @@ def test_batch_of_different_lengths_matches_single_runs():
     for pr, c in zip(prompts, batch):
         single = generate(lm.model, [pr], p, eos_id=1).completions[0]
         assert single.token_ids == c.token_ids
-        assert torch.allclose(torch.tensor(single.logprobs), torch.tensor(c.logprobs), atol=1e-5)
+        # CPU GEMMs give the same bits at every batch size; cuBLAS picks per-shape algorithms, and in official
+        # numerics a last-bit change can flip one FP8 activation rounding (~1e-3 in a logprob; seen on the H200)
+        atol = 1e-5 if lm.model.device.type == "cpu" else 3e-3
+        assert torch.allclose(torch.tensor(single.logprobs), torch.tensor(c.logprobs), atol=atol)
 
 
 def test_sampling_seeded_and_logprobs_real():
