@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (132 on an H200; the same guess on CPU for the interpreter)."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
 
 
 def p2(n: int) -> int:

@@ -20,7 +20,6 @@ the register file at 8 warps; 64 heads spilled), more heads for smaller D.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -28,18 +27,9 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from ._common import sms as _sms, p2
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 132
 
 
 @triton.jit

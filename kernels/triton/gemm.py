@@ -30,7 +30,6 @@ Tiling (heuristics by shape, deterministic; no autotune):
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -39,18 +38,11 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import sms as _sms
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 132
 
 
 def _config(M: int, N: int, K: int, device: torch.device):
