@@ -19,6 +19,8 @@ NUMERICS = typer.Option("official", "--numerics", help="official (FP8/FP4 QAT si
 DTYPE = typer.Option("bfloat16", "--dtype", help="Compute dtype: bfloat16 | float32 | float16.")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available).")
 SEED = typer.Option(0, "--seed", help="Sampling seed: the same seed and inputs give the same tokens.")
+FLAGGEMS = typer.Option(None, "--flaggems", help="Enable FlagGems for this comma-separated allow-list of ops "
+                        "(resolved against its registration table; needs CUDA).")
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -31,8 +33,11 @@ def read_prompt(prompt: str | None) -> str:
 
 
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
-          device: str | None, progress: bool = True) -> LoadedModel:
-    """Choose the backend (before any compute, so --strict fails early), then load the model."""
+          device: str | None, progress: bool = True, flaggems: str | None = None) -> LoadedModel:
+    """Choose the backend (before any compute, so --strict fails early), enable a FlagGems allow-list
+    once the device is chosen, then load the model."""
+    from deepinfer.engine.flaggems import enable_flaggems, parse_names
+
     dev = resolve_device(device)
     ops.configure(backend or None, strict if strict else None)
     interpreted = ops.backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -40,4 +45,5 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
         from deepinfer.ops.registry import BackendError
 
         raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
+    enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress)

@@ -47,6 +47,7 @@ def dump_cmd(
     chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    flaggems: str = common.FLAGGEMS,
     numerics: str = common.NUMERICS,
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
@@ -61,7 +62,7 @@ def dump_cmd(
     if steps < 0:
         raise UserError(f"--steps {steps}: must be >= 0")
     torch.manual_seed(seed)
-    lm = common.setup(model, backend, strict, numerics, dtype, device)
+    lm = common.setup(model, backend, strict, numerics, dtype, device, flaggems=flaggems)
     sel = parse_layers(layer, layers, lm.cfg.n_layers)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
     forced = _follow_tokens(follow, steps) if follow else None

@@ -33,6 +33,7 @@ def generate_cmd(
     numerics: str = common.NUMERICS,
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    flaggems: str = common.FLAGGEMS,
     logprobs: int = typer.Option(0, "--logprobs", help="Report the top-N alternatives per generated token."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text and a table "
                                  "(with --input-file: one JSON object per prompt per line)."),
@@ -62,7 +63,7 @@ def generate_cmd(
         items = read_input_file(input_file, base, mode)
     else:
         items = [(common.read_prompt(prompt), mode, base)]
-    lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json)
+    lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems)
     tok = lm.tokenizer
     ids = [tok.encode_prompt(text, m) for text, m, _ in items]
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"

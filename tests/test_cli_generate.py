@@ -66,3 +66,34 @@ def test_broken_checkpoint_lists_every_problem(tmp_path, tiny_dir):
 def test_help_lists_commands_with_example():
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0 and "generate" in r.stdout and "Example" in r.stdout
+
+
+def test_flaggems_allow_list(monkeypatch):
+    """--flaggems: missing package -> one line, exit 2; names resolved against the registration table,
+    an unresolved name is an error with its close match, and only the allow-list is enabled."""
+    import sys
+    import types
+
+    import pytest
+
+    from deepinfer.engine.flaggems import enable_flaggems
+    from deepinfer.engine.loader import OptionError
+
+    if "flag_gems" not in sys.modules:
+        import importlib.util
+
+        if importlib.util.find_spec("flag_gems") is None:
+            r = runner.invoke(app, ["generate", "x", "--flaggems", "add,mul"])
+            assert r.exit_code == 2 and "flag_gems is not installed" in r.output and "Traceback" not in r.output
+    calls = {}
+    fake = types.ModuleType("flag_gems")
+    fake._FULL_CONFIG = [("add", None), ("mul", None), ("_softmax", None), ("eq.Scalar", None)]
+    fake.only_enable = lambda include: calls.setdefault("include", include)
+    monkeypatch.setitem(sys.modules, "flag_gems", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "flag_gems" else None)
+    with pytest.raises(OptionError, match=r"softmax \(close: _softmax"):
+        enable_flaggems(["add", "softmax"], "cpu", require_cuda=False)
+    out = enable_flaggems(["add", "_softmax"], "cpu", require_cuda=False)
+    assert calls["include"] == ["add", "_softmax"] and out["enabled"] == ["add", "_softmax"]
+    with pytest.raises(OptionError, match="needs a CUDA device"):
+        enable_flaggems(["add"], "cpu")
