@@ -86,3 +86,15 @@ def sort_key(x, idx):
 def key_index(key):
     """The index encoded in a sort_key (meaningless for the -1 "no entry" key)."""
     return 2147483647 - (key & 2147483647)
+
+
+def split_k(k_blocks: int, tiles: int, target: int) -> tuple[int, int]:
+    """Split a reduction of `k_blocks` blocks so that `tiles` output tiles x splits ~ `target` programs.
+
+    Returns (blocks per split, number of splits); every split but the last has exactly `per` blocks and
+    none is empty. Depends only on shapes (and the device's SM count), so grids stay graph-capturable.
+    """
+    k_blocks = max(int(k_blocks), 1)
+    want = max(1, min(k_blocks, -(-int(target) // max(int(tiles), 1))))
+    per = -(-k_blocks // want)
+    return per, -(-k_blocks // per)

@@ -1,9 +1,20 @@
 """mHC (manifold-constrained hyper-connections): pre-mix with in-kernel Sinkhorn, post-mix, head.
 
-hc_pre / hc_head: one program per token. Pass 1 streams the token's hc·D inputs once, accumulating
-the sum of squares and the (2+hc)·hc mix dot products (pre [hc], post [hc], comb [hc, hc] kept as
-separate register tiles); the hc x hc Sinkhorn then runs in registers; pass 2 collapses the streams
-with `pre`. hc_post: one program per (token, D block).
+hc_pre / hc_head run as two kernels each (grids from shapes only: graph-capturable, no host syncs,
+no atomics):
+
+1. `_hc_mix_kernel`, grid (T, nsplit): split-K over the token's hc·D inputs. fn is one [R, hc·D]
+   matrix (R = (2+hc)·hc = 24 rows for hc_pre, hc for hc_head); a program streams one K chunk
+   (`per` x BK columns, BR x BK <= 4096 fp32 per step with BR = p2(R)) and writes its R mix partials
+   plus the partial sum of squares to a fp32 [T, nsplit, R + 1] workspace (torch.empty). nsplit makes
+   T x nsplit ~ 2 x SMs: at one token, hc 4, D 4096 that is 128 programs of 12 KB of fn each instead of
+   one program streaming all 1.5 MB.
+2. `_hc_apply_kernel`, grid (T, cdiv(D, BD)), BD <= 256: each program sums the partials in a fixed order
+   ([BS, p2(R + 1)] tiles + tl.sum: deterministic), applies rsqrt, the sigmoids and the hc x hc
+   Sinkhorn in registers (a few hundred flops, redundantly per D tile so no third launch), stores
+   post / comb from the first D tile, and collapses its D tile: y = sum_j pre_j x_j.
+
+hc_post: one program per (token, D block).
 """
 
 from __future__ import annotations
@@ -14,78 +25,106 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from ._common import p2, sms, split_k
 
 
 @triton.jit
-def _mix_pass(x_ptr, fn_ptr, t, HC, D, rows0, BHC: tl.constexpr, BK: tl.constexpr, COMB: tl.constexpr):
-    """(sum of squares, mixes for fn rows rows0 + j (j < hc), comb mixes [hc, hc] or a dummy)."""
-    KD = HC * D
-    j = tl.arange(0, BHC)
+def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: tl.constexpr):
+    """ws[t, s, r] = sum over k in split s of fn[r, k] * x[t, k] (r < R); ws[t, s, R] = sum x^2."""
+    t = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    r = tl.arange(0, BR)
+    mr = r < R
     ss = tl.zeros([BK], tl.float32)
-    mix_a = tl.zeros([BHC, BK], tl.float32)
-    mix_b = tl.zeros([BHC, BK], tl.float32)
-    mix_c = tl.zeros([BHC, BHC, BK], tl.float32)
-    for k0 in range(0, KD, BK):
-        kk = k0 + tl.arange(0, BK)
+    acc = tl.zeros([BR, BK], tl.float32)
+    k_lo = sp * KCH
+    for k0 in range(k_lo, k_lo + KCH, BK):
+        kk = (k0 + tl.arange(0, BK)).to(tl.int64)
         mk = kk < KD
         x = tl.load(x_ptr + t * KD + kk, mask=mk, other=0.0).to(tl.float32)
         ss += x * x
-        fa = tl.load(fn_ptr + (rows0 + j[:, None]) * KD + kk[None, :], mask=(j[:, None] < HC) & mk[None, :], other=0.0)
-        mix_a += fa.to(tl.float32) * x[None, :]
-        if COMB:
-            fb = tl.load(fn_ptr + (HC + j[:, None]) * KD + kk[None, :], mask=(j[:, None] < HC) & mk[None, :], other=0.0)
-            mix_b += fb.to(tl.float32) * x[None, :]
-            r3 = 2 * HC + j[:, None, None] * HC + j[None, :, None]
-            m3 = (j[:, None, None] < HC) & (j[None, :, None] < HC) & mk[None, None, :]
-            fc = tl.load(fn_ptr + r3 * KD + kk[None, None, :], mask=m3, other=0.0)
-            mix_c += fc.to(tl.float32) * x[None, None, :]
-    return tl.sum(ss, 0), tl.sum(mix_a, 1), tl.sum(mix_b, 1), tl.sum(mix_c, 2)
+        f = tl.load(fn_ptr + r[:, None] * KD + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        acc += f.to(tl.float32) * x[None, :]
+    base = (t * NS + sp) * (R + 1)
+    tl.store(ws_ptr + base + r, tl.sum(acc, 1), mask=mr)
+    tl.store(ws_ptr + base + R, tl.sum(ss, 0))
 
 
 @triton.jit
-def _collapse(x_ptr, y_ptr, t, pre, HC, D, BHC: tl.constexpr, BD: tl.constexpr):
-    j = tl.arange(0, BHC)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        m = (j[:, None] < HC) & (d[None, :] < D)
-        x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * x, 0)
-        tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
+def _pick1(v, w, idx):
+    """v[idx] for a [BW] vector v with positions w and a 1-D index tile idx (exact: one nonzero term)."""
+    return tl.sum(tl.where(w[None, :] == idx[:, None], v[None, :], 0.0), 1)
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, HC, D,
-                   norm_eps, hc_eps, iters, BHC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+def _pick2(v, w, idx):
+    """v[idx] for a 2-D index tile idx."""
+    return tl.sum(tl.where(w[None, None, :] == idx[:, :, None], v[None, None, :], 0.0), 2)
+
+
+@triton.jit
+def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, HC, D, NS,
+                     norm_eps, hc_eps, iters, FULL: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
+                     BS: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    ss, mpre, mpost, mcomb = _mix_pass(x_ptr, fn_ptr, t, HC, D, 0, BHC, BK, True)
-    r = tl.math.rsqrt(ss / (HC * D) + norm_eps)
+    db = tl.program_id(1)
+    if FULL:
+        R = (2 + HC) * HC
+    else:
+        R = HC
+    W = R + 1
+    w = tl.arange(0, BW)
+    s = tl.arange(0, BS)
+    acc = tl.zeros([BS, BW], tl.float32)
+    for s0 in range(0, NS, BS):
+        ss_ = s0 + s
+        acc += tl.load(ws_ptr + (t * NS + ss_[:, None]) * W + w[None, :],
+                       mask=(ss_[:, None] < NS) & (w[None, :] < W), other=0.0)
+    mix = tl.sum(acc, 0)  # [BW]: the R mixes, then the sum of squares at R
+    ssq = tl.sum(tl.where(w == R, mix, 0.0), 0)
+    r = tl.math.rsqrt(ssq / (HC * D) + norm_eps)
     j = tl.arange(0, BHC)
     mj = j < HC
-    s0 = tl.load(scale_ptr + 0)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(mpre * r * s0 + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
-    post = 2 * tl.sigmoid(mpost * r * s1 + tl.load(base_ptr + HC + j, mask=mj, other=0.0))
-    m2 = mj[:, None] & mj[None, :]
-    cb = tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :], mask=m2, other=0.0)
-    c = tl.where(m2, mcomb * r * s2 + cb, float("-inf"))
-    c = tl.exp(c - tl.max(c, 1)[:, None])
-    c = tl.where(m2, c / tl.sum(c, 1)[:, None] + hc_eps, 0.0)
-    c = c / (tl.sum(c, 0)[None, :] + hc_eps)
-    for _ in range(iters - 1):
-        c = c / (tl.sum(c, 1)[:, None] + hc_eps)
+    pre = tl.sigmoid(_pick1(mix, w, j) * r * tl.load(scale_ptr + 0) + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
+    if FULL:
+        post = 2 * tl.sigmoid(_pick1(mix, w, HC + j) * r * tl.load(scale_ptr + 1)
+                              + tl.load(base_ptr + HC + j, mask=mj, other=0.0))
+        m2 = mj[:, None] & mj[None, :]
+        cidx = 2 * HC + j[:, None] * HC + j[None, :]
+        cb = tl.load(base_ptr + cidx, mask=m2, other=0.0)
+        c = tl.where(m2, _pick2(mix, w, cidx) * r * tl.load(scale_ptr + 2) + cb, float("-inf"))
+        c = tl.exp(c - tl.max(c, 1)[:, None])
+        c = tl.where(m2, c / tl.sum(c, 1)[:, None] + hc_eps, 0.0)
         c = c / (tl.sum(c, 0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * HC + j, post, mask=mj)
-    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c, mask=m2)
-    _collapse(x_ptr, y_ptr, t, tl.where(mj, pre, 0.0), HC, D, BHC, BD)
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, 1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, 0)[None, :] + hc_eps)
+        if db == 0:
+            tl.store(post_ptr + t * HC + j, post, mask=mj)
+            tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c, mask=m2)
+    pre = tl.where(mj, pre, 0.0)
+    d = db * BD + tl.arange(0, BD)
+    m = mj[:, None] & (d[None, :] < D)
+    x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * x, 0)
+    tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
-def _blocks(HC: int, D: int) -> tuple[int, int, int]:
+def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full):
+    T = y.numel() // D
+    R = (2 + HC) * HC if full else HC
+    KD = HC * D
+    BR = p2(R)
+    BK = max(16, min(p2(KD), 4096 // BR))
+    per, ns = split_k(triton.cdiv(KD, BK), T, 2 * sms(xc.device))
+    ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
+    _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)
-    BK = max(16, min(p2(HC * D), 8192 // (BHC * BHC)))
-    BD = max(16, min(p2(D), 1024))
-    return BHC, BK, BD
+    BW = p2(R + 1)
+    BS = max(2, min(p2(ns), 4096 // BW))
+    BD = max(16, min(p2(D), 256))
+    _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
+                                              float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD)
 
 
 @implement("hc_pre", "triton")
@@ -99,22 +138,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     comb = torch.empty(B, S, HC, HC, dtype=torch.float32, device=x.device)
     if B * S == 0:
         return y, post, comb
-    BHC, BK, BD = _blocks(HC, D)
-    _hc_pre_kernel[(B * S,)](xc, fn, scale, base, y, post, comb, HC, D, float(norm_eps), float(hc_eps),
-                             int(iters), BHC=BHC, BK=BK, BD=BD)
+    _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, True)
     return y, post, comb
-
-
-@triton.jit
-def _hc_head_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, HC, D, norm_eps, hc_eps,
-                    BHC: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    ss, mix, _b, _c = _mix_pass(x_ptr, fn_ptr, t, HC, D, 0, BHC, BK, False)
-    r = tl.math.rsqrt(ss / (HC * D) + norm_eps)
-    j = tl.arange(0, BHC)
-    mj = j < HC
-    pre = tl.sigmoid(mix * r * tl.load(scale_ptr) + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
-    _collapse(x_ptr, y_ptr, t, tl.where(mj, pre, 0.0), HC, D, BHC, BD)
 
 
 @implement("hc_head", "triton")
@@ -126,8 +151,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
     if B * S == 0:
         return y
-    BHC, BK, BD = _blocks(HC, D)
-    _hc_head_kernel[(B * S,)](xc, fn, scale, base, y, HC, D, float(norm_eps), float(hc_eps), BHC=BHC, BK=BK, BD=BD)
+    _mix_and_apply(xc, fn, scale, base, y, y, y, HC, D, norm_eps, hc_eps, 1, False)
     return y
 
 

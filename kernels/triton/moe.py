@@ -1,8 +1,19 @@
 """MoE router (scores, biased top-k or hash routing, renormalised weights) and clamped SwiGLU.
 
-moe_route: one program per BT tokens; the gate GEMM runs as BT x E tiles over D blocks (fp32
-accumulate); scores are kept in registers; top-k is k rounds of max over distinct 63-bit keys
-(value, then lower expert id -- the reference's stable-sort tie-break), so no sort and no ties.
+moe_route runs as two kernels (grids from shapes only: CUDA-graph capturable, no host syncs):
+
+1. `_moe_logits_kernel`, grid (cdiv(T, BT), cdiv(E, BE), nsplit): split-K gate GEMM into a fp32
+   [nsplit, T, E] workspace (torch.empty). At T <= 16 (decode) it is a GEMV: fp32 FMA products reduced
+   with tl.sum (exact fp32 products), BT = p2(T) >= 2, BD = 128, BE so that BT x BE x BD <= 8192, and
+   nsplit so that the tiles x splits ~ 2 x SMs (256 experts x 4096 at T = 1: 8 expert tiles x 32
+   splits = 256 programs instead of the single program that streamed the whole 2 MB gate). At T > 16
+   it is a tl.dot GEMM on 32/64 x 64 x 32 tiles in 3xTF32 ("tf32x3", fp32 operands: fp32-accurate;
+   bf16 inputs split exactly), split over D only while the tile grid is short of 2 x SMs.
+2. `_moe_select_kernel`, one program per BT tokens with all E experts in registers: sums the splits in
+   a fixed order ([BS, BT, E] tiles + tl.sum: deterministic, no atomics), applies the score function,
+   stores `scores`, then biased top-k / hash routing and the weights exactly as before: top-k is k
+   rounds of max over distinct 63-bit keys (value, then lower expert id -- the reference's stable-sort
+   tie-break), so no sort and no ties.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import key_index, p2, sort_key
+from ._common import key_index, p2, sms, sort_key, split_k
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -29,25 +40,52 @@ def _softplus(x):
 
 
 @triton.jit
-def _moe_route_kernel(x_ptr, g_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, D, TOPK,
-                      route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
-                      BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, BKT: tl.constexpr,
-                      IEEE: tl.constexpr):
+def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE: tl.constexpr,
+                       BD: tl.constexpr, DOT: tl.constexpr):
+    """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate."""
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    e = (pid_e * BE + tl.arange(0, BE)).to(tl.int64)
+    mt = t < T
+    me = e < E
+    acc = tl.zeros([BT, BE], tl.float32)
+    d_lo = pid_s * DCH
+    for d0 in range(d_lo, d_lo + DCH, BD):
+        d = (d0 + tl.arange(0, BD)).to(tl.int64)
+        md = d < D
+        x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=mt[:, None] & md[None, :], other=0.0).to(tl.float32)
+        if DOT:
+            g = tl.load(g_ptr + e[None, :] * D + d[:, None], mask=me[None, :] & md[:, None], other=0.0)
+            acc += tl.dot(x, g.to(tl.float32), input_precision="tf32x3")
+        else:
+            g = tl.load(g_ptr + e[:, None] * D + d[None, :], mask=me[:, None] & md[None, :], other=0.0)
+            acc += tl.sum(x[:, None, :] * g.to(tl.float32)[None, :, :], 2)
+    tl.store(ws_ptr + (pid_s * T + t[:, None]) * E + e[None, :], acc, mask=mt[:, None] & me[None, :])
+
+
+@triton.jit
+def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, NS, TOPK,
+                       route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                       BT: tl.constexpr, BE: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr,
+                       ONE: tl.constexpr):
     pid = tl.program_id(0)
     t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     e = tl.arange(0, BE)
     mt = t < T
     me = e < E
-    acc = tl.zeros([BT, BE], tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        md = d < D
-        x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-        g = tl.load(g_ptr + e[None, :] * D + d[:, None], mask=me[None, :] & md[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), g.to(tl.float32), input_precision="tf32x3")
-        else:
-            acc += tl.dot(x, g)
+    m2 = mt[:, None] & me[None, :]
+    if ONE:
+        acc = tl.load(ws_ptr + t[:, None] * E + e[None, :], mask=m2, other=0.0)
+    else:
+        s = tl.arange(0, BS)
+        acc3 = tl.zeros([BS, BT, BE], tl.float32)
+        for s0 in range(0, NS, BS):
+            ss = (s0 + s).to(tl.int64)
+            acc3 += tl.load(ws_ptr + (ss[:, None, None] * T + t[None, :, None]) * E + e[None, None, :],
+                            mask=(ss[:, None, None] < NS) & m2[None, :, :], other=0.0)
+        acc = tl.sum(acc3, 0)
     if FUNC == 0:
         lg = tl.where(me[None, :], acc, float("-inf"))
         ex = tl.exp(lg - tl.max(lg, 1)[:, None])
@@ -56,7 +94,6 @@ def _moe_route_kernel(x_ptr, g_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_
         sc = tl.sigmoid(acc)
     else:
         sc = tl.sqrt(_softplus(acc))
-    m2 = mt[:, None] & me[None, :]
     tl.store(s_ptr + t[:, None] * E + e[None, :], sc, mask=m2)
     kk = tl.arange(0, BKT)
     mk = kk < TOPK
@@ -83,6 +120,9 @@ def _moe_route_kernel(x_ptr, g_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_
     tl.store(i_ptr + t[:, None] * TOPK + kk[None, :], sel, mask=mo)
 
 
+GEMV_MAX_T = 16
+
+
 @implement("moe_route", "triton")
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
               input_ids: torch.Tensor, topk: int, score_func: str, route_scale: float
@@ -97,18 +137,28 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     scores = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
         return weights, indices, scores
-    # Always fp32-accurate (3xTF32 on tensor cores: the fp32 IEEE path cost 0.43 ms per call on the
-    # H200): the reference scores in fp32, and a plain bf16 wgmma at K=4096 drifted by up to 2e-4.
-    ieee = True
-    BE = max(16, p2(E))
-    BT = 16
-    BD = max(16, min(p2(D), 8192 // BE))
-    _moe_route_kernel[(triton.cdiv(T, BT),)](
-        x, gate_w, bias.contiguous() if bias is not None else x,
-        tid2eid.contiguous() if tid2eid is not None else x, input_ids.contiguous(),
-        weights, indices, scores, T, E, D, k, float(route_scale),
+    # Always fp32-accurate: the reference scores in fp32, and a plain bf16 wgmma at K=4096 drifted by
+    # up to 2e-4. Small T: exact fp32 FMA GEMV; larger T: 3xTF32 tensor-core tiles.
+    dot = T > GEMV_MAX_T
+    if dot:
+        BT, BE, BD = (32 if T <= 64 else 64), 64, 32
+    else:
+        BT, BD = max(2, p2(T)), max(16, min(p2(D), 128))
+        BE = max(2, min(p2(E), 8192 // (BT * BD)))
+    tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
+    per, ns = split_k(triton.cdiv(D, BD), tiles, 2 * sms(x.device))
+    ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
+    _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
+        x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot)
+    BE2 = max(16, p2(E))
+    BT2 = max(2, min(16, p2(T)))
+    BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))
+    _moe_select_kernel[(triton.cdiv(T, BT2),)](
+        ws, bias.contiguous() if bias is not None else ws,
+        tid2eid.contiguous() if tid2eid is not None else ws, input_ids.contiguous(),
+        weights, indices, scores, T, E, ns, k, float(route_scale),
         FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None,
-        BT=BT, BE=BE, BD=BD, BKT=max(2, p2(k)), IEEE=ieee)
+        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1)
     return weights, indices, scores
 
 
