@@ -354,7 +354,7 @@ def tiny_config() -> ModelConfig:
     return ModelConfig(
         vocab_size=129280, dim=256, n_layers=4, n_mtp_layers=1, n_heads=4, head_dim=128, rope_head_dim=64,
         q_lora_rank=128, o_groups=2, o_lora_rank=128, window_size=8,
-        attn_kinds=tuple(_kind_of_ratio(r) if r != 16 else "hca" for r in ratios), compress_ratios=ratios,
+        attn_kinds=tuple(_kind_of_ratio(r) for r in ratios), compress_ratios=ratios,
         rope_theta=10000.0, compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=65536,
         beta_fast=32.0, beta_slow=1.0, index_n_heads=8, index_head_dim=128, index_topk=4,
         moe_inter_dim=128, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
