@@ -35,16 +35,7 @@ def _triton_model(numerics="exact", dtype="float32"):
 
 
 def _state(model):
-    """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
-    out = []
-    for a in model.attentions():
-        out.append(a.kv_cache)
-        if a.compressor is not None:
-            out += [a.compressor.kv_state, a.compressor.score_state]
-        if a.indexer is not None:
-            c = a.indexer.compressor
-            out += [c.cache, c.kv_state, c.score_state]
-    return out
+    return model.cache_tensors()
 
 
 @pytest.mark.gpu

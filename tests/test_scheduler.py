@@ -154,16 +154,7 @@ def test_generate_with_bucket_padding_equals_eager(lm, greedy_ref):
 
 
 def _state(model):
-    """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
-    out = []
-    for a in model.attentions():
-        out.append(a.kv_cache)
-        if a.compressor is not None:
-            out += [a.compressor.kv_state, a.compressor.score_state]
-        if a.indexer is not None:
-            c = a.indexer.compressor
-            out += [c.cache, c.kv_state, c.score_state]
-    return out
+    return model.cache_tensors()
 
 
 def test_runner_padding_matches_unpadded_decode_and_spares_live_rows(lm):

@@ -115,6 +115,18 @@ class Transformer:
     def attentions(self):
         return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
+        out = []
+        for a in self.attentions():
+            out.append(a.kv_cache)
+            if a.compressor is not None:
+                out += [a.compressor.kv_state, a.compressor.score_state]
+            if a.indexer is not None:
+                c = a.indexer.compressor
+                out += [c.cache, c.kv_state, c.score_state]
+        return out
+
     def allocate(self, rows: int, max_seq_len: int) -> None:
         """(Re)allocate every layer's cache for `rows` sequences of up to `max_seq_len` tokens."""
         self.rope = RopeTables(self.cfg, max_seq_len, self.device)
