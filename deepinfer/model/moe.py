@@ -37,35 +37,76 @@ class Expert:
         return self.w2(h.to(x.dtype))
 
 
+def _e8m0_bytes(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Power-of-two float32 scales -> (raw ue8m0 bytes, count of elements that are not such a power).
+
+    No host sync: the count stays on the device until the caller checks it once per stack.
+    """
+    bits = s.float().contiguous().view(torch.int32)
+    ok = ((bits & 0x807FFFFF) == 0) & (bits != 0) | (bits == 0x00400000)  # normal 2^e, or 2^-127
+    b = torch.where(bits == 0x00400000, torch.zeros_like(bits), (bits >> 23) & 0xFF)
+    return b.to(torch.uint8), (~ok).sum()
+
+
 class StackedLinear:
-    """One matrix (w1, w2 or w3) of every local expert, stacked: `Linear`'s three forms with a leading
-    expert dim -- weight [E, N, K] (float / fp8) or [E, N, K/2] int8 (fp4); scale [E, ceil(N/128),
-    ceil(K/128)] (fp8), [E, N, K/32] (fp4) or None (float)."""
+    """One matrix of every local expert, stacked: `Linear`'s three forms with a leading expert dim --
+    weight [E, N, K] (float / fp8) or [E, N, K/2] int8 (fp4); scale [E, ceil(N/128), ceil(K/128)] f32
+    (fp8), [E, N, K/32] raw ue8m0 bytes uint8 (fp4: a quarter of the f32 bytes a decode step streams)
+    or None (float).
+
+    `parts` names, per expert, the checkpoint matrices concatenated along N: `[w1, w3]` makes the
+    gate and up projections one [E, 2I, K] matrix, so one grouped GEMM (one routing sort, twice the
+    programs per launch) computes both.
+    """
 
     __slots__ = ("weight", "scale", "fmt")
 
-    def __init__(self, W: WeightSource, prefixes: list[str]):
+    def __init__(self, W: WeightSource, prefixes: list[list[str]]):
         self.weight = self.scale = None
         self.fmt = ""
-        for j, prefix in enumerate(prefixes):  # copy each expert in, then drop it: no second full copy
-            lin = W.linear(prefix)
-            if j == 0:
-                self.fmt = lin.fmt
-                E = len(prefixes)
-                self.weight = torch.empty((E, *lin.weight.shape), dtype=lin.weight.dtype, device=lin.weight.device)
-                if lin.scale is not None:
-                    self.scale = torch.empty((E, *lin.scale.shape), dtype=lin.scale.dtype, device=lin.scale.device)
-            if lin.fmt != self.fmt or lin.weight.shape != self.weight.shape[1:]:
-                raise ValueError(f"{prefix}: {lin.fmt} {tuple(lin.weight.shape)} differs from the layer's other "
-                                 f"experts ({self.fmt} {tuple(self.weight.shape[1:])})")
-            self.weight[j].copy_(lin.weight)
-            if self.scale is not None:
-                self.scale[j].copy_(lin.scale)
-            del lin
+        E = len(prefixes)
+        bad = None
+        for j, parts in enumerate(prefixes):  # copy each expert in, then drop it: no second full copy
+            n0 = 0
+            for prefix in parts:
+                lin = W.linear(prefix)
+                if self.weight is None:
+                    self.fmt = lin.fmt
+                    shape = (E, lin.weight.size(0) * len(parts), lin.weight.size(1))
+                    self.weight = torch.empty(shape, dtype=lin.weight.dtype, device=lin.weight.device)
+                    if lin.scale is not None:
+                        sdt = torch.uint8 if lin.fmt == "fp4" else lin.scale.dtype
+                        sshape = (E, lin.scale.size(0) * len(parts), lin.scale.size(1))
+                        self.scale = torch.empty(sshape, dtype=sdt, device=lin.scale.device)
+                n = lin.weight.size(0)
+                if lin.fmt != self.fmt or n0 + n > self.weight.size(1) or lin.weight.shape[1:] != self.weight.shape[2:]:
+                    raise ValueError(f"{prefix}: {lin.fmt} {tuple(lin.weight.shape)} differs from the layer's other "
+                                     f"experts ({self.fmt} {tuple(self.weight.shape[1:])} over {len(parts)} parts)")
+                self.weight[j, n0:n0 + n].copy_(lin.weight)
+                if self.scale is not None:
+                    if self.fmt == "fp4":
+                        sb, nbad = _e8m0_bytes(lin.scale)
+                        bad = nbad if bad is None else bad + nbad
+                        self.scale[j, n0:n0 + n].copy_(sb)
+                    else:  # fp8: [ceil(N/128)] scale rows per part (N is a multiple of 128 when parts > 1)
+                        r = lin.scale.size(0)
+                        self.scale[j, (n0 // n) * r:(n0 // n + 1) * r].copy_(lin.scale)
+                n0 += n
+                del lin
+        if bad is not None and int(bad):  # one sync per stack
+            raise ValueError(f"{prefixes[0][0]} ..: {int(bad)} FP4 scales are not powers of two (ue8m0)")
 
     def __getitem__(self, j: int) -> Linear:
-        """Expert j's matrix as a `Linear` over views of the stacks (no copy)."""
+        """Expert j's matrix as a `Linear` over views of the stacks (no copy; FP4 scales stay bytes)."""
         return Linear(self.weight[j], None if self.scale is None else self.scale[j], self.fmt)
+
+    def rows(self, j: int, lo: int, hi: int) -> Linear:
+        """Rows lo:hi (one part) of expert j's matrix as a `Linear` over views (no copy)."""
+        if self.scale is None:
+            return Linear(self.weight[j, lo:hi], None, self.fmt)
+        if self.fmt == "fp4":
+            return Linear(self.weight[j, lo:hi], self.scale[j, lo:hi], self.fmt)
+        return Linear(self.weight[j, lo:hi], self.scale[j, lo // 128:-(-hi // 128)], self.fmt)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The GEMM input as `Linear` feeds it: act_quant per 128 for FP8/FP4 weights, x as is for float."""
@@ -78,15 +119,25 @@ class StackedLinear:
 
 
 class RoutedExperts:
-    """This process's routed experts as stacked weights, run on (row, expert) pairs with one
-    `grouped_gemm` per matrix: no host sync, no per-expert launches (CUDA-graph capturable with a
-    backend whose grouped_gemm is sync-free, e.g. Triton). `experts[j]` is expert j as an `Expert` over
-    views of the stacks (for inspection and the per-expert reference)."""
+    """This process's routed experts as stacked weights, run on (row, expert) pairs with two
+    `grouped_gemm`s (w1|w3 concatenated, then w2): no host sync, no per-expert launches (CUDA-graph
+    capturable with a backend whose grouped_gemm is sync-free, e.g. Triton). `experts[j]` is expert j
+    as an `Expert` over views of the stacks (for inspection and the per-expert reference)."""
 
     def __init__(self, W: WeightSource, prefix: str, ids: range, limit: float):
         self.limit = limit
         self.n = len(ids)
-        self.w1, self.w2, self.w3 = (StackedLinear(W, [f"{prefix}experts.{e}.w{i}" for e in ids]) for i in (1, 2, 3))
+        names = [(f"{prefix}experts.{e}.w1", f"{prefix}experts.{e}.w3") for e in ids]
+        first = W.linear(names[0][0]) if self.n else None
+        self.inter = first.out_features if first is not None else 0
+        # FP8 block scales cover 128 rows: w1|w3 concatenate only if the seam falls on a block edge
+        self.fused = first is None or first.fmt != "fp8" or self.inter % 128 == 0
+        del first
+        if self.fused:
+            self.w13 = StackedLinear(W, [list(n) for n in names])
+        else:
+            self.w1, self.w3 = (StackedLinear(W, [[n[i]] for n in names]) for i in (0, 1))
+        self.w2 = StackedLinear(W, [[f"{prefix}experts.{e}.w2"] for e in ids])
 
     def __len__(self) -> int:
         return self.n
@@ -94,7 +145,11 @@ class RoutedExperts:
     def __getitem__(self, j: int) -> Expert:
         if not -self.n <= j < self.n:
             raise IndexError(j)
-        return Expert.from_linears(self.w1[j], self.w2[j], self.w3[j], self.limit)
+        j %= self.n
+        if not self.fused:
+            return Expert.from_linears(self.w1[j], self.w2[j], self.w3[j], self.limit)
+        I = self.inter
+        return Expert.from_linears(self.w13.rows(j, 0, I), self.w2[j], self.w13.rows(j, I, 2 * I), self.limit)
 
     def __iter__(self):
         return (self[j] for j in range(self.n))
@@ -106,8 +161,13 @@ class RoutedExperts:
         clamped SwiGLU in f32, the routing weight applied before w2, cast to x's dtype, w2.
         """
         dt = x_rows.dtype
-        a = self.w1.quantize_input(x_rows)
-        h = ops.swiglu(self.w1(a, e, dt), self.w3(a, e, dt), self.limit)
+        if self.fused:
+            h13 = self.w13(self.w13.quantize_input(x_rows), e, dt)
+            h1, h3 = h13[:, :self.inter], h13[:, self.inter:]
+        else:
+            a = self.w1.quantize_input(x_rows)
+            h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
+        h = ops.swiglu(h1, h3, self.limit)
         h = (w.float().unsqueeze(-1) * h).to(dt)
         return self.w2(self.w2.quantize_input(h), e, dt).float()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.ops import ops
+from deepinfer.ops.reference import scale_f32
 from deepinfer.quant.formats import fp4_unpack
 
 NUMERICS = ("official", "exact")
@@ -40,7 +41,8 @@ class Linear:
     """y = x Wᵀ for one weight in one of three forms.
 
     fmt "float": weight [N, K] in the compute dtype. fmt "fp8": weight [N, K] float8_e4m3fn, scale
-    [ceil(N/128), ceil(K/128)] f32. fmt "fp4": weight [N, K/2] int8 (e2m1 pairs), scale [N, K/32] f32.
+    [ceil(N/128), ceil(K/128)] f32. fmt "fp4": weight [N, K/2] int8 (e2m1 pairs), scale [N, K/32] f32 or
+    raw ue8m0 bytes (uint8, as stacked experts hold them).
     Quantised forms quantise the input per 128 along K (power-of-two scales) and call the FP8/FP4 GEMM.
     """
 
@@ -67,7 +69,7 @@ class Linear:
             return self.weight.to(dtype)
         if self.fmt == "fp8":
             return _dequant_fp8(self.weight, self.scale).to(dtype)
-        return (fp4_unpack(self.weight) * self.scale.float().repeat_interleave(32, -1)).to(dtype)
+        return (fp4_unpack(self.weight) * scale_f32(self.scale).repeat_interleave(32, -1)).to(dtype)
 
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + (

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.ops.registry import defop
-from deepinfer.quant.formats import fp4_round, fp4_unpack
+from deepinfer.quant.formats import e8m0_to_float, fp4_round, fp4_unpack
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -95,6 +95,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- GEMMs
+def scale_f32(s: torch.Tensor) -> torch.Tensor:
+    """A weight scale as float32: ue8m0 bytes (uint8 / float8_e8m0fnu, as FP4 experts are held) decoded,
+    anything else cast."""
+    return e8m0_to_float(s) if s.dtype in (torch.uint8, torch.float8_e8m0fnu) else s.float()
+
+
 def _expand_block_scale(s: torch.Tensor, n: int, k: int, block: int = 128) -> torch.Tensor:
     return s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
 
@@ -110,7 +116,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     M, K = a.shape
     N = w.size(0)
     af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
-    wf = w.float() * _expand_block_scale(w_s, N, K)
+    wf = w.float() * _expand_block_scale(scale_f32(w_s), N, K)
     return (af @ wf.t()).to(out_dtype)
 
 
@@ -119,11 +125,12 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """C = A Wᵀ with FP8 A (per-128 K scales) and FP4 e2m1 W (int8-packed, per-32 K scales).
 
-    a [M, K] float8_e4m3fn, a_s [M, K/128] f32, w [N, K/2] int8, w_s [N, K/32] f32 -> [M, N] out_dtype.
+    a [M, K] float8_e4m3fn, a_s [M, K/128] f32, w [N, K/2] int8, w_s [N, K/32] f32 or ue8m0 bytes
+    -> [M, N] out_dtype.
     """
     K = a.size(-1)
     af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
-    wf = fp4_unpack(w) * w_s.repeat_interleave(32, -1)
+    wf = fp4_unpack(w) * scale_f32(w_s).repeat_interleave(32, -1)
     return (af @ wf.t()).to(out_dtype)
 
 
@@ -396,7 +403,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     a [P, K]: float8_e4m3fn with a_s [P, K/128] f32 (act_quant), or a float dtype with a_s None.
     e [P] int64 local expert ids; -1 marks a padding row, whose output row is 0.
     w [E, N, K] float8_e4m3fn + w_s [E, ceil(N/128), ceil(K/128)] f32 (fp8_gemm per expert), or
-    [E, N, K/2] int8 e2m1 pairs + w_s [E, N, K/32] f32 (fp4_gemm per expert), or [E, N, K] float + None
+    [E, N, K/2] int8 e2m1 pairs + w_s [E, N, K/32] f32 or ue8m0 bytes (fp4_gemm per expert), or [E, N, K] float + None
     (linear per expert, in a's dtype). -> [P, N] out_dtype.
     Reference: a host-synchronising loop over the experts present (the kernels sort rows by expert).
     """

@@ -153,7 +153,7 @@ def _e2m1(code):
 @triton.jit
 def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
                      BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-                     DOT_BF16: tl.constexpr):
+                     DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr):
     # K blocks of 128 = 64 packed bytes per weight row (byte i: element 2i low nibble, 2i+1 high nibble)
     # = 4 scale groups of 32. One A scale per 128 block.
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
@@ -176,7 +176,9 @@ def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, 
         byte = tl.load(w_ptr + rn[:, None] * KH + kh[None, :], mask=(rn[:, None] < N) & (kh[None, :] < KH), other=0)
         byte = byte.to(tl.int32) & 0xFF
         g = kb * 4 + g4
-        sw = tl.load(ws_ptr + rn[:, None] * KS_W + g[None, :], mask=(rn[:, None] < N) & (g[None, :] < KG), other=0.0)
+        sw = tl.load(ws_ptr + rn[:, None] * KS_W + g[None, :], mask=(rn[:, None] < N) & (g[None, :] < KG), other=0)
+        if SCALE_E8M0:  # raw ue8m0 byte b -> 2^(b - 127) from the float32 exponent bits (b = 0 -> 0)
+            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         lo = tl.reshape(tl.reshape(_e2m1(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         hi = tl.reshape(tl.reshape(_e2m1(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         w = tl.reshape(tl.join(lo, hi), [BN, 128])  # natural K order: element 2i then 2i+1
@@ -193,7 +195,9 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     M, K = a.shape
     N = w.size(0)
     assert K % 32 == 0 and w.size(1) * 2 == K, "fp4_gemm: K must be a multiple of 32 and w [N, K/2]"
-    a, a_s, w, w_s = a.contiguous(), a_s.float().contiguous(), w.contiguous(), w_s.float().contiguous()
+    e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)  # raw ue8m0 bytes, decoded in-kernel
+    w_s = w_s.view(torch.uint8) if e8m0 else w_s.float()
+    a, a_s, w, w_s = a.contiguous(), a_s.float().contiguous(), w.contiguous(), w_s.contiguous()
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
@@ -201,6 +205,6 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
     _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, M, N, K, a_s.size(1), w_s.size(1), per,
-                           BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET,
+                           BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
                            num_warps=nw, num_stages=ns)
     return _finish(part, c, splits)

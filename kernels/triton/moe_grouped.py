@@ -2,7 +2,7 @@
 
 vLLM-style layout: `moe_align` (torch) / `_align_kernel` (one Triton program, decode sizes) sort the P (token, expert) rows by expert with plain torch ops and
 pads each expert's run to a multiple of BM rows, so every block of BM sorted rows belongs to one
-expert. The kernel grid is (max blocks, cdiv(N, BN)) -- a function of (P, E, N) only, never of the
+expert. The kernel grid is (max blocks, cdiv(N, BN)[, K splits]) -- a function of (P, E, N, K) only, never of the
 routing -- and each program loads its block's expert id (unused blocks: -1, return at once), gathers
 its A rows, streams that expert's W tiles over K once for the whole block (fp32 accumulate) and
 scatters the results to the rows' original positions. Rows with e = -1 belong to no block and keep
@@ -11,8 +11,16 @@ step that routes through here can be captured in a CUDA graph.
 
 Numerics per weight format (same as `gemm.py` / `linear.py`, whose references the op's reference loops):
   fp8   e4m3 x e4m3 dots over K blocks of 128, times the row's A scale and the 128x128 W block scale;
-  fp4   e2m1 decoded in-kernel to e4m3 by bit arithmetic (exact), one A scale per 128 K, and four dots of K = 32 per
-        128-K step, each times its per-32 W scale (scales are powers of two: exact in any order);
+  fp4   64 packed bytes per weight row per 128-K step, both nibbles decoded, the per-32 power-of-two
+        scales (f32, or raw ue8m0 bytes: a quarter of the scale traffic) multiplied in, A pre-scaled by
+        its per-128 power-of-two scale, one bf16 dot per step. Why bf16 and not the FP4 -> FP8 upcast
+        with a per-128 power-of-two rescale: the bf16 form is lossless for *every* scale pattern
+        (e2m1 x 2^e has 2 significant bits, bf16 the full fp32 exponent range), while the FP8 rescale
+        (each group divided by its block's largest scale) stays exact only while a 128 block's four
+        group scales lie within 2^8 of each other (e4m3's subnormal floor) and needs a second path
+        otherwise. Decode streams weights (M is ~1-4 rows per expert), so the MMA rate is irrelevant
+        there; at prefill the bf16 dot caps these GEMMs at the bf16 rate, half the FP8 one.
+        Decode-sized blocks split K over a third grid axis (fp32 partials, reduced in a fixed order).
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
 FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits).
@@ -20,11 +28,16 @@ FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 ac
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+
+from ._common import sms as _sms
+from .gemm import _INTERPRET, _finish
 
 
 
@@ -113,6 +126,10 @@ whose ~35 launches are small next to the GEMMs there and which scales where one 
 
 def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align`'s layout; the choice of implementation depends on the sizes only."""
+    return _align(e, n_experts, block_m)
+
+
+def _align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     P, E = e.numel(), int(n_experts)
     if P > ALIGN_KERNEL_MAX_P or E > 1024 or P == 0:
         return moe_align(e, E, block_m)
@@ -130,22 +147,10 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
 def _block_m(P: int, E: int) -> int:
     """Rows per block from the average rows per expert (decode: ~1-3 -> 16, the smallest tl.dot M)."""
     avg = P / max(E, 1)
-    return 16 if avg <= 16 else (32 if avg <= 48 else 64)
+    return 16 if avg <= 16 else (32 if avg <= 32 else (64 if avg <= 80 else 128))
 
 
 # ------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _e2m1_to_e4m3(code):
-    """4-bit e2m1 codes (int32, 0..15) -> the same values as float8e4nv, by bits (exact, no float math).
-
-    Magnitude m = code & 7 is 0, 0.5, 1, 1.5, 2, 3, 4, 6; for m >= 2 the e4m3 bits are (m << 2) + 0x30
-    (exponent (m >> 1) + 6, mantissa bit m & 1 at the top), 0.5 is 0x30, 0 is 0; bit 3 -> bit 7.
-    """
-    m = code & 7
-    bits = tl.where(m >= 2, (m << 2) + 0x30, tl.where(m == 1, 0x30, 0)) | ((code & 8) << 4)
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
 @triton.jit
 def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -176,12 +181,64 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
 
 
 @triton.jit
-def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, KS_W,
-                   BM: tl.constexpr, BN: tl.constexpr):
-    # One step = 128 K = one A scale = 4 W scale groups of 32 = 64 packed bytes per W row, taken as four
-    # K = 32 dots (byte i: element 2i low nibble, 2i+1 high). As in gemm.py, lane j < 16 of a group is
-    # element 2j (low nibble of byte j) and lane j >= 16 element 2(j-16)+1 (high nibble of byte j-16):
-    # A is loaded in that permuted column order, so no interleave is needed.
+def _e2m1_x2p14(code):
+    """4-bit e2m1 codes (int32, 0..15) -> float32 value * 2^-14, exactly, in 6 integer/convert ops.
+
+    (code & 7) << 9 is the fp16 bit pattern with exponent field e (code bits 1..2) and top mantissa
+    bit m (code bit 0): 2^(e-15) (1 + m/2), or the subnormal m 2^-15 for e = 0 -- the e2m1 value
+    2^(e-1) (1 + m/2) (resp. m/2) times 2^-14; code bit 3 is the sign (fp16 bit 15). fp16 -> fp32 is
+    exact, subnormals included. (The where-chain decode took ~15 ops per element, and the kernel is
+    bound by these per-element instructions, not by HBM.)
+    """
+    h = ((code & 7) << 9) | ((code & 8) << 12)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# bf16 bytes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
+# 0x4040, 0x4080, 0x40C0) as two 8-byte prmt tables: low bytes C0800000 C0804000, high 3F3F3F00 40404040.
+_PRMT_DECODE = (
+    "mov.b32 z, 0; shr.b32 u, m, 4; or.b32 u, u, m; prmt.b32 s, u, z, 0x0020; "  # the 4 magnitude indices as nibbles
+    "mov.b32 t0, 0xC0800000; mov.b32 t1, 0xC0804000; prmt.b32 lo, t0, t1, s; "
+    "mov.b32 t0, 0x3F3F3F00; mov.b32 t1, 0x40404040; prmt.b32 hi, t0, t1, s; "
+    "prmt.b32 a, lo, hi, 0x5140; prmt.b32 b, lo, hi, 0x7362; "  # bf16 pairs (elements 0,1) and (2,3)
+    "prmt.b32 t0, g, z, 0x1404; prmt.b32 t1, g, z, 0x3424; or.b32 a, a, t0; or.b32 b, b, t1; "  # signs
+    "mul.rn.bf16x2 $0, a, $3; mul.rn.bf16x2 $1, b, $4; }"  # x scale: exact (power of two)
+)
+_ASM_REGS = "{ .reg .b32 m, u, s, t0, t1, lo, hi, a, b, g, z; "
+# jit code reads globals only as tl.constexpr
+_ASM_LO = tl.constexpr(_ASM_REGS + "and.b32 m, $2, 0x07070707; shl.b32 g, $2, 4; and.b32 g, g, 0x80808080; "
+                       + _PRMT_DECODE)
+_ASM_HI = tl.constexpr(_ASM_REGS + "shr.b32 m, $2, 4; and.b32 m, m, 0x07070707; and.b32 g, $2, 0x80808080; "
+                       + _PRMT_DECODE)
+
+
+@triton.jit
+def _fp4_bf16_lo(byte, scale):
+    """Low nibbles of uint8 `byte` as bf16 e2m1 values times the bf16 power-of-two `scale` (same shape),
+    4 elements per PTX block: a byte-permute (prmt) table lookup builds the bf16 bits of 4 values in ~15
+    instructions (the Triton decode needs ~11 per value); sm_90 (mul.bf16x2)."""
+    return tl.inline_asm_elementwise(
+        asm=_ASM_LO, constraints="=r,=r,r,r,r", args=[byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_bf16_hi(byte, scale):
+    """High nibbles of `byte`, as `_fp4_bf16_lo`."""
+    return tl.inline_asm_elementwise(
+        asm=_ASM_HI, constraints="=r,=r,r,r,r", args=[byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, KS_W,
+                   KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                   DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr):
+    # Program (block b, N tile, K split). Each 128-K step loads 64 packed bytes per weight row (one
+    # contiguous 64 B segment; byte i = element 2i low nibble, 2i+1 high nibble) and decodes the low
+    # and the high nibbles as two [BN, 64] tiles with the 4 per-32 power-of-two scales multiplied in.
+    # A's even and odd columns are loaded as two [BM, 64] tiles, so two dots (even x low, odd x high)
+    # cover the step with no interleave shuffle. A is pre-scaled by its per-128 power-of-two scale.
+    # Every operand value is exact in bf16 and every bf16 x bf16 product exact in the fp32
+    # accumulator, so the dots chain straight into it.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -191,31 +248,73 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     mr = rows < P
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mn = rn < N
-    j = tl.arange(0, 32)
-    jb = j % 16
-    hi = j >= 16
-    acol = 2 * jb + hi.to(tl.int32)
+    jb = tl.arange(0, 64)
+    g4 = tl.arange(0, 4)
     KH = K // 2
+    KG = K // 32
     w_base = w_ptr + ex * N * KH
     ws_base = ws_ptr + ex * N * KS_W
     acc = tl.zeros([BM, BN], tl.float32)
-    for kc in range(0, tl.cdiv(K, 128)):
-        part = tl.zeros([BM, BN], tl.float32)
-        for g in tl.static_range(4):
-            ka = kc * 128 + g * 32 + acol
-            kb = kc * 64 + g * 16 + jb
-            a = tl.load(a_ptr + rows[:, None] * K + ka[None, :], mask=mr[:, None] & (ka[None, :] < K), other=0.0)
-            byte = tl.load(w_base + rn[None, :] * KH + kb[:, None], mask=mn[None, :] & (kb[:, None] < KH), other=0)
+    kb0 = tl.program_id(2) * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, 128))
+    for kb in range(kb0, kb1):
+        kh = kb * 64 + jb
+        ke = 2 * kh  # even K columns; odd = ke + 1 (K is even)
+        am = mr[:, None] & (ke[None, :] < K)
+        sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
+        a_e = tl.load(a_ptr + rows[:, None] * K + ke[None, :], mask=am, other=0.0).to(tl.float32) * sa[:, None]
+        a_o = tl.load(a_ptr + rows[:, None] * K + ke[None, :] + 1, mask=am, other=0.0).to(tl.float32) * sa[:, None]
+        byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH), other=0)
+        g = kb * 4 + g4
+        sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
+        if SCALE_E8M0:  # raw ue8m0 byte b -> 2^(b - 127) from the float32 exponent bits (b = 0 -> 0)
+            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
+            sb = tl.reshape(tl.broadcast_to(sw.to(tl.bfloat16)[:, :, None], [BN, 4, 16]), [BN, 64])
+            lo = _fp4_bf16_lo(byte, sb)
+            hi = _fp4_bf16_hi(byte, sb)
+        else:
             byte = byte.to(tl.int32) & 0xFF
-            code = tl.where(hi[:, None], byte >> 4, byte & 0xF)
-            w = _e2m1_to_e4m3(code)
-            gi = kc * 4 + g + tl.zeros([BN], tl.int32)  # scale group (vector: a scalar mask operand trips the interpreter)
-            sw = tl.load(ws_base + rn * KS_W + gi, mask=mn & (gi < KS_W), other=0.0)
-            part += tl.dot(a, w, max_num_imprecise_acc=0) * sw[None, :]
-        sa = tl.load(as_ptr + rows * KS_A + kc, mask=mr, other=0.0)
-        acc += part * sa[:, None]
-    tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mr[:, None] & mn[None, :])
+            sw = sw * 16384.0
+            lo = tl.reshape(tl.reshape(_e2m1_x2p14(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+            hi = tl.reshape(tl.reshape(_e2m1_x2p14(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+        if DOT_BF16:
+            acc = tl.dot(a_e.to(tl.bfloat16), tl.trans(lo.to(tl.bfloat16)), acc)
+            acc = tl.dot(a_o.to(tl.bfloat16), tl.trans(hi.to(tl.bfloat16)), acc)
+        else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
+            acc = tl.dot(a_e, tl.trans(lo), acc, input_precision="ieee")
+            acc = tl.dot(a_o, tl.trans(hi), acc, input_precision="ieee")
+    msk = mr[:, None] & mn[None, :]
+    if SPLIT:  # fp32 partial of this K split, at the rows' original positions
+        pk = tl.program_id(2).to(tl.int64)
+        tl.store(p_ptr + (pk * P + rows[:, None]) * N + rn[None, :], acc, mask=msk)
+    else:
+        tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=msk)
+
+
+def _asm_ok(device: torch.device) -> bool:
+    """The packed PTX FP4 decode: compiled (not the interpreter), sm_90+ (mul.rn.bf16x2), and not
+    switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode runs: same values)."""
+    if _INTERPRET or device.type != "cuda" or os.environ.get("DEEPINFER_FP4_ASM", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _fp4_config(nb: int, N: int, K: int, BM: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM.
+
+    Decode-sized blocks (BM <= 32): weight streaming. BN 64, and the 128-K steps split over a third grid
+    axis until there are ~4 programs per SM (each split >= 2 K blocks): at batch 1 (6 blocks, N 4096)
+    384 tiles become 768 programs. (H200 sweep at batch 1, w1|w3: BN 32/64/128, 2-8 warps, 2-4 stages
+    all within 78-93 us -- the per-element FP4 decode instructions, not the tiling, bound it.) Prefill-sized blocks (BM 64): 64x128 tiles, no split.
+    """
+    nkb = triton.cdiv(K, 128)
+    if BM <= 32:
+        tiles = nb * triton.cdiv(N, 64)
+        splits = max(1, min(nkb // 2, triton.cdiv(4 * _sms(device), tiles)))
+        per = triton.cdiv(nkb, splits)
+        return 64, triton.cdiv(nkb, per), per, 4, 3
+    return 256, 1, nkb, 8, 2
 
 
 @triton.jit
@@ -270,10 +369,17 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     elif w.dtype in (torch.int8, torch.uint8):
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
-        a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
-        BN = 64 if N <= 64 else 128
-        _gg_fp4_kernel[(nb, triton.cdiv(N, BN))](
-            a, a_s, w.view(torch.uint8), w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(2), BM=BM, BN=BN)
+        e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)  # raw ue8m0 bytes: 1/4 of the f32 bytes
+        a_s = a_s.float().contiguous()
+        w_s = (w_s.view(torch.uint8) if e8m0 else w_s.float()).contiguous()
+        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
+        part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
+        _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
+            a, a_s, w.view(torch.uint8), w_s, c, part, rows, bexp, P, N, K, a_s.size(1), w_s.size(2), per,
+            BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=_asm_ok(a.device),
+            num_warps=nw, num_stages=ns)
+        if splits > 1:
+            _finish(part, c, splits)
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
