@@ -202,6 +202,38 @@ def test_linear(seed, shape, N, K, dtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("M,N,K", [(1, 300, 256), (5, 300, 200), (40, 130, 192)])
+def test_linear_fp32_x_bf16_w_is_the_fp32_head(seed, M, N, K):
+    """The LM head form: fp32 x, W kept bf16: F.linear(x, W.float()) at fp32 accuracy (the registry's
+    float32 tolerance relative to sum |x_k w_k|; a bf16-rounded x would miss it by ~100x)."""
+    g = gen(seed)
+    x = (torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-6, 6, (M, 1), generator=g).float())).to(DEV)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
+    out, ref = run_both("linear", x, w)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    exact = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()  # fp32 summation error scales with sum |x_k w_k|
+    err = (out.double() - exact).abs() / mag
+    assert err.max() < 1e-5, f"{err.max():.2e}: not fp32-accurate (or NaN)"
+
+
+@pytest.mark.parametrize("M,N", [(1, 200), (33, 70)])
+def test_linear_fp32_x_bf16_w_keeps_every_bit_of_x(M, N):
+    """x with a full 24-bit significand times power-of-two bf16 weights, K = 1: the exact product is an
+    fp32 number, so the head kernel must return it bit for bit -- dropping any of x's low bits (a
+    2-part bf16 split keeps 16 of 24) changes the result."""
+    g = gen(11)
+    mant = torch.randint(2**23, 2**24, (M, 1), generator=g).double() * 2.0**-24
+    sgn = torch.randint(0, 2, (M, 1), generator=g).double() * 2 - 1
+    x = (mant * sgn * torch.exp2(torch.randint(-8, 8, (M, 1), generator=g).double())).float().to(DEV)
+    w = (torch.exp2(torch.randint(-3, 4, (N, 1), generator=g).float())
+         * (torch.randint(0, 2, (N, 1), generator=g).float() * 2 - 1)).to(DEV, torch.bfloat16)
+    with poisoned():
+        out = REGISTRY["linear"].impls["triton"](x, w)
+    exact = (x.double() @ w.double().t()).float()
+    assert torch.equal(out, exact), f"{(out != exact).sum().item()} of {out.numel()} products inexact"
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("M,N,K,out_dtype", [(3, 70, 96, torch.float32), (20, 64, 256, torch.bfloat16)])
 def test_fp4_gemm(seed, M, N, K, out_dtype):
     g = gen(seed)

@@ -67,7 +67,7 @@ class Head:
         c = self.cfg
         x = ops.hc_head(h, self.hc.fn, self.hc.scale, self.hc.base, c.norm_eps, c.hc_eps)
         x = ops.rms_norm(x, self.norm, c.norm_eps)
-        return F.linear(x.float(), self.weight)
+        return ops.linear(x.float(), self.weight)  # = F.linear(x.float(), W.float()): the fp32 head
 
 
 class MTPBlock:
@@ -102,7 +102,7 @@ class Transformer:
         self.embed = W.compute("embed.weight")
         self.layers = [Block(cfg, W, f"layers.{i}.", i, numerics, cfg.hash_layers[i], expert_range)
                        for i in range(cfg.n_layers)]
-        head_w = W.f32("head.weight")
+        head_w = W.raw("head.weight")  # checkpoint dtype (bf16): `linear` computes in fp32 without a copy
         self.head = Head(cfg, HCParams(W, "hc_head"), W.f32("norm.weight"), head_w)
         self.mtp = [MTPBlock(cfg, W, f"mtp.{m}.", cfg.n_layers + m, numerics, self.embed, head_w, expert_range)
                     for m in range(cfg.n_mtp_layers)]

@@ -13,12 +13,17 @@ Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
   of 16 programs streaming 1 MB). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and a
   second kernel sums them in a fixed order (one [BS, BLOCK] tile + tl.sum: deterministic, no atomics);
   with a single split the GEMV kernel stores y directly.
-* M > 16: tiled tl.dot GEMM (BM x 64 x 32 tiles, fp32 accumulate); fp32 operands use 3xTF32
+* fp32 x, bf16 W (the LM head, kept in its checkpoint bf16): x split exactly into three bf16
+  parts, three bf16 dots into one fp32 accumulator (`_linear_x3_kernel`): fp32-exact products at the
+  bf16 MMA rate, half the bytes of an fp32 head and no per-call upcast copy.
+* M > 16: tiled tl.dot GEMM (BM x 64 x 32 tiles, K split as the GEMV's, fp32 accumulate); fp32 operands use 3xTF32
   ("tf32x3": ~2^-22 relative per product, fp32-accurate within the registry's float32 tolerance and far
   faster than "ieee" FMA dot emulation).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -28,26 +33,35 @@ from deepinfer.ops.registry import implement
 
 from ._common import dot_ieee, p2, sms, split_k
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   IEEE: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   IEEE: tl.constexpr, DIRECT: tl.constexpr):
+    """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: out is y (DIRECT) or the fp32 partials."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    k_lo = pid_s * KCH
+    for k0 in range(k_lo, k_lo + KCH, BK):
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+        w = w.to(x_ptr.dtype.element_ty)  # the reference's w.to(x.dtype), per tile (no full-size copy)
         if IEEE:
             acc += tl.dot(x, w, input_precision="tf32x3")
         else:
             acc += tl.dot(x, w)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    msk = (rm[:, None] < M) & (rn[None, :] < N)
+    if DIRECT:
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=msk)
+    else:
+        tl.store(out_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :], acc, mask=msk)
 
 
 @triton.jit
@@ -66,7 +80,8 @@ def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, B
         k = (k0 + tl.arange(0, BK)).to(tl.int64)
         mk = k < K
         x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference's w.to(x.dtype), then exact fp32
         acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     if DIRECT:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -88,7 +103,45 @@ def _splitk_reduce_kernel(ws_ptr, y_ptr, MN, NS, BS: tl.constexpr, BLOCK: tl.con
     tl.store(y_ptr + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=mo)
 
 
+@triton.jit
+def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      DOT_BF16: tl.constexpr):
+    """y = x Wᵀ for fp32 x and bf16 W (the LM head) at fp32 accuracy on bf16 tensor cores.
+
+    x = x1 + x2 + x3 exactly, each a bf16 (round to nearest, take the exact fp32 remainder, twice:
+    8 + 8 + 8 significant bits cover fp32's 24), and W is bf16 already, so the three bf16 x bf16 dots
+    form exact products in the fp32 accumulator: the sum of fp32 products, as the reference's
+    F.linear(x, W.float()), with no fp32 copy of W (1 GB for V4's head) and at the bf16 MMA rate.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+        wt = tl.trans(w)
+        if DOT_BF16:
+            x1 = x.to(tl.bfloat16)
+            r = x - x1.to(tl.float32)
+            x2 = r.to(tl.bfloat16)
+            x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x1, wt, acc)
+            acc = tl.dot(x2, wt, acc)
+            acc = tl.dot(x3, wt, acc)
+        else:  # the interpreter's bf16 dot is wrong; an fp32 "ieee" dot forms the same exact products
+            acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 GEMV_MAX_M = 16
+X3_MIN_M = 1
+"""fp32 x with a bf16 weight (the LM head): the bf16x3 tensor-core kernel from this many rows on. At one
+row too: the FMA GEMV (BN 32 x BK 128 tiles) streamed V4's 1 GB head at ~1 TB/s on the H200 (1.2 ms),
+the 128-row tiles of the x3 kernel stream it at the copy rate."""
 
 
 def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -109,21 +162,45 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     _splitk_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M * N, ns, BS=BS, BLOCK=BLOCK)
 
 
+def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+    """M > 16: BM x 64 tiles, K split over a third grid axis until ~2 programs per SM (the fp32
+    compressor projections at batch 64 -- [64, 4096] x [1024, 4096] -- were 16 programs streaming 1 MB
+    each: ~100 us; the same fixed-order partial reduction as the GEMV)."""
+    M, K = x2.shape
+    N = w.size(0)
+    BM = 32 if M <= 32 else 64
+    BN, BK = 64, 32
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    per, ns = split_k(triton.cdiv(K, BK), tiles, 2 * sms(x2.device))
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), ns)
+    ieee = dot_ieee(x2)
+    if ns == 1:
+        _linear_kernel[grid](x2, w, y, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=True)
+        return
+    ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
+    _linear_kernel[grid](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=False)
+    BS = min(p2(ns), 32)
+    BLOCK = max(16, min(p2(M * N), 4096 // BS))
+    _splitk_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M * N, ns, BS=BS, BLOCK=BLOCK)
+
+
 @implement("linear", "triton")
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     K = shape[-1]
     N = w.size(0)
     x2 = x.reshape(-1, K).contiguous()
-    w = w.to(x.dtype).contiguous()
+    w = w.contiguous()  # kept in its own dtype: each kernel casts tiles as the reference's w.to(x.dtype)
     M = x2.size(0)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        if M <= GEMV_MAX_M:
+        if x2.dtype == torch.float32 and w.dtype == torch.bfloat16 and M >= X3_MIN_M:
+            BM = 16 if M <= 16 else (32 if M <= 32 else 64)
+            BN, BK = 128, 64
+            _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
+                x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET, num_warps=4, num_stages=3)
+        elif M <= GEMV_MAX_M:
             _gemv(x2, w, y)
         else:
-            BM = 32 if M <= 32 else 64
-            BN, BK = 64, 32
-            _linear_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK,
-                                                                     IEEE=dot_ieee(x2, w))
+            _tiled(x2, w, y)
     return y.view(*shape[:-1], N)
