@@ -190,4 +190,11 @@ class Attention:
                 j = torch.arange(self.kv_cache.size(1) - self.win, device=dev)
                 sel = torch.where(j < ((pos + 1) // self.ratio).unsqueeze(-1), j, -1).unsqueeze(1)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + self.win, -1)], -1)
-        return ops.sparse_attn(q, self.kv_cache[rows], self.sink, idx, self.scale)
+        # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
+        # one batch whose slot indices are offset to its row. Same op, same result as gathering
+        # kv_cache[rows] first, without copying every row's whole cache each step.
+        B, _, H, D = q.shape
+        N = self.kv_cache.size(1)
+        gidx = torch.where(idx >= 0, idx + (rows * N).view(B, 1, 1), -1).view(1, B, -1)
+        o = ops.sparse_attn(q.view(1, B, H, D), self.kv_cache.view(1, -1, D), self.sink, gidx, self.scale)
+        return o.view(B, 1, H, D)
