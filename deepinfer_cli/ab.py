@@ -46,7 +46,7 @@ def ab_cmd(
     dump: str = typer.Option(None, "--dump", help="Write each case's inputs and outputs to DIR (HDF5, one file per case)."),
     compare: str = typer.Option(None, "--compare", help="Run the backend on the inputs saved in DIR (by --dump on "
                                 "another host) and compare with the saved outputs; no reference needed."),
-    do_bench: bool = typer.Option(False, "--bench", help="Also time each case (CUDA only) and report GB/s."),
+    do_bench: bool = typer.Option(False, "--bench", help="Also time each case (CUDA only): GB/s, TFLOP/s and the fraction of the measured roofline."),
     device: str = typer.Option(None, "--device", help="cuda | cpu (default: cuda when available)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -95,9 +95,10 @@ def _print_table(rep, note, do_bench: bool) -> None:
     t = Table(title=title, show_lines=False)
     cols = ["case", "inputs", "dtype", "rel err", "max abs", "bit=", "tol", "result"]
     if do_bench:
-        cols += ["time", "GB/s"]
+        cols += ["time", "GB/s", "TFLOP/s", "of roofline"]
     for c in cols:
-        t.add_column(c, justify="right" if c in ("rel err", "max abs", "time", "GB/s") else "left",
+        t.add_column(c, justify="right" if c in ("rel err", "max abs", "time", "GB/s", "TFLOP/s", "of roofline")
+                     else "left",
                      overflow="fold" if c in ("case", "inputs") else "ellipsis")
     style = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
     grouped: dict[str, list] = {}  # whole shape sets skipped for one reason: one line each below the table
@@ -115,7 +116,8 @@ def _print_table(rep, note, do_bench: bool) -> None:
                _fmt(w.get("max_abs")), "-" if not r.outputs else ("yes" if all(m["bitwise"] for m in r.outputs) else "no"),
                "-" if tol is None else f"{tol[0]:g}/{tol[1]:g}", f"[{style.get(r.status, '')}]{r.status.upper()}[/]"]
         if do_bench:
-            row += ["-" if r.time_ms is None else f"{r.time_ms * 1e3:.1f} µs", _fmt(r.gbps, ".1f")]
+            row += ["-" if r.time_ms is None else f"{r.time_ms * 1e3:.1f} µs", _fmt(r.gbps, ".1f"),
+                    _fmt(r.tflops, ".1f"), "-" if r.of_roofline is None else f"{r.of_roofline:.0%}"]
         t.add_row(*row)
     con.print(t)
     for r, reason in problems:

@@ -105,6 +105,18 @@ def _print(report: dict, con: Console) -> None:
         for r in report["profile"]:
             t.add_row(r["name"], f"{r['calls_per_step']:.0f}", f"{r['ms_per_step']:.3f}", f"{r['share']:.1%}")
         con.print(t)
+    pops = report.get("prefill_ops")
+    if pops:
+        fp8 = report.get("matmul_fp8_flops")
+        t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms): compute ops, achieved rate "
+                        f"vs measured fp8 {fp8 / 1e12 if fp8 else float('nan'):.0f} / bf16 "
+                        f"{report['matmul_flops'] / 1e12:.0f} TFLOP/s")
+        for c in ("op", "calls", "ms", "share", "TFLOP/s", "of ceiling"):
+            t.add_column(c, justify="left" if c == "op" else "right")
+        for r in pops["ops"]:
+            t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / pops['total_ms']:.1%}",
+                      f"{r['tflops']:.0f}", f"{r['of_ceiling']:.0%} {r['ceiling']}" if r["of_ceiling"] else "-")
+        con.print(t)
     for d in report["decode"]:
         if d.get("graph_error"):
             con.print(f"[red]batch {d['batch']}: graph capture failed, timed eagerly: {d['graph_error']}[/red]")

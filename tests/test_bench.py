@@ -184,3 +184,35 @@ def test_cli_bad_options():
                  ["bench", "--peer", "vllm", "--device", "cpu", "--batch", "1"]):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
+
+
+def test_op_flops_count_useful_work_only():
+    """FLOPs per op call from its arguments: padding rows (e = -1) and empty index slots (-1) count 0."""
+    from deepinfer.engine.oprates import _flops
+
+    a = torch.zeros(6, 256)
+    assert _flops("fp8_gemm", (a, None, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
+    assert _flops("linear", (torch.zeros(2, 3, 256), torch.zeros(10, 256)), {}) == 2 * 6 * 10 * 256
+    e = torch.tensor([0, -1, 3, 3, -1, 1])
+    assert _flops("grouped_gemm", (a, None, e, torch.zeros(4, 32, 128), None), {}) == 2 * 4 * 256 * 32
+    q, idx = torch.zeros(1, 5, 8, 64), torch.tensor([[[0, 1, -1]] * 5])
+    assert _flops("sparse_attn", (q, None, None, idx, 1.0), {}) == 4 * 10 * 8 * 64
+    assert _flops("rms_norm", (a,), {}) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_op_rates_time_a_real_gemm():
+    from deepinfer.engine.oprates import op_rates, summarize
+    from deepinfer.ops import ops
+
+    ops.configure("torch")
+    x = torch.randn(512, 1024, device="cuda")
+    w = torch.randn(2048, 1024, device="cuda")
+    with op_rates(("linear",)) as calls:
+        ops.linear(x, w)
+        ops.linear(x, w)
+    rows = summarize(calls, None, 1e15)
+    assert len(rows) == 1 and rows[0]["calls"] == 2 and rows[0]["flops"] == 2 * 2 * 512 * 1024 * 2048
+    assert rows[0]["ms"] > 0 and rows[0]["tflops"] > 0
+    assert ops.linear is not None and ops._cache["linear"].__name__ != "timed", "wrappers removed on exit"

@@ -49,6 +49,8 @@ class CaseResult:
     outputs: list = field(default_factory=list)  # per-output metric dicts
     time_ms: float | None = None
     gbps: float | None = None
+    tflops: float | None = None
+    of_roofline: float | None = None  # max(bytes / measured bandwidth, FLOPs / measured rate) / time
 
     @property
     def case_id(self) -> str:
@@ -63,7 +65,8 @@ class CaseResult:
     def to_dict(self) -> dict:
         return {"op": self.op, "shapes": self.shapes, "phase": self.phase, "variant": self.variant,
                 "case": self.case_id, "status": self.status, "inputs": self.summary, "reason": self.reason,
-                "outputs": self.outputs, "time_ms": self.time_ms, "gbps": self.gbps}
+                "outputs": self.outputs, "time_ms": self.time_ms, "gbps": self.gbps,
+                "tflops": self.tflops, "of_roofline": self.of_roofline}
 
 
 # --------------------------------------------------------------------------------------- comparison
@@ -216,6 +219,36 @@ def io_bytes(op: str, args: tuple, kwargs: dict, outs: list) -> int:
             n += int(changed.sum().item()) * o.element_size()
         return n
     return _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outs)
+
+
+_CEILINGS: dict = {}
+
+
+def ceilings(device: torch.device) -> dict:
+    """The device's measured ceilings, once per process: copy bandwidth (B/s), bf16 and fp8 matmul
+    FLOP/s (`deepinfer bench`'s measurements)."""
+    if not _CEILINGS:
+        from deepinfer.engine.bench import measure_bandwidth, measure_fp8_matmul, measure_matmul
+
+        _CEILINGS.update(bandwidth=measure_bandwidth(device), bf16=measure_matmul(device)[0],
+                         fp8=measure_fp8_matmul(device))
+    return _CEILINGS
+
+
+def rate(cr: "CaseResult", args, kwargs, outs, ms: float) -> None:
+    """Fill time, GB/s, TFLOP/s and the roofline fraction of a benched case: the achieved time against
+    the larger of its bytes over the measured copy bandwidth and its FLOPs over the measured matmul
+    rate of its MMA kind (FP8 for the FP8/FP4 GEMMs, bf16 otherwise)."""
+    from deepinfer.engine.oprates import _flops
+
+    c = ceilings(torch.device("cuda"))
+    nbytes = io_bytes(cr.op, args, kwargs, outs)
+    flops = _flops(cr.op, tuple(args), kwargs)
+    mma = c["fp8"] if cr.op in ("fp8_gemm", "fp4_gemm", "grouped_gemm") and c["fp8"] else c["bf16"]
+    t = ms * 1e-3
+    cr.time_ms, cr.gbps = ms, nbytes / t / 1e9
+    cr.tflops = flops / t / 1e12 if flops else None
+    cr.of_roofline = max(nbytes / c["bandwidth"], flops / mma) / t
 
 
 def bench(op: str, fn, args, kwargs) -> float | None:
@@ -406,8 +439,7 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             if do_bench:
                 ms = bench(cr.op, fn, v.args, v.kwargs)
                 if ms:
-                    cr.time_ms = ms
-                    cr.gbps = io_bytes(cr.op, v.args, v.kwargs, got) / (ms * 1e-3) / 1e9
+                    rate(cr, v.args, v.kwargs, got, ms)
                 else:
                     cr.reason = (cr.reason + "; " if cr.reason else "") + "bench skipped (no CUDA)"
         if writer_dir:
@@ -532,7 +564,7 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
         if do_bench:
             ms = bench(op, fn, args, kwargs)
             if ms:
-                cr.time_ms, cr.gbps = ms, io_bytes(op, args, kwargs, got) / (ms * 1e-3) / 1e9
+                rate(cr, args, kwargs, got, ms)
         results.append(cr)
     seed = next(iter(seeds)) if len(seeds) == 1 else None
     return ABReport(backend, None, seed, dev, interp, results, source=directory)

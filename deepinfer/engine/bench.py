@@ -114,6 +114,22 @@ def measure_matmul(device: torch.device) -> tuple[float, str]:
     return 2 * n**3 / s, f"{n}^3 {str(dt).removeprefix('torch.')} matmul"
 
 
+def measure_fp8_matmul(device: torch.device) -> float | None:
+    """FP8 e4m3 FLOP/s of an 8192^3 `torch._scaled_mm` (cuBLASLt, bf16 out): the ceiling the FP8/FP4
+    GEMMs are held against. None off CUDA or where the GPU has no FP8 MMA (the error says which)."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        s = _timed(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, 10)
+    except (RuntimeError, TypeError):
+        return None
+    return 2 * n**3 / s
+
+
 # --------------------------------------------------------------------------- model bytes and FLOPs
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
@@ -627,6 +643,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     log("measuring device bandwidth and matmul rate ...")
     bw = measure_bandwidth(device)
     rate, rate_what = measure_matmul(device)
+    fp8_rate = measure_fp8_matmul(device)
     cache_elem = torch.empty((), dtype=numerics.dtype).element_size()
 
     report = {
@@ -637,7 +654,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         "weights_s": t_weights, "engine_weight_bytes": _walk(model, set(), set()),
         "device_bytes_after_build": held,
         "checkpoint_bytes_main": sum(mb.ckpt_dense) + sum(mb.ckpt_expert) * cfg.n_routed_experts + mb.ckpt_head,
-        "bandwidth_Bps": bw, "matmul_flops": rate, "matmul_measured": rate_what,
+        "bandwidth_Bps": bw, "matmul_flops": rate, "matmul_measured": rate_what, "matmul_fp8_flops": fp8_rate,
         "prompt_len": opts.prompt_len, "gen_len": opts.gen_len,
     }
     log(f"prefill: 1 x {opts.prompt_len} tokens ...")
@@ -660,6 +677,11 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     if opts.profile:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
         report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)
+        if device.type == "cuda":
+            from deepinfer.engine.oprates import profile_prefill
+
+            log(f"timing the compute ops of one {opts.prompt_len}-token prefill ...")
+            report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate)
     report["fallbacks"] = sorted(ops.fallbacks)
     if device.type == "cuda":
         report["peak_mem_bytes"] = max([d.get("peak_mem_bytes", 0) for d in report["decode"]]
@@ -674,7 +696,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
 
 
 def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int, steps: int = 3,
-                   top: int = 20) -> list[dict]:
+                   top: int = 40) -> list[dict]:
     """Where a decode step's time goes: torch.profiler over `steps` eager steps (graphs would hide the
     kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
     from torch.profiler import ProfilerActivity, profile
