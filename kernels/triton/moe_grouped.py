@@ -7,7 +7,8 @@ routing -- and each program loads its block's expert id (unused blocks: -1, retu
 its A rows, streams that expert's W tiles over K once for the whole block (fp32 accumulate) and
 scatters the results to the rows' original positions. Rows with e = -1 belong to no block and keep
 the zeros the output is allocated with. Nothing calls .item()/.tolist()/nonzero/unique, so a decode
-step that routes through here can be captured in a CUDA graph.
+step that routes through here can be captured in a CUDA graph. FP4 with at most `IDENT_MAX_P` rows (one
+token's top-k) skips the sort: block p is row p.
 
 Numerics per weight format (same as `gemm.py` / `linear.py`, whose references the op's reference loops):
   fp8   e4m3 x e4m3 dots over K blocks of 128, times the row's A scale and the 128x128 W block scale;
@@ -144,6 +145,12 @@ def _align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor,
     return rows, bexp
 
 
+IDENT_MAX_P = 8
+"""Up to this many (row, expert) pairs the FP4 GEMM runs one block per row, unsorted: a decode step at
+batch 1 (top-6) saves the align launch (~10 us on the H200, serial); a repeated expert among so few rows
+costs at most one extra read of its weights."""
+
+
 def _block_m(P: int, E: int) -> int:
     """Rows per block from the average rows per expert (decode: ~1-3 -> 16, the smallest tl.dot M)."""
     avg = P / max(E, 1)
@@ -229,9 +236,9 @@ def _fp4_bf16_hi(byte, scale):
 
 
 @triton.jit
-def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, KS_W,
+def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr):
+                   DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr):
     # Program (block b, N tile, K split). Each 128-K step loads 64 packed bytes per weight row (one
     # contiguous 64 B segment; byte i = element 2i low nibble, 2i+1 high nibble) and decodes the low
     # and the high nibbles as two [BN, 64] tiles with the 4 per-32 power-of-two scales multiplied in.
@@ -239,12 +246,18 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
     # cover the step with no interleave shuffle. A is pre-scaled by its per-128 power-of-two scale.
     # Every operand value is exact in bf16 and every bf16 x bf16 product exact in the fp32
     # accumulator, so the dots chain straight into it.
+    # IDENT (a handful of rows, e.g. one token's top-k): block b is row b alone and bexp_ptr is e
+    # itself -- no sort. (Loading the next step's bytes before this step's decode, by hand, was tried:
+    # 20-50 % slower on the H200, so the loop stays plain.)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if ex < 0:
+    if (ex < 0) | (ex >= E):
         return
-    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    if IDENT:
+        rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
+    else:
+        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     mr = rows < P
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mn = rn < N
@@ -355,8 +368,13 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows with e = -1 stay 0
     if P == 0 or N == 0 or E == 0:
         return c
-    BM = _block_m(P, E)
-    rows, bexp = align(e, E, BM)
+    fp4 = w.dtype in (torch.int8, torch.uint8)
+    ident = fp4 and P <= IDENT_MAX_P
+    if ident:  # block p = row p: no sort, no align launch (one token's top-k hits distinct experts)
+        BM, rows, bexp = 16, e, e.reshape(-1).long().contiguous()
+    else:
+        BM = _block_m(P, E)
+        rows, bexp = align(e, E, BM)
     nb = bexp.numel()
     a = a.contiguous()
     w = w.contiguous()
@@ -366,7 +384,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
             a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128)
-    elif w.dtype in (torch.int8, torch.uint8):
+    elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
         e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)  # raw ue8m0 bytes: 1/4 of the f32 bytes
@@ -375,9 +393,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
         part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
-            a, a_s, w.view(torch.uint8), w_s, c, part, rows, bexp, P, N, K, a_s.size(1), w_s.size(2), per,
+            a, a_s, w.view(torch.uint8), w_s, c, part, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=_asm_ok(a.device),
-            num_warps=nw, num_stages=ns)
+            IDENT=ident, num_warps=nw, num_stages=ns)
         if splits > 1:
             _finish(part, c, splits)
     else:
