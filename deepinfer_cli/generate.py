@@ -44,6 +44,9 @@ def generate_cmd(
                                   "prompts wait for a free row. Default: min(64, number of prompts)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs for the decode step (graphs are only "
                                "attempted on CUDA with a kernel backend; the torch reference always runs eager)."),
+    prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Prefill at most N prompt tokens per step "
+                                      "(long prompts continue over several steps while the others keep "
+                                      "decoding); 0: whole prompts."),
 ):
     """Generate a completion (or many: --input-file, continuously batched).
 
@@ -53,6 +56,8 @@ def generate_cmd(
         raise typer.BadParameter("--chat and --think are exclusive")
     if max_batch is not None and max_batch < 1:
         raise UserError(f"--max-batch {max_batch}: must be at least 1")
+    if prefill_chunk < 0:
+        raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), logprobs=logprobs)
     base.check()
@@ -69,7 +74,7 @@ def generate_cmd(
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"
     try:
         res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, tok.decode,
-                       max_batch=max_batch, graphs=graphs)
+                       max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk)
     except GraphCaptureError as e:
         raise fail(str(e)) from None
     if input_file is not None:

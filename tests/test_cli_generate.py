@@ -40,6 +40,7 @@ def test_bad_inputs_exit_2_one_line(tmp_path):
         ["generate", "x", "--dtype", "int8"],
         ["generate", "x", "--top-p", "0"],
         ["generate", "x", "--backend", "nonesuch"],
+        ["generate", "x", "--prefill-chunk", "-1"],
     ]
     for args in cases:
         r = runner.invoke(app, args)

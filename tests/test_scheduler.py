@@ -234,3 +234,75 @@ def test_capture_failure_names_the_op_or_function(lm, monkeypatch):
     # in MoE.compute_experts)
     assert "op 'grouped_gemm'" in msg or "MoE.compute_experts" in msg, msg
     assert "not permitted when stream is capturing" in msg and "--eager" in msg
+
+
+# ---------------------------------------------------------------------------------- chunked prefill
+# Chunked and whole prefills sum in different orders (GEMMs over S rows, attention over differently laid out
+# slots): ~1e-7 relative in fp32. In `official` numerics such a last-bit difference can flip one FP8
+# activation rounding (act_quant before wo_b: ~1e-2 in the logits), so the tight checks run in `exact`
+# numerics and `official` is checked on the tokens.
+@pytest.fixture(scope="module")
+def lm_exact():
+    return load_model(None, numerics="exact", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+def test_chunked_prefill_gives_the_same_tokens_and_interleaves_decode(lm_exact, chunk):
+    """--prefill-chunk C: at most C prompt tokens per step, so the 17-token prompt's chunks alternate with
+    decode steps of the sequences already running -- and every completion is what whole prefills give."""
+    m = lm_exact.model
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ref = generate(m, PROMPTS, params, eos_id=1, max_batch=2).completions
+    m.allocate(3, 64)
+    runner = DecodeRunner(m, 2)
+    comps = [Completion(list(pr)) for pr in PROMPTS]
+    sched = Scheduler(m, runner, 1, _record, lambda c, s: False, prefill_chunk=chunk)
+    steps_at_call = []
+    real_prefill = m.prefill
+
+    def spy(ids, rows=None, all_logits=False, start=0):
+        assert ids.size(1) <= chunk, "a step prefills at most `chunk` tokens"
+        steps_at_call.append(sched.stats.decode_steps)
+        return real_prefill(ids, rows=rows, all_logits=all_logits, start=start)
+
+    m.prefill = spy
+    try:
+        for i, (pr, c) in enumerate(zip(PROMPTS, comps)):
+            sched.submit(Request(i, pr, params, c))
+        st = sched.run()
+    finally:
+        del m.prefill
+    for a, b in zip(comps, ref):
+        assert_same(a, b, atol=1e-4)
+    assert st.prefills == len(PROMPTS) and st.prefill_calls > len(PROMPTS), "long prompts took several calls"
+    assert len(set(steps_at_call)) > 2, "decode steps ran between the chunks"
+
+
+def test_chunked_prefill_official_numerics_same_tokens(lm, greedy_ref):
+    got = generate(lm.model, PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True), eos_id=1,
+                   max_batch=2, prefill_chunk=4).completions
+    assert [c.token_ids for c in got] == [c.token_ids for c in greedy_ref]
+
+
+def test_model_prefill_in_chunks_equals_one_prefill(lm_exact):
+    """Transformer.prefill(start=...) over chunks that cut windows (SWA 8) and compression windows (CSA 4,
+    HCA 16) at every offset: the logits of every position and the next decode step match one prefill."""
+    m = lm_exact.model
+    assert {"swa", "csa", "hca"} <= set(m.cfg.attn_kinds[:m.cfg.n_layers])
+    ids = torch.randint(2, 1000, (1, 45), generator=torch.Generator().manual_seed(0))
+    m.allocate(2, 64)
+    whole, _ = m.prefill(ids, rows=torch.tensor([0]), all_logits=True)
+    nxt = whole[:, -1].argmax(-1, keepdim=True)
+    ref_step = m.decode(nxt, torch.tensor([45]), torch.tensor([0]))
+    for chunks in ([7, 13, 25], [1, 3, 41], [4, 5, 36], [16, 16, 13], [44, 1], [9] * 5):
+        outs, s0 = [], 0
+        for c in chunks:
+            lg, _ = m.prefill(ids[:, s0:s0 + c], rows=torch.tensor([1]), all_logits=True, start=s0)
+            outs.append(lg)
+            s0 += c
+        step = m.decode(nxt, torch.tensor([45]), torch.tensor([1]))
+        scale = whole.abs().max().item()
+        torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-5, atol=1e-5 * scale, msg=str(chunks))
+        torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5 * scale, msg=str(chunks))
+    with pytest.raises(ValueError, match="one row"):
+        m.prefill(ids.repeat(2, 1)[:, :4], start=4)

@@ -81,6 +81,7 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
 
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              eos_id: int, decode_text=None, max_batch: int | None = None, graphs: bool = False,
+             prefill_chunk: int = 0,
              pad_to_buckets: bool = False) -> GenerationResult:
     """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings.
 
@@ -88,6 +89,8 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     max_batch: cache rows (slots) = sequences decoding at once (default: min(64, len(prompts))); more
     prompts wait and are admitted as sequences finish (continuous batching, `engine.scheduler`).
     graphs: replay the decode step from CUDA graphs (CUDA only; ignored on other devices).
+    prefill_chunk: prefill at most this many prompt tokens per scheduler step (0: whole prompts), so
+    running sequences keep decoding while a long prompt is prefilled; the tokens are the same.
     pad_to_buckets: run the graph mode's bucket/padding/spare-row path eagerly (testing).
     """
     B = len(prompts)
@@ -112,7 +115,8 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
 
     comps = [Completion(list(pr)) for pr in prompts]
     sched = Scheduler(model, runner, eos_id, _record,
-                      lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots)
+                      lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots,
+                      prefill_chunk=prefill_chunk)
     for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
         sched.submit(Request(i, list(pr), p, c))
     st = sched.run()

@@ -4,8 +4,10 @@ Requests (prompt token ids + their own `SamplingParams`) wait in a FIFO queue. `
 rows = the most sequences decoding at once; the model is allocated with `max_batch + 1` rows, the last
 one being the `DecodeRunner`'s spare row for bucket padding. Each step:
 
-1. admit: while a slot is free and a request waits, prefill its whole prompt into that slot (the model
-   has no chunked prefill yet, so prompts are prefilled in one piece, one prompt per call);
+1. admit and prefill: while a slot is free and a request waits, it takes the slot; then prompts in their
+   slots are prefilled FIFO. With `prefill_chunk` = C > 0 a step prefills at most C prompt tokens in all
+   (a long prompt continues over several steps, `Transformer.prefill(start=...)`), so the running
+   sequences keep decoding between a long prompt's chunks; C = 0 prefills each prompt whole;
 2. sample: one `sample` / `logprobs` call over every sequence that has fresh logits (just-prefilled and
    running alike) with per-row temperature / top_k / top_p / seed / position tensors;
 3. finish: a sequence ends on EOS, a stop string or `max_new_tokens` and frees its slot at once (the
@@ -37,6 +39,7 @@ class Request:
     completion: object  # Completion
     slot: int = -1
     position: int = 0  # position of the next token to sample (and then to decode)
+    prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
 
     @property
     def seed(self) -> int:
@@ -49,7 +52,8 @@ class SchedulerStats:
     decode_s: float = 0.0
     decode_tokens: int = 0  # tokens fed through decode steps (live rows, padding excluded)
     decode_steps: int = 0
-    prefills: int = 0
+    prefills: int = 0  # prompts completely prefilled
+    prefill_calls: int = 0  # model.prefill calls (one per chunk)
     max_running: int = 0
 
 
@@ -60,7 +64,11 @@ class Scheduler:
     generate loop's bookkeeping hooks (kept there so `Completion` stays defined in one place).
     """
 
-    def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check, max_batch: int | None = None):
+    def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check, max_batch: int | None = None,
+                 prefill_chunk: int = 0):
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
+        self.prefill_chunk = prefill_chunk
         self.model, self.runner, self.eos_id = model, runner, eos_id
         self.record, self.stop_check = record, stop_check
         self.max_batch = runner.max_batch if max_batch is None else max_batch
@@ -69,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.free = list(range(self.max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
         self.running: list[Request] = []
+        self.prefilling: deque[Request] = deque()  # hold a slot, prompt (partly) not yet in the cache
         self.stats = SchedulerStats()
 
     def submit(self, req: Request) -> None:
@@ -84,21 +93,34 @@ class Scheduler:
             torch.cuda.synchronize(self.model.device)
 
     def _admit(self) -> list[tuple[Request, torch.Tensor]]:
-        """Prefill waiting requests into free slots -> [(request, last logits [V])]."""
+        """Hand free slots to waiting requests, then prefill (at most `prefill_chunk` tokens this step,
+        whole prompts if 0) -> [(request whose prompt is now complete, its last logits [V])]."""
+        while self.waiting and self.free:
+            req = self.waiting.popleft()
+            req.slot = self.free.pop()
+            self.prefilling.append(req)
         out = []
-        if not (self.waiting and self.free):
+        if not self.prefilling:
             return out
         dev = self.model.device
         self._sync()
         t0 = time.perf_counter()
-        while self.waiting and self.free:
-            req = self.waiting.popleft()
-            req.slot = self.free.pop()
-            ids = torch.tensor([req.input_ids], dtype=torch.long, device=dev)
-            logits, _ = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev))
-            req.position = len(req.input_ids)
-            out.append((req, logits[0, -1]))
-            self.stats.prefills += 1
+        budget = self.prefill_chunk or None
+        while self.prefilling and (budget is None or budget > 0):
+            req = self.prefilling[0]
+            n = len(req.input_ids)
+            c = n - req.prefilled if budget is None else min(budget, n - req.prefilled)
+            ids = torch.tensor([req.input_ids[req.prefilled:req.prefilled + c]], dtype=torch.long, device=dev)
+            logits, _ = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev), start=req.prefilled)
+            req.prefilled += c
+            self.stats.prefill_calls += 1
+            if budget is not None:
+                budget -= c
+            if req.prefilled == n:
+                self.prefilling.popleft()
+                req.position = n
+                out.append((req, logits[0, -1]))
+                self.stats.prefills += 1
         self._sync()
         self.stats.prefill_s += time.perf_counter() - t0
         return out
@@ -134,9 +156,11 @@ class Scheduler:
         t_start = time.perf_counter()
         pending: list[Request] = []  # running requests whose decode logits are in `dec_logits`
         dec_logits = None
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.prefilling:
             admitted = self._admit()
             reqs = pending + [r for r, _ in admitted]
+            if not reqs:  # a long prompt is still mid-prefill and nothing else runs
+                continue
             rows = ([dec_logits] if pending else []) + [lg.unsqueeze(0) for _, lg in admitted]
             logits = torch.cat(rows) if len(rows) > 1 else rows[0]
             toks = self._sample(reqs, logits)

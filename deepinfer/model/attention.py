@@ -26,14 +26,16 @@ from deepinfer.ops import ops
 class StepContext:
     """What one forward step needs besides the activations.
 
-    prefill: every row starts at position 0 and has S tokens; decode: S == 1 at per-row `pos` [B].
+    prefill: every row starts at position `start` (0, or a later chunk of one row's prompt, its earlier
+    positions in the caches) and has S tokens; decode: S == 1 at per-row `pos` [B].
     """
 
-    def __init__(self, positions: torch.Tensor, rows: torch.Tensor, rope, prefill: bool):
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor, rope, prefill: bool, start: int = 0):
         self.positions = positions  # [B, S] int64
         self.rows = rows  # [B] int64 cache rows
         self.rope = rope
         self.prefill = prefill
+        self.start = start  # prefill: first position (> 0: a later chunk of one row's prompt)
 
     @property
     def pos(self) -> torch.Tensor:
@@ -73,7 +75,10 @@ class Indexer:
         q = ops.hadamard(q)
         if self.numerics.official:
             q = ops.fp4_fake_quant(q, 32)
-        if ctx.prefill:
+        if ctx.prefill and ctx.start:  # a later chunk: every entry complete so far, from the cache
+            n = self.compressor.extend(x, ctx.start, ctx.rows[:1], ctx.rope)
+            keys = self.compressor.cache[ctx.rows[:1], :n]
+        elif ctx.prefill:
             keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
         else:
             self.compressor.decode(x, ctx.pos, ctx.rows, ctx.rope)
@@ -145,7 +150,9 @@ class Attention:
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         tap(n + ".q", q)
         tap(n + ".kv", kv)
-        if ctx.prefill:
+        if ctx.prefill and ctx.start:
+            o = self._extend(x, q, kv, qr, ctx)
+        elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
             o = self._decode(x, q, kv, qr, ctx)
@@ -175,6 +182,35 @@ class Attention:
         p = torch.arange(S - keep, S, device=dev)
         rows = ctx.rows.repeat_interleave(keep)
         ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].reshape(-1, self.hd))
+        return o
+
+    def _extend(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+        """A later prompt chunk of one row (B == 1) at positions p0 .. p0+S-1: the window reads earlier
+        positions from the ring and the chunk's own keys; entries come from the cache after the
+        compressor has pooled the windows this chunk completes."""
+        B, S, _ = x.shape
+        assert B == 1, "chunked prefill runs one row at a time"
+        p0, win, dev = ctx.start, self.win, x.device
+        row = ctx.rows[:1]
+        t = torch.arange(p0, p0 + S, device=dev).unsqueeze(1)  # query positions
+        u = t - win + 1 + torch.arange(win, device=dev)  # its window positions, ascending
+        idx = torch.where(u < p0, u % win, win + u - p0)  # ring slot (earlier chunks) | this chunk
+        idx = torch.where(u >= 0, idx, -1).unsqueeze(0)  # [1, S, win]
+        parts = [self.kv_cache[row, :win], kv]
+        if self.compressor is not None:
+            n = self.compressor.extend(x, p0, row, ctx.rope)  # entries complete after this chunk
+            entries = self.kv_cache[row, win:win + n]
+            parts.append(entries.to(kv.dtype))
+            if self.indexer is not None:
+                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
+            else:  # HCA: every complete entry
+                j = torch.arange(n, device=dev)
+                sel = torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+            idx = torch.cat([idx, torch.where(sel >= 0, sel + win + S, -1)], -1)
+        o = ops.sparse_attn(q, torch.cat(parts, 1), self.sink, idx, self.scale)
+        keep = min(S, win)  # ring: the chunk's last positions (earlier ones stay where they are)
+        p = torch.arange(p0 + S - keep, p0 + S, device=dev)
+        ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
         return o
 
     def _decode(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:

@@ -92,6 +92,50 @@ class Compressor:
         self.cache[rows, :n] = entries.to(self.cache.dtype)
         return entries
 
+    def extend(self, x: torch.Tensor, start: int, row: torch.Tensor, rope) -> int:
+        """A prompt chunk of one row: x [1, S, D] at positions start .. start+S-1, the state holding
+        positions < start (an earlier `prefill` / `extend`). Pools every window the chunk completes into
+        `cache[row, start // ratio ..]` and leaves the new carry-over in the state, exactly as one
+        `prefill` of the whole prompt would. Returns the number of entries now complete.
+        """
+        S, r, d = x.size(1), self.ratio, self.d
+        kv, score = self._project(x)  # [1, S, coff*d]
+        rows = row.view(1)
+        off = r if self.overlap else 0
+        st_kv, st_sc = self.kv_state[rows], self.score_state[rows]
+        # the sequence from the current window's first position w0: carried partial window + the chunk
+        w0, part = start - start % r, start % r
+        pos = torch.arange(start, start + S, device=x.device)
+        kv_seq = torch.cat([st_kv[:, off:off + part], kv], 1)
+        sc_seq = torch.cat([st_sc[:, off:off + part], score + self.ape[pos % r]], 1)  # state already has ape
+        L = part + S
+        n = L // r  # windows completed by this chunk
+        cutoff = n * r
+        new_kv, new_sc = torch.zeros_like(st_kv), torch.full_like(st_sc, float("-inf"))
+        if self.overlap:  # next window's overlap half: the last complete window's slots (or the old one)
+            if n:
+                new_kv[:, :r], new_sc[:, :r] = kv_seq[:, cutoff - r:cutoff], sc_seq[:, cutoff - r:cutoff]
+            else:
+                new_kv[:, :r], new_sc[:, :r] = st_kv[:, :r], st_sc[:, :r]
+        if L % r:
+            new_kv[:, off:off + L % r], new_sc[:, off:off + L % r] = kv_seq[:, cutoff:], sc_seq[:, cutoff:]
+        self.kv_state[rows], self.score_state[rows] = new_kv, new_sc
+        first_entry = w0 // r
+        if n == 0:
+            return first_entry
+        kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
+        scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
+        if self.overlap:  # slots: previous window's first half | this window's second half
+            prev_kv = torch.cat([st_kv[:, :r].unsqueeze(1), kvw[:, :-1]], 1)  # window w0-1 from the state
+            prev_sc = torch.cat([st_sc[:, :r].unsqueeze(1), scw[:, :-1]], 1)
+            kvw = torch.cat([prev_kv[..., :d], kvw[..., d:]], 2)
+            scw = torch.cat([prev_sc[..., :d], scw[..., d:]], 2)
+        pooled = ops.compress_pool(kvw, scw)
+        first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0)
+        entries = self._finish(pooled, first, rope)
+        self.cache[rows, first_entry:first_entry + n] = entries.to(self.cache.dtype)
+        return first_entry + n
+
     def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
         """x [B, 1, D] at per-row positions pos [B]: update the state; where a window completes, write
         its entry to `cache[row, pos // ratio]`. Branch-free over rows (no host sync)."""

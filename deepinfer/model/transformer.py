@@ -134,12 +134,12 @@ class Transformer:
             a.allocate(rows, max_seq_len, self.device, self.numerics.dtype)
         self.rows, self.max_seq_len = rows, max_seq_len
 
-    def _ctx(self, input_ids, rows, positions, prefill):
+    def _ctx(self, input_ids, rows, positions, prefill, start: int = 0):
         if self.rope is None:
             raise RuntimeError("call allocate(rows, max_seq_len) before running the model")
-        if prefill and positions.size(1) > self.max_seq_len:  # decode: the caller keeps positions in range
-            raise ValueError(f"{positions.size(1)} tokens exceed max_seq_len {self.max_seq_len}")
-        return StepContext(positions, rows, self.rope, prefill)
+        if prefill and start + positions.size(1) > self.max_seq_len:  # decode: the caller keeps it in range
+            raise ValueError(f"{start + positions.size(1)} tokens exceed max_seq_len {self.max_seq_len}")
+        return StepContext(positions, rows, self.rope, prefill, start)
 
     def _body(self, input_ids, ctx) -> torch.Tensor:
         tap("input_ids", input_ids)
@@ -150,13 +150,17 @@ class Transformer:
         return h
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None, all_logits: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, S] from position 0 into cache `rows` [B] -> (logits [B, S or 1, V] f32, streams)."""
+    def prefill(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None, all_logits: bool = False,
+                start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, S] at positions start .. start+S-1 into cache `rows` [B] -> (logits [B, S or 1, V]
+        f32, streams). start > 0 continues one row's prompt (B == 1) whose first `start` tokens an
+        earlier call prefilled: chunked prefill, same logits as one call over the whole prompt."""
         B, S = input_ids.shape
+        if start and B != 1:
+            raise ValueError(f"chunked prefill (start {start}) runs one row at a time, got {B} rows")
         rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
-        positions = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        ctx = self._ctx(input_ids, rows, positions, prefill=True)
+        positions = torch.arange(start, start + S, device=self.device).unsqueeze(0).expand(B, S)
+        ctx = self._ctx(input_ids, rows, positions, prefill=True, start=int(start))
         h = self._body(input_ids.to(self.device), ctx)
         logits = self.head(h if all_logits else h[:, -1:])
         tap("logits", logits)
