@@ -283,6 +283,12 @@ def test_indexer_scores(seed, H, T, D, dtype):
     k = randn(g, B, T, D, dtype=dtype)
     w = randn(g, B, S, H) * (D ** -0.5 * H ** -0.5)
     check("indexer_scores", *run_both("indexer_scores", q, k, w))
+    # decode form: k is a 5-row key cache read in place through rows (repeats and any order)
+    cache = randn(g, 5, T, D, dtype=dtype)
+    rows = torch.tensor([3, 0], device=DEV)
+    out, ref = run_both("indexer_scores", q, cache, w, rows)
+    check("indexer_scores", out, ref)
+    torch.testing.assert_close(ref, REGISTRY["indexer_scores"].ref(q, cache[rows], w))
 
 
 def _tied_scores(g, B, S, T):

@@ -80,17 +80,18 @@ class Indexer:
             keys = self.compressor.cache[ctx.rows[:1], :n]
         elif ctx.prefill:
             keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
-        else:
+        else:  # decode: score against the key cache in place (rows), no per-step gather of every row
             self.compressor.decode(x, ctx.pos, ctx.rows, ctx.rope)
-            keys = self.compressor.cache[ctx.rows]
+            keys = self.compressor.cache
         w = self.weights_proj(x).float() * self.scale
-        scores = ops.indexer_scores(q, keys, w)  # [B, S, T]
+        rows = None if ctx.prefill else ctx.rows
+        scores = ops.indexer_scores(q, keys, w, rows)  # [B, S, T]
         n_valid = (ctx.positions + 1) // self.ratio
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)
             n = int(n_valid.max())
             tap(name + ".q", q)
-            tap(name + ".kv", keys[:, :n])
+            tap(name + ".kv", (keys if rows is None else keys[rows])[:, :n])
             tap(name + ".scores", scores[..., :n].masked_fill(
                 torch.arange(n, device=scores.device) >= n_valid.unsqueeze(-1), float("-inf")))
             tap(name + ".topk", idx)

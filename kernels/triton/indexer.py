@@ -24,11 +24,14 @@ from ._common import key_index, p2, sort_key
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, S, H, T, D,
-                           BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D,
+                           BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+                           ROWS: tl.constexpr):
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     tb = tl.program_id(1)
     b = bs // S
+    if ROWS:  # keys of cache row rows[b], read in place
+        b = tl.load(rows_ptr + b).to(tl.int64)
     h = tl.arange(0, BH)
     t = tb * BT + tl.arange(0, BT)
     acc = tl.zeros([BH, BT], tl.float32)
@@ -46,10 +49,12 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, S, H, T, D,
 
 
 @implement("indexer_scores", "triton")
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     B, S, H, D = q.shape
     T = k.size(1)
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+    rows_t = rows.long().contiguous() if rows is not None else q  # (dummy pointer when unused)
     ieee = q.dtype == torch.float32 or k.dtype == torch.float32 or q.dtype != k.dtype
     out = torch.empty(B, S, T, dtype=torch.float32, device=q.device)
     if B * S * T == 0:
@@ -59,8 +64,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     # not T/32; the whole head dim (<= 128) per step
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
-    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, S, H, T, D, BH=BH, BT=BT, BD=BD, IEEE=ieee,
-                                                        num_warps=4)
+    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, BH=BH, BT=BT, BD=BD,
+                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4)
     return out
 
 
