@@ -306,9 +306,10 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
 
 
 def _asm_ok(device: torch.device) -> bool:
-    """The packed PTX FP4 decode: compiled (not the interpreter), sm_90+ (mul.rn.bf16x2), and not
-    switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode runs: same values)."""
-    if _INTERPRET or device.type != "cuda" or os.environ.get("DEEPINFER_FP4_ASM", "1") == "0":
+    """The packed PTX FP4 decode: compiled (not the interpreter), NVIDIA (PTX: not a ROCm build), sm_90+
+    (mul.rn.bf16x2), and not switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode
+    runs: same values)."""
+    if _INTERPRET or device.type != "cuda" or torch.version.hip or os.environ.get("DEEPINFER_FP4_ASM", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
