@@ -129,6 +129,22 @@ def test_rms_norm(seed, D, dtype, weighted):
     check("rms_norm", *run_both("rms_norm", x, w, 1e-6))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("D,dtype,weighted", [(256, torch.float32, True), (384, torch.bfloat16, True),
+                                               (8192, torch.float32, True), (128, torch.float32, False)])
+def test_rms_norm_quant_is_norm_then_act_quant(seed, D, dtype, weighted):
+    """The fused norm + FP8 quantisation equals the two Triton kernels back to back bit for bit (same
+    sum-of-squares order; q, s quantise y after its cast), and the reference within the op tolerance."""
+    g = gen(seed)
+    x = randn(g, 2, 3, D, dtype=dtype, scale=3.0)
+    w = randn(g, D) if weighted else None
+    y, q, s = run_both("rms_norm_quant", x, w, 1e-6)[0]
+    tk = REGISTRY["rms_norm"].impls["triton"](x, w, 1e-6)
+    tq, ts = REGISTRY["act_quant"].impls["triton"](tk, 128)
+    assert torch.equal(y, tk) and torch.equal(q.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(s, ts)
+    check("rms_norm_quant", *run_both("rms_norm_quant", x, w, 1e-6))
+
+
 # ------------------------------------------------------------------------------------- quantisation
 def _quant_input(g, rows, K, dtype, block):
     x = torch.randn(rows, K, generator=g) * torch.exp2(torch.randint(-12, 8, (rows, 1), generator=g).float())

@@ -133,6 +133,14 @@ def build_rms_norm(d: Dims, phase: str, g, device):
     ]
 
 
+def build_rms_norm_quant(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    return [Variant("attn_norm", (_act(g, (B, S, d.dim), device), (1 + _w(g, (d.dim,), device, 0.1)).float(), 1e-6),
+                    {}),
+            Variant("q_norm", (_act(g, (B, S, d.q_lora), device), (1 + _w(g, (d.q_lora,), device, 0.1)).float(), 1e-6),
+                    {})]
+
+
 def build_act_quant(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     return [Variant("hidden", (_act(g, (B * S, d.dim), device),), {"block": 128})]

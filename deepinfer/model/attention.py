@@ -65,9 +65,10 @@ class Indexer:
         self.compressor.cache = torch.zeros(rows, max_entries, self.d, dtype=dtype, device=device)
         self.compressor.allocate(rows, device)
 
-    def __call__(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, name: str) -> torch.Tensor:
-        """x [B, S, D], qr [B, S, q_lora] -> entry indices [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.d))
+    def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str) -> torch.Tensor:
+        """x [B, S, D], qr = (q-LoRA activations [B, S, q_lora], their act_quant or None) -> entry indices
+        [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
+        q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.d))
         cos, sin = ctx.rope.get("compress", ctx.positions)
         q = torch.cat([q[..., :-self.rd], ops.rope(q[..., -self.rd:], cos, sin)], -1)
         # The Hadamard rotation is orthogonal (scores unchanged), so `exact` applies it too: the tapped
@@ -137,20 +138,25 @@ class Attention:
         if self.indexer is not None:
             self.indexer.allocate(rows, n_entries, device, dtype)
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """x [B, S, D] (after attn_norm) -> [B, S, D]."""
+    def __call__(self, x: torch.Tensor, ctx: StepContext, xq: tuple | None = None) -> torch.Tensor:
+        """x [B, S, D] (after attn_norm; xq its act_quant when the caller fused it) -> [B, S, D]."""
         B, S, _ = x.shape
         rd, n = self.rd, self.name
         cos, sin = ctx.rope.get(self.rope_kind, ctx.positions)
-        qr = ops.rms_norm(self.wq_a(x), self.q_norm, self.eps)
-        q = ops.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
+        qrq = None
+        if self.wq_b.fmt != "float":  # q_norm's output feeds two FP8 projections: quantise it once
+            qr, *qrq = ops.rms_norm_quant(self.wq_a(x, xq), self.q_norm, self.eps)
+        else:
+            qr = ops.rms_norm(self.wq_a(x, xq), self.q_norm, self.eps)
+        q = ops.rms_norm(self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
         q = torch.cat([q[..., :-rd], ops.rope(q[..., -rd:], cos, sin)], -1)
-        kv = ops.rms_norm(self.wkv(x), self.kv_norm, self.eps)
+        kv = ops.rms_norm(self.wkv(x, xq), self.kv_norm, self.eps)
         kv = torch.cat([kv[..., :-rd], ops.rope(kv[..., -rd:], cos, sin)], -1)
         if self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         tap(n + ".q", q)
         tap(n + ".kv", kv)
+        qr = (qr, qrq)
         if ctx.prefill and ctx.start:
             o = self._extend(x, q, kv, qr, ctx)
         elif ctx.prefill:

@@ -30,8 +30,9 @@ class Expert:
         ex.w1, ex.w2, ex.w3, ex.limit = w1, w2, w3, limit
         return ex
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        h = ops.swiglu(self.w1(x), self.w3(x), self.limit)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, xq: tuple | None = None) -> torch.Tensor:
+        """x [T, D] (xq: its act_quant, if the caller has it) -> [T, D]."""
+        h = ops.swiglu(self.w1(x, xq), self.w3(x, xq), self.limit)
         if weight is not None:  # the official code scales before w2 (so w2's FP8 input sees it)
             h = weight * h
         return self.w2(h.to(x.dtype))
@@ -194,8 +195,8 @@ class MoE:
         self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
         self.dispatch = self.dispatch_local
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D], input_ids [B, S] -> [B, S, D]."""
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         weights, idx, scores = ops.moe_route(xt, self.gate_w, self.bias, self.tid2eid, input_ids.reshape(-1),
@@ -204,7 +205,7 @@ class MoE:
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
         y = self.dispatch(xt, weights, idx)  # [T, D] float32
-        y = y + self.shared(xt).float()
+        y = y + self.shared(xt, xq=xq).float()
         return y.to(x.dtype).view(shape)
 
     def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

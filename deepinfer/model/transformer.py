@@ -38,6 +38,9 @@ class Block:
         self.ffn_norm = W.f32(prefix + "ffn_norm.weight")
         self.hc_attn = HCParams(W, prefix + "hc_attn")
         self.hc_ffn = HCParams(W, prefix + "hc_ffn")
+        # FP8 projections read the normed input (official numerics): norm + act_quant fused, the
+        # quantised input shared by wq_a / wkv and by the shared expert's w1 / w3
+        self.quant_in = self.attn.wq_a.fmt != "float"
 
     def __call__(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
         """h [B, S, hc, D] streams -> [B, S, hc, D]."""
@@ -47,9 +50,13 @@ class Block:
             x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
             tap(f"{n}.hc_{sub}.post", post)
             tap(f"{n}.hc_{sub}.comb", comb)
-            x = ops.rms_norm(x, norm, c.norm_eps)
+            xq = None
+            if self.quant_in:
+                x, *xq = ops.rms_norm_quant(x, norm, c.norm_eps)
+            else:
+                x = ops.rms_norm(x, norm, c.norm_eps)
             tap(f"{n}.{sub}.in", x)
-            x = self.attn(x, ctx) if sub == "attn" else self.ffn(x, input_ids)
+            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq)
             tap(f"{n}.{sub}.out", x)
             h = ops.hc_post(x, h, post, comb)
             tap(f"{n}.hc_{sub}.out", h)

@@ -53,12 +53,16 @@ class Linear:
         self.out_features = weight.size(0)
         self.in_features = weight.size(1) * (2 if fmt == "fp4" else 1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]. xq: x's act_quant (q, s) when the caller has it already (e.g. from
+        `rms_norm_quant`, shared by the projections of one input); float weights ignore it."""
         if self.fmt == "float":
             return ops.linear(x, self.weight)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        q, s = ops.act_quant(x2, 128)
+        if xq is not None:
+            q, s = xq[0].reshape(-1, shape[-1]), xq[1].reshape(-1, xq[1].size(-1))
+        else:
+            q, s = ops.act_quant(x.reshape(-1, shape[-1]), 128)
         gemm = ops.fp8_gemm if self.fmt == "fp8" else ops.fp4_gemm
         y = gemm(q, s, self.weight, self.scale, out_dtype=x.dtype)
         return y.view(*shape[:-1], self.out_features)

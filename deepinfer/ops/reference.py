@@ -56,6 +56,20 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     return q.flatten(-2), s
 
 
+@defop("rms_norm_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (1e-2, 1e-2)})
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm and the FP8 quantisation of its output for the FP8 GEMMs it feeds, in one op.
+
+    x [..., K] -> (y = rms_norm(x) in x's dtype, q float8_e4m3fn [..., K], s float32 [..., K/block]) with
+    (q, s) = act_quant(y, block) exactly: y is rounded to x's dtype first, as when a Linear quantises it.
+    Tolerance: y as rms_norm; q within one e4m3 step (a last-bit difference in y may flip a rounding).
+    """
+    y = rms_norm(x, weight, eps)
+    q, s = act_quant(y, block)
+    return y, q, s
+
+
 @defop("fp8_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
 def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """Quantise-dequantise through FP8 e4m3 per `block` (power-of-two scales); returns x's dtype.

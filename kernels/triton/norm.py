@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from ._common import p2, pow2_ceil, round_e4m3
 
 
 @triton.jit
@@ -42,3 +42,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _rms_norm_kernel[(rows,)](xc, weight if weight is not None else xc, y, N, float(eps),
                               HAS_W=weight is not None, BLOCK=min(p2(N), 4096))
     return y
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, NB, eps, HAS_W: tl.constexpr,
+                           BLOCK: tl.constexpr, QB: tl.constexpr):
+    """One row: the sum of squares exactly as `_rms_norm_kernel` (same BLOCK chunks, so the same y), then
+    per QB-column block: y, its cast to y's dtype, and the act_quant of that cast value."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n0 in range(0, N, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    r = tl.math.rsqrt(tl.sum(acc, 0) / N + eps)
+    for b in range(0, NB):
+        cols = b * QB + tl.arange(0, QB)
+        y = tl.load(x_row + cols).to(tl.float32) * r
+        if HAS_W:
+            y = tl.load(w_ptr + cols).to(tl.float32) * y
+        yc = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * N + cols, yc)
+        v = yc.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(v), 0), 1e-4)
+        s = pow2_ceil(tl.math.div_rn(amax, 448.0))
+        q = round_e4m3(tl.minimum(tl.maximum(v / s, -448.0), 448.0)).to(tl.float8e4nv)
+        tl.store(q_ptr + row * N + cols, q)
+        tl.store(s_ptr + row * NB + b, s)
+
+
+@implement("rms_norm_quant", "triton")
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = x.size(-1)
+    assert N % block == 0 and block == p2(block), f"rms_norm_quant: last dim {N} is not a multiple of {block}"
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(*x.shape[:-1], N // block, dtype=torch.float32, device=x.device)
+    rows = xc.numel() // max(N, 1)
+    if rows:
+        _rms_norm_quant_kernel[(rows,)](xc, weight if weight is not None else xc, y, q, s, N, N // block, float(eps),
+                                        HAS_W=weight is not None, BLOCK=min(p2(N), 4096), QB=block)
+    return y, q, s
