@@ -14,7 +14,9 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
   fp8   e4m3 x e4m3 dots over K blocks of 128, times the row's A scale and the 128x128 W block scale;
   fp4   64 packed bytes per weight row per 128-K step, both nibbles decoded, the per-32 power-of-two
         scales (f32, or raw ue8m0 bytes: a quarter of the scale traffic) multiplied in, A pre-scaled by
-        its per-128 power-of-two scale, one bf16 dot per step. Why bf16 and not the FP4 -> FP8 upcast
+        its per-128 power-of-two scale, two bf16 dots per step (A's even / odd columns against the low /
+        high nibbles: no interleave), the nibble decode on sm_90 a packed PTX byte-permute table lookup
+        (4 values per ~15 instructions; `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). Why bf16 and not the FP4 -> FP8 upcast
         with a per-128 power-of-two rescale: the bf16 form is lossless for *every* scale pattern
         (e2m1 x 2^e has 2 significant bits, bf16 the full fp32 exponent range), while the FP8 rescale
         (each group divided by its block's largest scale) stays exact only while a 128 block's four
