@@ -98,3 +98,25 @@ def split_k(k_blocks: int, tiles: int, target: int) -> tuple[int, int]:
     want = max(1, min(k_blocks, -(-int(target) // max(int(tiles), 1))))
     per = -(-k_blocks // want)
     return per, -(-k_blocks // per)
+
+
+@triton.jit
+def e8m0_f32(b):
+    """Raw ue8m0 scale bytes (any int type) -> 2^(b - 127) as float32 from the exponent bits (b = 0 -> 0)."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+def weight_scale_arg(w_s: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A weight scale as a kernel argument: (raw ue8m0 bytes as uint8, True) or (float32, False), contiguous."""
+    e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)
+    return (w_s.view(torch.uint8) if e8m0 else w_s.float()).contiguous(), e8m0
+
+
+@triton.jit
+def quant_e4m3_block(v):
+    """act_quant of one block of float32 values: (q float8e4nv, s) with the reference's rule -- amax floored
+    at 1e-4, s = pow2_ceil(amax / 448), q = round-to-nearest-even(clamp(v / s)) (exact division)."""
+    amax = tl.maximum(tl.max(tl.abs(v), 0), 1e-4)
+    s = pow2_ceil(tl.math.div_rn(amax, 448.0))
+    q = round_e4m3(tl.minimum(tl.maximum(v / s, -448.0), 448.0)).to(tl.float8e4nv)
+    return q, s

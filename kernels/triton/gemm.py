@@ -38,6 +38,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import e8m0_f32, weight_scale_arg
 from ._common import sms as _sms
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -177,8 +178,8 @@ def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, 
         byte = byte.to(tl.int32) & 0xFF
         g = kb * 4 + g4
         sw = tl.load(ws_ptr + rn[:, None] * KS_W + g[None, :], mask=(rn[:, None] < N) & (g[None, :] < KG), other=0)
-        if SCALE_E8M0:  # raw ue8m0 byte b -> 2^(b - 127) from the float32 exponent bits (b = 0 -> 0)
-            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if SCALE_E8M0:
+            sw = e8m0_f32(sw)
         lo = tl.reshape(tl.reshape(_e2m1(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         hi = tl.reshape(tl.reshape(_e2m1(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         w = tl.reshape(tl.join(lo, hi), [BN, 128])  # natural K order: element 2i then 2i+1
@@ -195,9 +196,8 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     M, K = a.shape
     N = w.size(0)
     assert K % 32 == 0 and w.size(1) * 2 == K, "fp4_gemm: K must be a multiple of 32 and w [N, K/2]"
-    e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)  # raw ue8m0 bytes, decoded in-kernel
-    w_s = w_s.view(torch.uint8) if e8m0 else w_s.float()
-    a, a_s, w, w_s = a.contiguous(), a_s.float().contiguous(), w.contiguous(), w_s.contiguous()
+    w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes are decoded in-kernel
+    a, a_s, w = a.contiguous(), a_s.float().contiguous(), w.contiguous()
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c

@@ -138,12 +138,6 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
 
 
 GEMV_MAX_M = 16
-X3_MIN_M = 1
-"""fp32 x with a bf16 weight (the LM head): the bf16x3 tensor-core kernel from this many rows on. At one
-row too: the FMA GEMV (BN 32 x BK 128 tiles) streamed V4's 1 GB head at ~1 TB/s on the H200 (1.2 ms),
-the 128-row tiles of the x3 kernel stream it at the copy rate."""
-
-
 def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     M, K = x2.shape
     N = w.size(0)
@@ -157,9 +151,15 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         return
     ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=False)
+    _sum_splits(ws, y)
+
+
+def _sum_splits(ws: torch.Tensor, y: torch.Tensor) -> None:
+    """y = ws.sum(0) for the fp32 [splits, M, N] partials, in a fixed order, cast to y's dtype."""
+    ns, MN = ws.size(0), y.numel()
     BS = min(p2(ns), 32)
-    BLOCK = max(16, min(p2(M * N), 4096 // BS))
-    _splitk_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M * N, ns, BS=BS, BLOCK=BLOCK)
+    BLOCK = max(16, min(p2(MN), 4096 // BS))
+    _splitk_reduce_kernel[(triton.cdiv(MN, BLOCK),)](ws, y, MN, ns, BS=BS, BLOCK=BLOCK)
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -179,9 +179,7 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         return
     ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
     _linear_kernel[grid](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=False)
-    BS = min(p2(ns), 32)
-    BLOCK = max(16, min(p2(M * N), 4096 // BS))
-    _splitk_reduce_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M * N, ns, BS=BS, BLOCK=BLOCK)
+    _sum_splits(ws, y)
 
 
 @implement("linear", "triton")
@@ -194,7 +192,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M = x2.size(0)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        if x2.dtype == torch.float32 and w.dtype == torch.bfloat16 and M >= X3_MIN_M:
+        # the LM head: the x3 kernel at every M (at M = 1 the FMA GEMV streamed V4's 1 GB head at ~1 TB/s on
+        # the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it at the copy rate)
+        if x2.dtype == torch.float32 and w.dtype == torch.bfloat16:
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
             BN, BK = 128, 64
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import e8m0_f32, weight_scale_arg
 from ._common import sms as _sms
 from .gemm import _INTERPRET, _finish
 
@@ -129,10 +130,6 @@ whose ~35 launches are small next to the GEMMs there and which scales where one 
 
 def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align`'s layout; the choice of implementation depends on the sizes only."""
-    return _align(e, n_experts, block_m)
-
-
-def _align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     P, E = e.numel(), int(n_experts)
     if P > ALIGN_KERNEL_MAX_P or E > 1024 or P == 0:
         return moe_align(e, E, block_m)
@@ -282,8 +279,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
         byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH), other=0)
         g = kb * 4 + g4
         sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
-        if SCALE_E8M0:  # raw ue8m0 byte b -> 2^(b - 127) from the float32 exponent bits (b = 0 -> 0)
-            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if SCALE_E8M0:
+            sw = e8m0_f32(sw)
         if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
             sb = tl.reshape(tl.broadcast_to(sw.to(tl.bfloat16)[:, :, None], [BN, 4, 16]), [BN, 64])
             lo = _fp4_bf16_lo(byte, sb)
@@ -390,9 +387,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
-        e8m0 = w_s.dtype in (torch.uint8, torch.float8_e8m0fnu)  # raw ue8m0 bytes: 1/4 of the f32 bytes
+        w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        w_s = (w_s.view(torch.uint8) if e8m0 else w_s.float()).contiguous()
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
         part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](

@@ -8,7 +8,19 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, pow2_ceil, round_e4m3
+from ._common import p2, quant_e4m3_block
+
+
+@triton.jit
+def _row_rsqrt(x_row, N, eps, BLOCK: tl.constexpr):
+    """1 / rms of one row (sum of squares over BLOCK chunks, fp32): both norm kernels call this, so the
+    fused `rms_norm_quant` produces exactly `rms_norm`'s y."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n0 in range(0, N, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    return tl.math.rsqrt(tl.sum(acc, 0) / N + eps)
 
 
 @triton.jit
@@ -16,12 +28,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, HAS_W: tl.constexpr, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * N
     y_row = y_ptr + row * N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for n0 in range(0, N, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        acc += x * x
-    r = tl.math.rsqrt(tl.sum(acc, 0) / N + eps)
+    r = _row_rsqrt(x_row, N, eps, BLOCK)
     for n0 in range(0, N, BLOCK):
         cols = n0 + tl.arange(0, BLOCK)
         m = cols < N
@@ -47,16 +54,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, NB, eps, HAS_W: tl.constexpr,
                            BLOCK: tl.constexpr, QB: tl.constexpr):
-    """One row: the sum of squares exactly as `_rms_norm_kernel` (same BLOCK chunks, so the same y), then
-    per QB-column block: y, its cast to y's dtype, and the act_quant of that cast value."""
+    """One row: `_row_rsqrt` as `_rms_norm_kernel` (so the same y), then per QB-column block: y, its cast
+    to y's dtype, and the act_quant of that cast value (`quant_e4m3_block`, as the act_quant kernel)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for n0 in range(0, N, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        acc += x * x
-    r = tl.math.rsqrt(tl.sum(acc, 0) / N + eps)
+    r = _row_rsqrt(x_row, N, eps, BLOCK)
     for b in range(0, NB):
         cols = b * QB + tl.arange(0, QB)
         y = tl.load(x_row + cols).to(tl.float32) * r
@@ -64,10 +66,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, NB, eps, HAS_W:
             y = tl.load(w_ptr + cols).to(tl.float32) * y
         yc = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * N + cols, yc)
-        v = yc.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), 0), 1e-4)
-        s = pow2_ceil(tl.math.div_rn(amax, 448.0))
-        q = round_e4m3(tl.minimum(tl.maximum(v / s, -448.0), 448.0)).to(tl.float8e4nv)
+        q, s = quant_e4m3_block(yc.to(tl.float32))
         tl.store(q_ptr + row * N + cols, q)
         tl.store(s_ptr + row * NB + b, s)
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, pow2_ceil, round_e4m3
+from ._common import p2, pow2_ceil, quant_e4m3_block
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -36,9 +36,7 @@ def _fp8_block_kernel(x_ptr, q_ptr, s_ptr, y_ptr, K, NB, block,
     cols = b * block + tl.arange(0, BLOCK)
     m = (tl.arange(0, BLOCK) < block) & (cols < K)
     x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-4)
-    s = pow2_ceil(tl.math.div_rn(amax, 448.0))
-    q = round_e4m3(tl.minimum(tl.maximum(x / s, -448.0), 448.0)).to(tl.float8e4nv)
+    q, s = quant_e4m3_block(x)
     if FAKE:
         tl.store(y_ptr + row * K + cols, (q.to(tl.float32) * s).to(y_ptr.dtype.element_ty), mask=m)
     else:
