@@ -168,6 +168,14 @@ class Attention:
         og = torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, self.groups, -1), self.wo_a.to(o.dtype))
         return self.wo_b(og.flatten(2))
 
+    def _select(self, x, qr, ctx: StepContext, n_entries: int) -> torch.Tensor:
+        """Compressed entries each query attends: [B, S, k] entry indices (-1 = none). CSA: the indexer's
+        top-k; HCA: every entry complete at the query's position (j < (t + 1) // ratio)."""
+        if self.indexer is not None:
+            return self.indexer(x, qr, ctx, self.name + ".indexer")
+        j = torch.arange(n_entries, device=x.device)
+        return torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+
     def _prefill(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
         B, S, _ = x.shape
         dev = x.device
@@ -177,11 +185,7 @@ class Attention:
             entries = self.compressor.prefill(x, ctx.rows, ctx.rope)  # [B, S//r, hd]
             tap(self.name + ".compressed_kv", entries)
             kv_all = torch.cat([kv, entries.to(kv.dtype)], 1)
-            if self.indexer is not None:
-                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
-            else:  # HCA: every complete entry
-                j = torch.arange(entries.size(1), device=dev)
-                sel = torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+            sel = self._select(x, qr, ctx, entries.size(1))
             idx = torch.cat([idx, torch.where(sel >= 0, sel + S, -1)], -1)
         o = ops.sparse_attn(q, kv_all, self.sink, idx, self.scale)
         # ring buffer: the last min(S, win) positions at slot p % win
@@ -208,11 +212,7 @@ class Attention:
             n = self.compressor.extend(x, p0, row, ctx.rope)  # entries complete after this chunk
             entries = self.kv_cache[row, win:win + n]
             parts.append(entries.to(kv.dtype))
-            if self.indexer is not None:
-                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
-            else:  # HCA: every complete entry
-                j = torch.arange(n, device=dev)
-                sel = torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+            sel = self._select(x, qr, ctx, n)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + win + S, -1)], -1)
         o = ops.sparse_attn(q, torch.cat(parts, 1), self.sink, idx, self.scale)
         keep = min(S, win)  # ring: the chunk's last positions (earlier ones stay where they are)
@@ -227,11 +227,7 @@ class Attention:
         idx = torch.where(w <= pos.unsqueeze(-1), w, -1).unsqueeze(1)  # [B, 1, win]
         if self.compressor is not None:
             self.compressor.decode(x, pos, rows, ctx.rope)
-            if self.indexer is not None:
-                sel = self.indexer(x, qr, ctx, self.name + ".indexer")
-            else:
-                j = torch.arange(self.kv_cache.size(1) - self.win, device=dev)
-                sel = torch.where(j < ((pos + 1) // self.ratio).unsqueeze(-1), j, -1).unsqueeze(1)
+            sel = self._select(x, qr, ctx, self.kv_cache.size(1) - self.win)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + self.win, -1)], -1)
         # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
         # one batch whose slot indices are offset to its row. Same op, same result as gathering

@@ -60,56 +60,29 @@ class Compressor:
     def prefill(self, x: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
         """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d]; also writes
         them to `cache` and leaves the carry-over (overlap half, partial window) in the state."""
-        B, S, _ = x.shape
-        r, d = self.ratio, self.d
-        kv, score = self._project(x)
-        cutoff = S - S % r
-        # fresh sequence in these rows: empty state
-        st_kv = torch.zeros_like(self.kv_state[rows])
-        st_sc = torch.full_like(self.score_state[rows], float("-inf"))
-        off = r if self.overlap else 0
-        if self.overlap and cutoff >= r:
-            st_kv[:, :r] = kv[:, cutoff - r:cutoff]
-            st_sc[:, :r] = score[:, cutoff - r:cutoff] + self.ape
-        if S % r:
-            st_kv[:, off:off + S % r] = kv[:, cutoff:]
-            st_sc[:, off:off + S % r] = score[:, cutoff:] + self.ape[:S % r]
-        self.kv_state[rows], self.score_state[rows] = st_kv, st_sc
-        n = cutoff // r
-        if n == 0:
-            return kv.new_zeros(B, 0, d).to(self.numerics.dtype)
-        kvw = kv[:, :cutoff].unflatten(1, (n, r))
-        scw = score[:, :cutoff].unflatten(1, (n, r)) + self.ape
-        if self.overlap:  # slots: previous window's first half | this window's second half
-            kv2 = kvw.new_zeros(B, n, 2 * r, d)
-            sc2 = scw.new_full((B, n, 2 * r, d), float("-inf"))
-            kv2[:, :, r:], sc2[:, :, r:] = kvw[..., d:], scw[..., d:]
-            kv2[:, 1:, :r], sc2[:, 1:, :r] = kvw[:, :-1, :, :d], scw[:, :-1, :, :d]
-            kvw, scw = kv2, sc2
-        pooled = ops.compress_pool(kvw, scw)
-        first = (torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
-        entries = self._finish(pooled, first, rope)
-        self.cache[rows, :n] = entries.to(self.cache.dtype)
-        return entries
+        self.kv_state[rows] = 0.0  # fresh sequences in these rows: empty state
+        self.score_state[rows] = float("-inf")
+        n = self.extend(x, 0, rows, rope)
+        return self.cache[rows, :n].to(self.numerics.dtype)
 
-    def extend(self, x: torch.Tensor, start: int, row: torch.Tensor, rope) -> int:
-        """A prompt chunk of one row: x [1, S, D] at positions start .. start+S-1, the state holding
-        positions < start (an earlier `prefill` / `extend`). Pools every window the chunk completes into
-        `cache[row, start // ratio ..]` and leaves the new carry-over in the state, exactly as one
-        `prefill` of the whole prompt would. Returns the number of entries now complete.
+    def extend(self, x: torch.Tensor, start: int, rows: torch.Tensor, rope) -> int:
+        """x [B, S, D] at positions start .. start+S-1 of each row, the state holding positions < start (an
+        earlier `prefill` / `extend`, or empty at 0). Pools every window the tokens complete into
+        `cache[rows, start // ratio ..]` and leaves the new carry-over in the state, exactly as one pass
+        over the whole prompt would (chunked prefill). Returns the number of entries now complete.
         """
-        S, r, d = x.size(1), self.ratio, self.d
-        kv, score = self._project(x)  # [1, S, coff*d]
-        rows = row.view(1)
+        B, S = x.size(0), x.size(1)
+        r, d = self.ratio, self.d
+        kv, score = self._project(x)  # [B, S, coff*d]
         off = r if self.overlap else 0
         st_kv, st_sc = self.kv_state[rows], self.score_state[rows]
-        # the sequence from the current window's first position w0: carried partial window + the chunk
+        # the sequence from the current window's first position w0: carried partial window + the tokens
         w0, part = start - start % r, start % r
         pos = torch.arange(start, start + S, device=x.device)
         kv_seq = torch.cat([st_kv[:, off:off + part], kv], 1)
         sc_seq = torch.cat([st_sc[:, off:off + part], score + self.ape[pos % r]], 1)  # state already has ape
         L = part + S
-        n = L // r  # windows completed by this chunk
+        n = L // r  # windows completed here
         cutoff = n * r
         new_kv, new_sc = torch.zeros_like(st_kv), torch.full_like(st_sc, float("-inf"))
         if self.overlap:  # next window's overlap half: the last complete window's slots (or the old one)
@@ -126,12 +99,12 @@ class Compressor:
         kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
         scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
         if self.overlap:  # slots: previous window's first half | this window's second half
-            prev_kv = torch.cat([st_kv[:, :r].unsqueeze(1), kvw[:, :-1]], 1)  # window w0-1 from the state
+            prev_kv = torch.cat([st_kv[:, :r].unsqueeze(1), kvw[:, :-1]], 1)  # window w0/r - 1 from the state
             prev_sc = torch.cat([st_sc[:, :r].unsqueeze(1), scw[:, :-1]], 1)
             kvw = torch.cat([prev_kv[..., :d], kvw[..., d:]], 2)
             scw = torch.cat([prev_sc[..., :d], scw[..., d:]], 2)
         pooled = ops.compress_pool(kvw, scw)
-        first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0)
+        first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
         entries = self._finish(pooled, first, rope)
         self.cache[rows, first_entry:first_entry + n] = entries.to(self.cache.dtype)
         return first_entry + n

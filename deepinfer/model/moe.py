@@ -15,6 +15,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import tap
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
+from deepinfer.quant.formats import float_to_e8m0
 
 
 class Expert:
@@ -38,17 +39,6 @@ class Expert:
         return self.w2(h.to(x.dtype))
 
 
-def _e8m0_bytes(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Power-of-two float32 scales -> (raw ue8m0 bytes, count of elements that are not such a power).
-
-    No host sync: the count stays on the device until the caller checks it once per stack.
-    """
-    bits = s.float().contiguous().view(torch.int32)
-    ok = ((bits & 0x807FFFFF) == 0) & (bits != 0) | (bits == 0x00400000)  # normal 2^e, or 2^-127
-    b = torch.where(bits == 0x00400000, torch.zeros_like(bits), (bits >> 23) & 0xFF)
-    return b.to(torch.uint8), (~ok).sum()
-
-
 class StackedLinear:
     """One matrix of every local expert, stacked: `Linear`'s three forms with a leading expert dim --
     weight [E, N, K] (float / fp8) or [E, N, K/2] int8 (fp4); scale [E, ceil(N/128), ceil(K/128)] f32
@@ -66,7 +56,6 @@ class StackedLinear:
         self.weight = self.scale = None
         self.fmt = ""
         E = len(prefixes)
-        bad = None
         for j, parts in enumerate(prefixes):  # copy each expert in, then drop it: no second full copy
             n0 = 0
             for prefix in parts:
@@ -86,16 +75,15 @@ class StackedLinear:
                 self.weight[j, n0:n0 + n].copy_(lin.weight)
                 if self.scale is not None:
                     if self.fmt == "fp4":
-                        sb, nbad = _e8m0_bytes(lin.scale)
-                        bad = nbad if bad is None else bad + nbad
-                        self.scale[j, n0:n0 + n].copy_(sb)
+                        try:
+                            self.scale[j, n0:n0 + n].copy_(float_to_e8m0(lin.scale))
+                        except ValueError as e:
+                            raise ValueError(f"{prefix}.scale: {e}") from None
                     else:  # fp8: [ceil(N/128)] scale rows per part (N is a multiple of 128 when parts > 1)
                         r = lin.scale.size(0)
                         self.scale[j, (n0 // n) * r:(n0 // n + 1) * r].copy_(lin.scale)
                 n0 += n
                 del lin
-        if bad is not None and int(bad):  # one sync per stack
-            raise ValueError(f"{prefixes[0][0]} ..: {int(bad)} FP4 scales are not powers of two (ue8m0)")
 
     def __getitem__(self, j: int) -> Linear:
         """Expert j's matrix as a `Linear` over views of the stacks (no copy; FP4 scales stay bytes)."""
@@ -129,11 +117,11 @@ class RoutedExperts:
         self.limit = limit
         self.n = len(ids)
         names = [(f"{prefix}experts.{e}.w1", f"{prefix}experts.{e}.w3") for e in ids]
-        first = W.linear(names[0][0]) if self.n else None
-        self.inter = first.out_features if first is not None else 0
+        w1 = W.state[names[0][0] + ".weight"] if self.n else None  # shape and storage format only
+        self.inter = w1.size(0) if w1 is not None else 0
+        fp8 = w1 is not None and w1.dtype == torch.float8_e4m3fn and W.numerics.official
         # FP8 block scales cover 128 rows: w1|w3 concatenate only if the seam falls on a block edge
-        self.fused = first is None or first.fmt != "fp8" or self.inter % 128 == 0
-        del first
+        self.fused = not fp8 or self.inter % 128 == 0
         if self.fused:
             self.w13 = StackedLinear(W, [list(n) for n in names])
         else:
