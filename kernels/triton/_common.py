@@ -113,10 +113,19 @@ def weight_scale_arg(w_s: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 @triton.jit
-def quant_e4m3_block(v):
-    """act_quant of one block of float32 values: (q float8e4nv, s) with the reference's rule -- amax floored
-    at 1e-4, s = pow2_ceil(amax / 448), q = round-to-nearest-even(clamp(v / s)) (exact division)."""
-    amax = tl.maximum(tl.max(tl.abs(v), 0), 1e-4)
+def quant_e4m3_rows(v):
+    """act_quant of R blocks at once, v [R, B] float32 (one block a row): (q [R, B] float8e4nv, s [R]) with the
+    reference's rule -- amax floored at 1e-4, s = pow2_ceil(amax / 448), q = round-to-nearest-even(clamp(v / s))
+    (exact division by a power of two)."""
+    amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
     s = pow2_ceil(tl.math.div_rn(amax, 448.0))
-    q = round_e4m3(tl.minimum(tl.maximum(v / s, -448.0), 448.0)).to(tl.float8e4nv)
+    q = round_e4m3(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0)).to(tl.float8e4nv)
     return q, s
+
+
+@triton.jit
+def quant_e4m3_block(v):
+    """`quant_e4m3_rows` of one block v [B]: (q [B], scalar s)."""
+    B: tl.constexpr = v.shape[0]
+    q, s = quant_e4m3_rows(tl.reshape(v, [1, B]))
+    return tl.reshape(q, [B]), tl.max(s, 0)
