@@ -34,6 +34,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from deepinfer.ops import REGISTRY  # noqa: E402
+from deepinfer.ops.reference import kv_packed_width, kv_unpack  # noqa: E402
 from deepinfer.quant.formats import fp4_pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,6 +383,28 @@ def test_sparse_attn_split(seed, B, S, H, D, K, dtype):
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 3, 5, 128, 64, 13, torch.float32),  # prefill-like
+                                                (2, 1, 20, 192, 64, 300, torch.float32),  # split (decode)
+                                                (3, 1, 16, 160, 32, 200, torch.float16)]
+                         + ([(2, 2, 64, 512, 64, 90, torch.bfloat16)] if COMPILED else []))  # V4 dims: GPU
+def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype):
+    """Attention over FP8-layout rows (codes, e8m0 scales, rope dims in q's dtype) equals the reference on
+    the unpacked entries; per-row magnitudes 2^-8..1 exercise the scales (larger ones sharpen the softmax past
+    fp32 tolerances in any implementation), -1 holes the masking."""
+    g = gen(seed)
+    N = 50
+    q = randn(g, B, S, H, D, dtype=dtype)
+    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
+    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
+    idx = torch.randint(0, N, (B, S, K), generator=g)
+    idx[torch.rand(B, S, K, generator=g) < 0.3] = -1
+    idx[0, 0] = -1
+    out, ref = run_both("sparse_attn_fp8", q, packed, randn(g, H, scale=3.0), idx.to(DEV), D ** -0.5, rd)
+    check("sparse_attn_fp8", out, ref)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 def _hc_inputs(g, hc, D, dtype, n_mix):
     x = randn(g, 2, 3, hc, D, dtype=dtype)
@@ -466,6 +489,24 @@ def test_kv_store(seed, dtype, vdtype):
     with poisoned():
         assert REGISTRY["kv_store"].impls["triton"](tri_cache, rows, slots, values) is None
     check("kv_store", tri_cache, ref_cache)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("D,rd,dtype", [(512, 64, torch.bfloat16), (128, 64, torch.float32), (1216, 64, torch.float16)])
+def test_kv_pack_bytes_and_round_trip(seed, D, rd, dtype):
+    """The FP8 KV layout byte for byte (codes, scale bytes, zeroed padding, rope bytes) and its decode: the
+    official cache QAT (fp8_fake_quant per 64 on the no-RoPE dims) exactly, rope dims untouched. D 1216:
+    18 scales, two 16-byte scale groups."""
+    g = gen(seed)
+    kv = torch.randn(3, 5, D, generator=g) * torch.exp2(torch.randint(-20, 8, (3, 5, 1), generator=g).float())
+    kv[0, 0, :64] *= 1e-9  # a block under act_quant's amax floor; negative values round to -0 there
+    kv = kv.to(DEV, dtype)
+    check("kv_pack", *run_both("kv_pack", kv, rd))
+    packed = REGISTRY["kv_pack"].ref(kv, rd)
+    assert packed.shape == (3, 5, kv_packed_width(D, rd, dtype))
+    want = torch.cat([REGISTRY["fp8_fake_quant"].ref(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+    assert torch.equal(kv_unpack(packed, D, rd, dtype), want)
+    assert torch.equal(kv_unpack(REGISTRY["kv_pack"].ref(want, rd), D, rd, dtype), want)  # lossless again
 
 
 # ------------------------------------------------------------------------------------------ sampling

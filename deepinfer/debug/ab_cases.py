@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import tiny_config
-from deepinfer.ops.reference import act_quant, fp4_fake_quant, yarn_inv_freq
+from deepinfer.ops.reference import act_quant, fp4_fake_quant, kv_pack, yarn_inv_freq
 from deepinfer.quant.formats import e8m0_to_float, quant_fp4, quant_fp8_block
 
 
@@ -256,6 +256,26 @@ def build_sparse_attn(d: Dims, phase: str, g, device):
     idx.view(-1, K)[0] = -1  # a query with nothing to attend to: output 0
     return [Variant("csa", (q.to(device), kv.to(device), sink.to(device), idx.int().to(device),
                             d.head_dim ** -0.5), {})]
+
+
+def _kv_entries(g, shape, d: Dims) -> torch.Tensor:
+    """KV cache entries [..., head_dim] bf16 with per-entry magnitudes over 2^-8..1 (the scales differ)."""
+    mag = torch.exp2(torch.randint(-8, 1, (*shape, 1), generator=g).float())
+    return (torch.randn(*shape, d.head_dim, generator=g) * mag).bfloat16()
+
+
+def build_sparse_attn_fp8(d: Dims, phase: str, g, device):
+    """The sparse_attn case over the FP8 KV layout (`kv_pack` of the same kind of entries)."""
+    v = build_sparse_attn(d, phase, g, "cpu")[0]
+    q, kv, sink, idx, scale = v.args
+    packed = kv_pack(_kv_entries(g, kv.shape[:2], d), d.rope_dim)
+    return [Variant(v.name, (q.to(device), packed.to(device), sink.to(device), idx.to(device), scale, d.rope_dim),
+                    v.kwargs)]
+
+
+def build_kv_pack(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    return [Variant("new_entries", (_kv_entries(g, (B, S), d).to(device), d.rope_dim), {})]
 
 
 def _hc_mix_params(g, hc, dim, n_out, device):

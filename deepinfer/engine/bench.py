@@ -43,6 +43,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import Linear
 from deepinfer.ops import ops
+from deepinfer.ops.reference import kv_packed_width
 from deepinfer.tiny import _fp32_kept
 
 WARMUP_STEPS = 2
@@ -238,9 +239,12 @@ def _entries(cfg: ModelConfig, layer: int, pos: int) -> tuple[int, int]:
 
 
 def floors(cfg: ModelConfig, mb: ModelBytes, positions: list[int], bandwidth: float, flops_rate: float,
-           cache_elem: int, head_tokens: int | None = None) -> dict:
+           cache_elem: int, head_tokens: int | None = None, kv_entry_bytes: int | None = None) -> dict:
     """Floors of one step in which the queries at `positions` run together (decode: B rows at their
-    positions; prefill: 0..P-1). Returns bytes (ckpt / engine), FLOPs and the floor times in ms."""
+    positions; prefill: 0..P-1). Returns bytes (ckpt / engine), FLOPs and the floor times in ms.
+    kv_entry_bytes: bytes of one attention cache entry as the engine holds it (FP8 layout: 592 for V4;
+    default head_dim x cache_elem); indexer keys are head_dim x cache_elem."""
+    kv_entry = cfg.head_dim * cache_elem if kv_entry_bytes is None else kv_entry_bytes
     T = len(positions)
     head_tokens = T if head_tokens is None else head_tokens
     k, E = cfg.n_activated_experts, cfg.n_routed_experts
@@ -249,7 +253,7 @@ def floors(cfg: ModelConfig, mb: ModelBytes, positions: list[int], bandwidth: fl
     for i in range(cfg.n_layers):
         for p in positions:
             ent, idx = _entries(cfg, i, p)
-            kv += (ent * cfg.head_dim + idx * cfg.index_head_dim) * cache_elem
+            kv += ent * kv_entry + idx * cfg.index_head_dim * cache_elem
             flops += 4 * cfg.n_heads * cfg.head_dim * ent + 2 * cfg.index_n_heads * cfg.index_head_dim * idx
         flops += 2 * T * (mb.dense_params[i] + k * mb.expert_params)
     flops += 2 * head_tokens * mb.head_params
@@ -645,6 +649,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     rate, rate_what = measure_matmul(device)
     fp8_rate = measure_fp8_matmul(device)
     cache_elem = torch.empty((), dtype=numerics.dtype).element_size()
+    kv_entry = kv_packed_width(cfg.head_dim, cfg.rope_head_dim, numerics.dtype) if model.attentions()[0].fp8_kv else None
 
     report = {
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
@@ -660,7 +665,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     log(f"prefill: 1 x {opts.prompt_len} tokens ...")
     model.allocate(1, opts.prompt_len + 1)
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
-    pf["floor"] = floors(cfg, mb, list(range(opts.prompt_len)), bw, rate, cache_elem, head_tokens=1)
+    pf["floor"] = floors(cfg, mb, list(range(opts.prompt_len)), bw, rate, cache_elem, head_tokens=1,
+                         kv_entry_bytes=kv_entry)
     pf["ratio"] = pf["ttft_ms"] / pf["floor"]["floor_ms"]
     report["prefill"] = pf
 
@@ -670,7 +676,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         d = time_decode(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed, graphs=graphs)
         if d["graph_error"]:
             log(f"CUDA graph capture failed, timed eagerly: {d['graph_error']}")
-        d["floor"] = floors(cfg, mb, [round(d["mean_position"])] * B, bw, rate, cache_elem)
+        d["floor"] = floors(cfg, mb, [round(d["mean_position"])] * B, bw, rate, cache_elem,
+                                kv_entry_bytes=kv_entry)
         d["ratio"] = d["ms_per_step"] / d["floor"]["floor_ms"]
         d["ratio_engine_bytes"] = d["ms_per_step"] / d["floor"]["floor_engine_ms"]
         report["decode"].append(d)

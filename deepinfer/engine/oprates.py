@@ -33,7 +33,7 @@ def _flops(name: str, args: tuple, kwargs: dict) -> float:
     if name == "grouped_gemm":
         a, e, w = args[0], args[2], args[3]
         return 2.0 * float((e >= 0).sum()) * a.size(1) * w.size(1)
-    if name == "sparse_attn":  # q [B, S, H, D], idx [B, S, K]: QK^T and PV over the valid entries
+    if name in ("sparse_attn", "sparse_attn_fp8"):  # q [B, S, H, D], idx [B, S, K]: QK^T, PV over valid entries
         q, idx = args[0], args[3]
         return 4.0 * float((idx >= 0).sum()) * q.size(-2) * q.size(-1)
     if name == "indexer_scores":  # q [B, S, H, D], k [B, T, D]
@@ -42,7 +42,7 @@ def _flops(name: str, args: tuple, kwargs: dict) -> float:
     return 0.0
 
 
-OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "linear", "sparse_attn", "indexer_scores")
+OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "linear", "sparse_attn", "sparse_attn_fp8", "indexer_scores")
 
 
 @contextlib.contextmanager

@@ -7,8 +7,12 @@
 * softmax with a learned per-head sink in the denominator; the output's RoPE dims get the inverse
   rotation; grouped low-rank output projection wo_a (per group) then wo_b.
 
-Cache per layer (R rows): `kv_cache` [R, window + max_entries, head_dim] = window ring buffer (position
-p at slot p % window) followed by the compressed entries; the indexer keeps its own key buffer.
+Cache per layer (R rows): `kv_cache` [R, window + max_entries, ·] = window ring buffer (position p at
+slot p % window) followed by the compressed entries; the indexer keeps its own key buffer. Official
+numerics hold it in the FP8 KV layout (`ops.kv_pack`: uint8 rows of W bytes, e4m3 no-RoPE dims with a
+ue8m0 scale per 64, rope dims in the compute dtype; V4: 592 bytes instead of 1024 in bf16) and attend
+with `ops.sparse_attn_fp8`, which reads it directly. Packing is the cache's QAT, so the values attended
+are the ones the float cache held (fp8_fake_quant); exact numerics keep [.., head_dim] floats.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind
 from deepinfer.model.weights import Numerics, WeightSource
 from deepinfer.ops import ops
+from deepinfer.ops.reference import kv_packed_width, kv_unpack
 
 
 class StepContext:
@@ -126,12 +131,19 @@ class Attention:
                                          norm_eps=cfg.norm_eps)
         if self.kind == "csa":
             self.indexer = Indexer(cfg, W, prefix + "indexer.", self.ratio, numerics)
+        self.fp8_kv = numerics.official  # the cache in the FP8 layout (see the module docstring)
+        if self.compressor is not None:
+            self.compressor.fp8_cache = self.fp8_kv
         self.kv_cache = None
 
     def allocate(self, rows: int, max_seq_len: int, device, dtype) -> None:
         # +1: the entry being filled has a slot too (decode writes it back unchanged until complete)
         n_entries = max_seq_len // self.ratio + 1 if self.ratio else 0
-        self.kv_cache = torch.zeros(rows, self.win + n_entries, self.hd, dtype=dtype, device=device)
+        if self.fp8_kv:
+            width, dtype = kv_packed_width(self.hd, self.rd, dtype), torch.uint8
+        else:
+            width = self.hd
+        self.kv_cache = torch.zeros(rows, self.win + n_entries, width, dtype=dtype, device=device)
         if self.compressor is not None:
             self.compressor.cache = self.kv_cache[:, self.win:]
             self.compressor.allocate(rows, device)
@@ -152,10 +164,13 @@ class Attention:
         q = torch.cat([q[..., :-rd], ops.rope(q[..., -rd:], cos, sin)], -1)
         kv = ops.rms_norm(self.wkv(x, xq), self.kv_norm, self.eps)
         kv = torch.cat([kv[..., :-rd], ops.rope(kv[..., -rd:], cos, sin)], -1)
-        if self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
+        if self.fp8_kv:  # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant)
+            kv = ops.kv_pack(kv, rd)
+        elif self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         tap(n + ".q", q)
-        tap(n + ".kv", kv)
+        if is_active():
+            tap(n + ".kv", self._entries(kv, q.dtype))
         qr = (qr, qrq)
         if ctx.prefill and ctx.start:
             o = self._extend(x, q, kv, qr, ctx)
@@ -167,6 +182,16 @@ class Attention:
         tap(n + ".core", o)
         og = torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, self.groups, -1), self.wo_a.to(o.dtype))
         return self.wo_b(og.flatten(2))
+
+    def _entries(self, kv: torch.Tensor, dtype) -> torch.Tensor:
+        """Cache-form rows -> [..., head_dim] values (debug taps)."""
+        return kv_unpack(kv, self.hd, self.rd, dtype) if self.fp8_kv else kv
+
+    def _attend(self, q, kv, idx) -> torch.Tensor:
+        """Sparse attention over cache-form rows kv [B, N, ·]."""
+        if self.fp8_kv:
+            return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd)
+        return ops.sparse_attn(q, kv, self.sink, idx, self.scale)
 
     def _select(self, x, qr, ctx: StepContext, n_entries: int) -> torch.Tensor:
         """Compressed entries each query attends: [B, S, k] entry indices (-1 = none). CSA: the indexer's
@@ -183,16 +208,17 @@ class Attention:
         kv_all = kv
         if self.compressor is not None:
             entries = self.compressor.prefill(x, ctx.rows, ctx.rope)  # [B, S//r, hd]
-            tap(self.name + ".compressed_kv", entries)
-            kv_all = torch.cat([kv, entries.to(kv.dtype)], 1)
+            if is_active():
+                tap(self.name + ".compressed_kv", self._entries(entries, q.dtype))
+            kv_all = torch.cat([kv, entries], 1)
             sel = self._select(x, qr, ctx, entries.size(1))
             idx = torch.cat([idx, torch.where(sel >= 0, sel + S, -1)], -1)
-        o = ops.sparse_attn(q, kv_all, self.sink, idx, self.scale)
+        o = self._attend(q, kv_all, idx)
         # ring buffer: the last min(S, win) positions at slot p % win
         keep = min(S, self.win)
         p = torch.arange(S - keep, S, device=dev)
         rows = ctx.rows.repeat_interleave(keep)
-        ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].reshape(-1, self.hd))
+        ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].flatten(0, 1))
         return o
 
     def _extend(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
@@ -211,10 +237,10 @@ class Attention:
         if self.compressor is not None:
             n = self.compressor.extend(x, p0, row, ctx.rope)  # entries complete after this chunk
             entries = self.kv_cache[row, win:win + n]
-            parts.append(entries.to(kv.dtype))
+            parts.append(entries)
             sel = self._select(x, qr, ctx, n)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + win + S, -1)], -1)
-        o = ops.sparse_attn(q, torch.cat(parts, 1), self.sink, idx, self.scale)
+        o = self._attend(q, torch.cat(parts, 1), idx)
         keep = min(S, win)  # ring: the chunk's last positions (earlier ones stay where they are)
         p = torch.arange(p0 + S - keep, p0 + S, device=dev)
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
@@ -235,5 +261,5 @@ class Attention:
         B, _, H, D = q.shape
         N = self.kv_cache.size(1)
         gidx = torch.where(idx >= 0, idx + (rows * N).view(B, 1, 1), -1).view(1, B, -1)
-        o = ops.sparse_attn(q.view(1, B, H, D), self.kv_cache.view(1, -1, D), self.sink, gidx, self.scale)
+        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx)
         return o.view(B, 1, H, D)

@@ -33,6 +33,9 @@ class Compressor:
         self.norm = W.f32(prefix + "norm.weight")
         self.cache: torch.Tensor | None = None
         self.kv_state = self.score_state = None
+        # Set by the owner when `cache` holds FP8-layout rows (`ops.kv_pack`): entries are packed on the
+        # way in (which is also their QAT) and handed out packed.
+        self.fp8_cache = False
 
     def allocate(self, rows: int, device) -> None:
         shape = (rows, self.coff * self.ratio, self.coff * self.d)
@@ -49,21 +52,26 @@ class Compressor:
             kv = ops.hadamard(kv)
             if self.numerics.official:
                 kv = ops.fp4_fake_quant(kv, 32)
-        elif self.numerics.official:  # attention entries: FP8 simulation of the no-RoPE dims
+        elif self.numerics.official and not self.fp8_cache:  # attention entries: FP8 QAT of the no-RoPE dims
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
         return kv
+
+    def _encode(self, entries: torch.Tensor) -> torch.Tensor:
+        """Entries [..., d] in the cache's form: FP8 layout rows (the QAT and the packing in one op) or a cast."""
+        return ops.kv_pack(entries, self.rd) if self.fp8_cache else entries.to(self.cache.dtype)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
 
     def prefill(self, x: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
-        """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d]; also writes
-        them to `cache` and leaves the carry-over (overlap half, partial window) in the state."""
+        """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d] (FP8-layout rows
+        [B, S//ratio, W] when `fp8_cache`); also writes them to `cache` and leaves the carry-over (overlap
+        half, partial window) in the state."""
         self.kv_state[rows] = 0.0  # fresh sequences in these rows: empty state
         self.score_state[rows] = float("-inf")
         n = self.extend(x, 0, rows, rope)
-        return self.cache[rows, :n].to(self.numerics.dtype)
+        return self.cache[rows, :n] if self.fp8_cache else self.cache[rows, :n].to(self.numerics.dtype)
 
     def extend(self, x: torch.Tensor, start: int, rows: torch.Tensor, rope) -> int:
         """x [B, S, D] at positions start .. start+S-1 of each row, the state holding positions < start (an
@@ -106,7 +114,7 @@ class Compressor:
         pooled = ops.compress_pool(kvw, scw)
         first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
         entries = self._finish(pooled, first, rope)
-        self.cache[rows, first_entry:first_entry + n] = entries.to(self.cache.dtype)
+        self.cache[rows, first_entry:first_entry + n] = self._encode(entries)
         return first_entry + n
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
@@ -135,4 +143,4 @@ class Compressor:
         entry = self._finish(pooled, first, rope)[:, 0]
         idx = (pos // r).clamp_max(self.cache.size(1) - 1)
         old = self.cache[rows, idx]
-        self.cache[rows, idx] = torch.where(done.unsqueeze(-1), entry.to(self.cache.dtype), old)
+        self.cache[rows, idx] = torch.where(done.unsqueeze(-1), self._encode(entry), old)

@@ -243,6 +243,60 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return o.to(q.dtype)
 
 
+# ----------------------------------------------------------------------------------- FP8 KV layout
+def _kv_scale_bytes(nope: int) -> int:
+    """Bytes for the e8m0 scales of `nope` no-RoPE dims (one per 64), rounded up to 16 (aligned rope part)."""
+    return -(-(nope // 64) // 16) * 16
+
+
+def kv_packed_width(head_dim: int, rope_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one FP8-layout cache entry (V4: 448 + 16 + 64·2 = 592 in bf16, against 1024 as bf16)."""
+    nope = head_dim - rope_dim
+    return nope + _kv_scale_bytes(nope) + rope_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@defop("kv_pack", tol={"uint8": (0.0, 0.0)})
+def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """The FP8 KV cache layout of entries kv [..., D] (last `rope_dim` dims RoPE'd) -> uint8 [..., W]:
+
+    [D - rope_dim e4m3 codes | one ue8m0 scale byte per 64 of them, zero-padded to a multiple of 16 |
+     the rope_dim RoPE dims in kv's dtype, as bytes] with W = `kv_packed_width`. The codes and scales are
+    `act_quant(kv_nope, 64)`, the official QAT of the cache, so unpacking gives `fp8_fake_quant(kv_nope,
+    64)` exactly (packing an already fake-quantised kv is lossless: its blocks requantise to themselves).
+    """
+    D = kv.size(-1)
+    nope = D - rope_dim
+    assert nope > 0 and nope % 64 == 0, f"kv_pack: {nope} no-RoPE dims are not a positive multiple of 64"
+    q, s = act_quant(kv[..., :nope], 64)
+    sb = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # power-of-two scale -> its biased exponent
+    pad = sb.new_zeros(*sb.shape[:-1], _kv_scale_bytes(nope) - sb.size(-1))
+    rope = kv[..., nope:].contiguous().view(torch.uint8)
+    codes = q.view(torch.uint8)
+    codes = torch.where(codes == 0x80, 0, codes)  # -0 as +0: one byte pattern per value, compared bytewise
+    return torch.cat([codes, sb, pad, rope], -1)
+
+
+def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `kv_pack`: uint8 [..., W] -> [..., head_dim] in `dtype` (the rope part's storage dtype)."""
+    nope = head_dim - rope_dim
+    W = kv_packed_width(head_dim, rope_dim, dtype)
+    assert packed.dtype == torch.uint8 and packed.size(-1) == W, \
+        f"kv_unpack: expected uint8 [..., {W}] for head_dim {head_dim}, got {packed.dtype} {list(packed.shape)}"
+    codes = packed[..., :nope].contiguous().view(torch.float8_e4m3fn).float()
+    s = (packed[..., nope:nope + nope // 64].to(torch.int32) << 23).view(torch.float32)
+    deq = (codes.unflatten(-1, (-1, 64)) * s.unsqueeze(-1)).flatten(-2)
+    rope = packed[..., W - rope_dim * deq.new_empty((), dtype=dtype).element_size():].contiguous().view(dtype)
+    return torch.cat([deq.to(dtype), rope], -1)
+
+
+@defop("sparse_attn_fp8", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                    rope_dim: int) -> torch.Tensor:
+    """`sparse_attn` reading the FP8 KV layout: kv uint8 [B, N, W] (`kv_pack` of [B, N, D] entries whose
+    rope part is in q's dtype) -> [B, S, H, D], equal to `sparse_attn` on the unpacked entries."""
+    return sparse_attn(q, kv_unpack(kv, q.size(-1), rope_dim, q.dtype), sink, idx, scale)
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 @defop("hc_pre")
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

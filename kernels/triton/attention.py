@@ -16,26 +16,35 @@ the register file at 8 warps; 64 heads spilled), more heads for smaller D.
     slots -- to an fp32 workspace, and a combine kernel merges the splits in a fixed order
     (deterministic) and adds the sink: l = exp(sink - m) + Σ l_s e^(m_s - m). Flash decode shapes
     (32 tokens x 64 heads x 512, 640 slots) go from 32 programs to 32 x 2 x 5.
+
+`sparse_attn_fp8` is the same kernel reading the FP8 KV layout (`reference.kv_pack`): each gathered row's
+e4m3 codes times its per-64 e8m0 scales, and the rope dims in q's dtype, form the [BK, D] tile in
+registers (exact: e4m3 x 2^k is a bf16 value). V4 rows are 592 bytes instead of 1024.
 """
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.reference import kv_packed_width
 from deepinfer.ops.registry import implement
 
-from ._common import sms as _sms, p2
+from ._common import e8m0_f32, p2
+from ._common import sms as _sms
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL, CHUNK,
-                        scale, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
-                        SPLIT: tl.constexpr):
+def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL,
+                        CHUNK, scale, W, WE, ROFF, NOPE, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                        IEEE: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr):
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -58,7 +67,18 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr
         kk = k0 + tl.arange(0, BK)
         idx = tl.load(idx_ptr + bs * KSEL + kk, mask=kk < k_hi, other=-1).to(tl.int64)
         valid = idx >= 0
-        kv = tl.load(kv_ptr + (b * N + idx[:, None]) * D + d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+        if PACKED:  # FP8 layout rows of W bytes: e4m3 codes x e8m0 scale per 64 dims | rope dims (kvr: q's dtype)
+            ent = b * N + idx[:, None]
+            nope = valid[:, None] & (d[None, :] < NOPE)
+            code = tl.load(kv_ptr + ent * W + d[None, :], mask=nope, other=0)
+            sc = tl.load(kv_ptr + ent * W + NOPE + d[None, :] // 64, mask=nope, other=0)
+            deq = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * e8m0_f32(sc)
+            rmask = valid[:, None] & (d[None, :] >= NOPE) & md[None, :]
+            rope = tl.load(kvr_ptr + ent * WE + ROFF + (d[None, :] - NOPE), mask=rmask, other=0.0)
+            kv = tl.where(d[None, :] < NOPE, deq, rope.to(tl.float32)).to(q_ptr.dtype.element_ty)
+        else:
+            kv = tl.load(kv_ptr + (b * N + idx[:, None]) * D + d[None, :], mask=valid[:, None] & md[None, :],
+                         other=0.0)
         if IEEE:
             logits = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
         else:
@@ -108,17 +128,14 @@ def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLI
     tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=msk)
 
 
-@implement("sparse_attn", "triton")
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
+    """Both ops: kv [B, N, D] entries, or (packed) uint8 [B, N, W] FP8-layout rows with kvr the same storage
+    viewed in q's dtype and packed = (W, W in q elements, rope offset in q elements, no-RoPE dims)."""
     B, S, H, D = q.shape
-    N = kv.size(1)
     KSEL = idx.size(-1)
-    q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()
     o = torch.empty_like(q)
     if B * S * H == 0:
         return o
-    ieee = q.dtype == torch.float32 or kv.dtype == torch.float32 or q.dtype != kv.dtype
     BD = max(16, p2(D))
     BH = max(16, min(p2(H), 64, 16384 // BD))
     BK = 16 if BD >= 256 else 32
@@ -131,17 +148,40 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         splits = min(triton.cdiv(target, progs), triton.cdiv(KSEL, 2 * BK))
     chunk = triton.cdiv(triton.cdiv(KSEL, splits), BK) * BK if KSEL else BK
     splits = max(1, triton.cdiv(KSEL, chunk))
+    meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, num_warps=nw)
+    kvr = kv if kvr is None else kvr
     if splits == 1:
-        _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
-                                             float(scale), BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=False,
-                                             num_warps=nw)
+        _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
+                                             float(scale), *packed, **meta)
         return o
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
-    _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
-                                              float(scale), BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=True,
-                                              num_warps=nw)
+    _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
+                                              float(scale), *packed, **meta)
     BHc = max(1, min(p2(H), 4096 // BD))
     _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
                                                               BH=BHc, BD=BD, num_warps=4)
     return o
+
+
+@implement("sparse_attn", "triton")
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()
+    ieee = q.dtype == torch.float32 or kv.dtype == torch.float32 or q.dtype != kv.dtype
+    return _launch(q, kv, None, sink, idx, scale, kv.size(1), ieee)
+
+
+@implement("sparse_attn_fp8", "triton")
+def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                    rope_dim: int) -> torch.Tensor:
+    D = q.size(-1)
+    W = kv_packed_width(D, rope_dim, q.dtype)
+    assert kv.dtype == torch.uint8 and kv.size(-1) == W, \
+        f"sparse_attn_fp8: kv must be uint8 [B, N, {W}] (FP8 layout of head_dim {D}), got {kv.dtype} {list(kv.shape)}"
+    q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()
+    es = q.element_size()
+    packed = (W, W // es, (W - rope_dim * es) // es, D - rope_dim)
+    # fp32 dots under the interpreter too: its bf16 tl.dot is wrong, and the tile is dequantised here anyway
+    ieee = q.dtype == torch.float32 or _INTERPRET
+    return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed)

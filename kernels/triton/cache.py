@@ -1,4 +1,5 @@
-"""KV cache scatter: cache[rows[i], slots[i]] = values[i], one program per (entry, column block)."""
+"""KV cache writes: the scatter cache[rows[i], slots[i]] = values[i] (one program per (entry, column block)),
+and `kv_pack`, entries into the FP8 KV layout (one program per entry)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from deepinfer.ops.reference import kv_packed_width
+
+from ._common import p2, quant_e4m3_rows
 
 
 @triton.jit
@@ -34,3 +37,43 @@ def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, value
     _kv_store_kernel[(M, triton.cdiv(D, BD))](cache, rows.contiguous(), slots.contiguous(), values,
                                               cache.size(1), D, cache.stride(0), cache.stride(1), BD=BD)
     return None
+
+
+@triton.jit
+def _kv_pack_kernel(kv_ptr, out_ptr, outr_ptr, D, NOPE, NB, W, WE, ROFF, RD,
+                    BNB: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr):
+    """One entry: its NOPE dims as an [NB, 64] tile quantised per row (act_quant's rule), codes and e8m0
+    scale bytes stored, scale padding zeroed, the RD rope dims copied in their dtype (outr = out viewed
+    as kv's dtype: WE elements a row, rope from element ROFF)."""
+    i = tl.program_id(0).to(tl.int64)
+    blk = tl.arange(0, BNB)
+    cols = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    m = blk[:, None] < NB
+    x = tl.load(kv_ptr + i * D + cols, mask=m, other=0.0).to(tl.float32)
+    q, s = quant_e4m3_rows(x)
+    code = q.to(tl.uint8, bitcast=True)
+    tl.store(out_ptr + i * W + cols, tl.where(code == 0x80, 0, code), mask=m)  # -0 stored as +0 (reference)
+    sbyte = tl.where(blk < NB, (s.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+    j = tl.arange(0, SB)
+    sb = tl.sum(tl.where(j[:, None] == blk[None, :], sbyte[None, :], 0), 1)  # scale j, 0 past NB
+    tl.store(out_ptr + i * W + NOPE + j, sb.to(tl.uint8))
+    r = tl.arange(0, BR)
+    rope = tl.load(kv_ptr + i * D + NOPE + r, mask=r < RD)
+    tl.store(outr_ptr + i * WE + ROFF + r, rope, mask=r < RD)
+
+
+@implement("kv_pack", "triton")
+def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    D = kv.size(-1)
+    nope = D - rope_dim
+    assert nope > 0 and nope % 64 == 0, f"kv_pack: {nope} no-RoPE dims are not a positive multiple of 64"
+    W = kv_packed_width(D, rope_dim, kv.dtype)
+    es = kv.element_size()
+    kvc = kv.contiguous()
+    out = torch.empty(*kv.shape[:-1], W, dtype=torch.uint8, device=kv.device)
+    M = kvc.numel() // D
+    if M:
+        sb = W - nope - rope_dim * es
+        _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, (nope + sb) // es,
+                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=sb)
+    return out
