@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from deepinfer.ops import REGISTRY, ops  # noqa: E402
 from deepinfer.ops.reference import act_quant  # noqa: E402
-from deepinfer.quant.formats import e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
+from deepinfer.quant.formats import dequant_fp4, e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
 
 DEV = "cuda" if COMPILED else "cpu"
 
@@ -127,6 +127,9 @@ CASES = [  # fmt, P, E, N, K, n_pad, busy_rows, a dtype (float fmt), out dtype
     ("fp4", 9, 8, 64, 128, 2, 2, None, torch.bfloat16),
     ("fp4", 520, 4, 72, 256, 10, 300, None, torch.float32),   # BM = 128 (prefill tiles)
     ("fp4", 6, 16, 256, 1024, 0, 1, None, torch.float32),     # decode: 6 rows, K split over programs
+    ("fp8", 300, 3, 256, 384, 9, 150, None, torch.float32),   # prefill: TMA weight tiles (BM 128)
+    ("fp4", 300, 3, 256, 384, 9, 150, None, torch.float32),   # prefill: FP4 -> FP8 upcast + TMA GEMM
+    ("fp4", 150, 4, 128, 256, 7, 100, None, torch.bfloat16),  # the same at BM 64
     ("float", 37, 5, 72, 100, 4, 20, torch.float32, torch.float32),  # K not a multiple of BK
     ("float", 41, 4, 64, 96, 5, 25, torch.float16, torch.float16),
 ]
@@ -168,8 +171,62 @@ def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, ad
     assert out.shape == ref.shape == (P, N) and out.dtype == ref.dtype == odt
     assert not torch.isnan(out).any()
     assert (out[args[2] < 0] == 0).all(), "padding rows must be exactly 0"
+    if DEV == "cuda" and fmt != "float" and _prefill_path(a, w, P, E) and odt == torch.float32:
+        # compiled prefill kernels promote to fp32 once per 128-K block (tensor-core accumulation inside a
+        # block, ~14 bits): bound relative to the sum of |terms|, as test_v4_shapes_compiled for fp8_gemm
+        mag = _abs_products(fmt, a, a_s, e, w, w_s)
+        assert ((out.float().cpu() - ref.float().cpu()).abs() / mag.clamp_min(1e-30)).max().item() < 2 ** -12
+        return
     rtol, atol = d.tol[str(odt).removeprefix("torch.")]
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+def _prefill_path(a, w, P, E) -> bool:
+    from deepinfer_kernels.triton import moe_grouped, moe_prefill
+    return moe_prefill.usable(a, w, moe_grouped._block_m(P, E))
+
+
+def _abs_products(fmt, a, a_s, e, w, w_s) -> torch.Tensor:
+    """[P, N] sum_k |a_pk w_e(p)nk| from the dequantised operands (CPU, fp64)."""
+    A = (a.float().cpu() * a_s.float().cpu().repeat_interleave(128, 1)[:, :a.size(1)]).double().abs()
+    w, w_s = w.cpu(), w_s.cpu()
+    if fmt == "fp4":
+        W = dequant_fp4(w, w_s if w_s.dtype == torch.uint8 else float_to_e8m0(w_s))
+    else:
+        W = torch.stack([w[j].float() * w_s[j].repeat_interleave(128, 0)[:w.size(1)].repeat_interleave(128, 1)
+                         [:, :w.size(2)] for j in range(w.size(0))])
+    W = W.double().abs()
+    ec = e.cpu().clamp_min(0)
+    return torch.einsum("pk,pnk->pn", A, W[ec]) * (e.cpu() >= 0).unsqueeze(1)
+
+
+@pytest.mark.parametrize("spread", [14, 15])
+def test_fp4_prefill_upcast_exact_or_bf16(spread, monkeypatch):
+    """The FP4 -> FP8 upcast is exact while a 128-K block's group scales lie within 2^14 of each other
+    (e2m1's 0.5 at 2^-8 of the block's top scale lands on e4m3's last subnormal step); at 2^15 it
+    reports inexact and the call runs the bf16 kernel. Both give the reference's values."""
+    _triton()
+    from deepinfer_kernels.triton import moe_prefill
+    seen = []
+    real = moe_prefill.fp4_upcast_grouped
+    monkeypatch.setattr(moe_prefill, "fp4_upcast_grouped", lambda *a: seen.append(real(*a)) or seen[-1])
+    g = torch.Generator().manual_seed(3)
+    P, E, N, K = 300, 3, 128, 256
+    e = _routing(g, P, E, 9, busy=1, busy_rows=150)
+    a, a_s = act_quant(torch.randn(P, K, generator=g), 128)
+    w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)  # every code, incl. 0.5s
+    sb = torch.randint(118, 122, (E, N, K // 32), generator=g).to(torch.uint8)
+    sb[:, :, 0] = sb[:, :, :4].amax(-1)  # group 0: block 0's largest scale
+    sb[:, :, 1] = sb[:, :, 0] - spread  # group 1: `spread` binades under it
+    args = [t.to(DEV) for t in (a, a_s, e, w, sb)]
+    d = REGISTRY["grouped_gemm"]
+    out, ref = d.impls["triton"](*args, out_dtype=torch.float32), d.ref(*args, out_dtype=torch.float32)
+    assert seen == [spread <= 14]
+    if DEV == "cuda" and spread <= 14:
+        mag = _abs_products("fp4", *args)
+        assert ((out.cpu() - ref.cpu()).abs() / mag.clamp_min(1e-30)).max().item() < 2 ** -12
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_gemm_reference_is_the_per_expert_gemms():

@@ -22,11 +22,14 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         (each group divided by its block's largest scale) stays exact only while a 128 block's four
         group scales lie within 2^8 of each other (e4m3's subnormal floor) and needs a second path
         otherwise. Decode streams weights (M is ~1-4 rows per expert), so the MMA rate is irrelevant
-        there; at prefill the bf16 dot caps these GEMMs at the bf16 rate, half the FP8 one.
-        Decode-sized blocks split K over a third grid axis (fp32 partials, reduced in a fixed order).
+        there. Decode-sized blocks split K over a third grid axis (fp32 partials, fixed-order reduce).
+        Prefill-sized blocks (BM >= 64) take `moe_prefill`: the weights upcast once to FP8 scratch with
+        a per-row-per-128 power-of-two rescale, then an FP8 TMA grouped GEMM -- the upcast is exact
+        within a 2^14 scale spread per block (checked per call; beyond it this bf16 kernel runs).
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
-FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits).
+FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits) at
+decode; the prefill kernels promote once per 128-K block as DeepGEMM does (see gemm.py).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import e8m0_f32, weight_scale_arg
+from . import moe_prefill
+from ._common import e2m1_x2p14, e8m0_f32, weight_scale_arg
 from ._common import sms as _sms
 from .gemm import _INTERPRET, _finish
 
@@ -186,20 +190,6 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
              mask=mr[:, None] & mn[None, :])
 
 
-@triton.jit
-def _e2m1_x2p14(code):
-    """4-bit e2m1 codes (int32, 0..15) -> float32 value * 2^-14, exactly, in 6 integer/convert ops.
-
-    (code & 7) << 9 is the fp16 bit pattern with exponent field e (code bits 1..2) and top mantissa
-    bit m (code bit 0): 2^(e-15) (1 + m/2), or the subnormal m 2^-15 for e = 0 -- the e2m1 value
-    2^(e-1) (1 + m/2) (resp. m/2) times 2^-14; code bit 3 is the sign (fp16 bit 15). fp16 -> fp32 is
-    exact, subnormals included. (The where-chain decode took ~15 ops per element, and the kernel is
-    bound by these per-element instructions, not by HBM.)
-    """
-    h = ((code & 7) << 9) | ((code & 8) << 12)
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
 # bf16 bytes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
 # 0x4040, 0x4080, 0x40C0) as two 8-byte prmt tables: low bytes C0800000 C0804000, high 3F3F3F00 40404040.
 _PRMT_DECODE = (
@@ -288,8 +278,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
         else:
             byte = byte.to(tl.int32) & 0xFF
             sw = sw * 16384.0
-            lo = tl.reshape(tl.reshape(_e2m1_x2p14(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
-            hi = tl.reshape(tl.reshape(_e2m1_x2p14(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+            lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
+            hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         if DOT_BF16:
             acc = tl.dot(a_e.to(tl.bfloat16), tl.trans(lo.to(tl.bfloat16)), acc)
             acc = tl.dot(a_o.to(tl.bfloat16), tl.trans(hi.to(tl.bfloat16)), acc)
@@ -381,6 +371,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     if w.dtype == torch.float8_e4m3fn:
         assert a.dtype == torch.float8_e4m3fn and w.size(2) == K, "grouped_gemm fp8: a [P, K] fp8, w [E, N, K]"
         a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
+        if moe_prefill.usable(a, w, BM):  # prefill: TMA weight tiles, promotion per 128-K block
+            return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM)
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
             a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128)
@@ -389,6 +381,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
+        if not ident and moe_prefill.usable(a, w, BM):  # prefill: FP4 -> FP8 upcast + FP8 GEMM, if exact
+            if moe_prefill.fp4_upcast_grouped(a, a_s, w.view(torch.uint8), w_s, e8m0, c, rows, bexp, BM):
+                return c
+            # some block's group scales lie > 2^14 apart: the bf16 kernel below rewrites every routed row
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
         part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
