@@ -88,12 +88,36 @@ class CompareSpec:
     sets: tuple = ()
     aligned: tuple = ()  # pairs (output, set_output)
     inplace: tuple = ()
+    # GEMMs whose compiled prefill kernels promote to fp32 once per 128-K block (DeepGEMM's scheme): an
+    # element may also pass within tc_rel x Σ|terms| (+ its bf16 rounding), Σ|terms| being the reference
+    # on `abs_args(args)` (the operands with their sign bits cleared; scales are positive).
+    abs_args: object = None
+    tc_rel: float = 0.0
 
+
+def _abs_operand(t):
+    """|t| for an fp8 tensor or packed e2m1 pairs (int8/uint8: both nibbles' sign bits cleared); else t."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        return (t.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+    if t.dtype in (torch.int8, torch.uint8):
+        return (t.view(torch.uint8) & 0x77).view(t.dtype)
+    return t.abs() if t.is_floating_point() else t
+
+
+def _abs_gemm(*operands: int):
+    return lambda args: tuple(_abs_operand(a) if i in operands else a for i, a in enumerate(args))
+
+
+TC_REL = 2.0 ** -11  # ~14-bit tensor-core accumulation over four k-32 wgmmas per block (DeepSeek-V3 §3.3.2)
 
 COMPARE: dict[str, CompareSpec] = {
     "topk_indices": CompareSpec(sets=(0,)),
     "moe_route": CompareSpec(sets=(1,), aligned=((0, 1),)),
     "kv_store": CompareSpec(inplace=(0,)),
+    "fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 2), tc_rel=TC_REL),  # (a, a_s, w, w_s)
+    "grouped_gemm": CompareSpec(abs_args=_abs_gemm(0, 3), tc_rel=TC_REL),  # (a, a_s, e, w, w_s)
 }
 
 
@@ -271,6 +295,12 @@ def build_sparse_attn_fp8(d: Dims, phase: str, g, device):
     packed = kv_pack(_kv_entries(g, kv.shape[:2], d), d.rope_dim)
     return [Variant(v.name, (q.to(device), packed.to(device), sink.to(device), idx.to(device), scale, d.rope_dim),
                     v.kwargs)]
+
+
+def build_kv_unpack(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    packed = kv_pack(_kv_entries(g, (B, S), d), d.rope_dim)
+    return [Variant("prefill_rows", (packed.to(device), d.head_dim, d.rope_dim, torch.bfloat16), {})]
 
 
 def build_kv_pack(d: Dims, phase: str, g, device):

@@ -276,6 +276,7 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat([codes, sb, pad, rope], -1)
 
 
+@defop("kv_unpack", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0), "float16": (0.0, 0.0)})
 def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `kv_pack`: uint8 [..., W] -> [..., head_dim] in `dtype` (the rope part's storage dtype)."""
     nope = head_dim - rope_dim

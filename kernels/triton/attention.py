@@ -71,8 +71,11 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
             ent = b * N + idx[:, None]
             nope = valid[:, None] & (d[None, :] < NOPE)
             code = tl.load(kv_ptr + ent * W + d[None, :], mask=nope, other=0)
-            sc = tl.load(kv_ptr + ent * W + NOPE + d[None, :] // 64, mask=nope, other=0)
-            deq = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * e8m0_f32(sc)
+            jg = tl.arange(0, BD // 64)  # one scale byte per 64 dims, loaded once per row, broadcast
+            sc = tl.load(kv_ptr + ent * W + NOPE + jg[None, :], mask=valid[:, None] & (jg[None, :] * 64 < NOPE),
+                         other=0)
+            deq = tl.reshape(tl.reshape(code.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BK, BD // 64, 64])
+                             * e8m0_f32(sc)[:, :, None], [BK, BD])
             rmask = valid[:, None] & (d[None, :] >= NOPE) & md[None, :]
             rope = tl.load(kvr_ptr + ent * WE + ROFF + (d[None, :] - NOPE), mask=rmask, other=0.0)
             kv = tl.where(d[None, :] < NOPE, deq, rope.to(tl.float32)).to(q_ptr.dtype.element_ty)

@@ -1,5 +1,5 @@
 """KV cache writes: the scatter cache[rows[i], slots[i]] = values[i] (one program per (entry, column block)),
-and `kv_pack`, entries into the FP8 KV layout (one program per entry)."""
+and `kv_pack` / `kv_unpack`, entries into and out of the FP8 KV layout (one program per entry)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from deepinfer.ops.registry import implement
 
 from deepinfer.ops.reference import kv_packed_width
 
-from ._common import p2, quant_e4m3_rows
+from ._common import e8m0_f32, p2, quant_e4m3_rows
 
 
 @triton.jit
@@ -76,4 +76,36 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
         sb = W - nope - rope_dim * es
         _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, (nope + sb) // es,
                               rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=sb)
+    return out
+
+
+@triton.jit
+def _kv_unpack_kernel(p_ptr, pr_ptr, out_ptr, D, NOPE, NB, W, WE, ROFF, RD, BNB: tl.constexpr, BR: tl.constexpr):
+    """One entry: codes [NB, 64] times their e8m0 scale bytes, cast to out's dtype; rope dims copied
+    (pr = the packed rows viewed in out's dtype: WE elements a row, rope from element ROFF)."""
+    i = tl.program_id(0).to(tl.int64)
+    blk = tl.arange(0, BNB)
+    cols = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    m = blk[:, None] < NB
+    code = tl.load(p_ptr + i * W + cols, mask=m, other=0)
+    sc = e8m0_f32(tl.load(p_ptr + i * W + NOPE + blk, mask=blk < NB, other=0))
+    v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+    tl.store(out_ptr + i * D + cols, v.to(out_ptr.dtype.element_ty), mask=m)
+    r = tl.arange(0, BR)
+    tl.store(out_ptr + i * D + NOPE + r, tl.load(pr_ptr + i * WE + ROFF + r, mask=r < RD), mask=r < RD)
+
+
+@implement("kv_unpack", "triton")
+def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    nope = head_dim - rope_dim
+    W = kv_packed_width(head_dim, rope_dim, dtype)
+    assert packed.dtype == torch.uint8 and packed.size(-1) == W, \
+        f"kv_unpack: expected uint8 [..., {W}] for head_dim {head_dim}, got {packed.dtype} {list(packed.shape)}"
+    pc = packed.contiguous()
+    out = torch.empty(*packed.shape[:-1], head_dim, dtype=dtype, device=packed.device)
+    M = pc.numel() // W
+    if M:
+        es = out.element_size()
+        _kv_unpack_kernel[(M,)](pc, pc.view(dtype), out, head_dim, nope, nope // 64, W, W // es,
+                                (W - rope_dim * es) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim))
     return out

@@ -37,50 +37,54 @@ MAX_SPREAD = 14  # largest exact S - e_g (see the module docstring)
 @triton.jit
 def _fp4_upcast_kernel(w_ptr, ws_ptr, used_ptr, out_ptr, os_ptr, bad_ptr, E0, ROWS, N, K, KS_W,
                        BR: tl.constexpr, SCALE_E8M0: tl.constexpr):
-    """Rows [pid0*BR, +BR) of experts E0.. (local row r = (expert - E0) * N + n), 128-K block pid1."""
+    """Rows [pid*BR, +BR) of experts E0.. (local row r = (expert - E0) * N + n), every 128-K block in turn:
+    one program streams BR whole weight rows (a [BR, 128-K] tile per program was ~500k tiny programs)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    kb = tl.program_id(1)
     mr = r < ROWS
     used = tl.load(used_ptr + E0 + r // N, mask=mr, other=0)
     mr = mr & (used != 0)
     g = (E0 * N + r).to(tl.int64)  # global weight row
-    KH = K // 2
-    jb = kb * 64 + tl.arange(0, 64)
-    byte = tl.load(w_ptr + g[:, None] * KH + jb[None, :], mask=mr[:, None] & (jb[None, :] < KH), other=0)
-    byte = byte.to(tl.int32) & 0xFF
-    gi = kb * 4 + tl.arange(0, 4)
-    sw = tl.load(ws_ptr + g[:, None] * KS_W + gi[None, :], mask=mr[:, None] & (gi[None, :] < K // 32), other=0)
-    if SCALE_E8M0:
-        ex = sw.to(tl.int32) & 0xFF
-    else:
-        ex = (sw.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    S = tl.max(ex, 1)  # [BR]
-    lo_ex = tl.min(tl.where(ex != 0, ex, 255), 1)
-    bad = mr & (S - lo_ex > 14) & (lo_ex != 255)
-    bad = bad | (mr & (S != 0) & (S <= 6))  # block scale 2^(S-133) would be subnormal
-    tl.atomic_max(bad_ptr + tl.arange(0, BR) * 0, bad.to(tl.int32), mask=bad)
-    # per-group multiplier 2^(e_g - S + 6 + 14) on top of _e2m1_x2p14's 2^-14 (0 for a zero scale)
-    sh = tl.minimum(tl.maximum(ex - S[:, None] + 6 + 14 + 127, 1), 254)
-    mult = tl.where(ex != 0, (sh << 23).to(tl.float32, bitcast=True), 0.0)  # [BR, 4]
-    lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BR, 4, 16]) * mult[:, :, None], [BR, 64])
-    hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BR, 4, 16]) * mult[:, :, None], [BR, 64])
-    w8 = tl.reshape(tl.join(lo, hi), [BR, 128]).to(tl.float8e4nv)  # natural K order, exact
-    k = kb * 128 + tl.arange(0, 128)
     rl = r.to(tl.int64)
-    tl.store(out_ptr + rl[:, None] * K + k[None, :], w8, mask=mr[:, None] & (k[None, :] < K))
-    s_bits = tl.minimum(tl.maximum(S - 6, 1), 254)
-    s = tl.where(S != 0, (s_bits << 23).to(tl.float32, bitcast=True), 0.0)
-    tl.store(os_ptr + rl * tl.cdiv(K, 128) + kb, s, mask=mr)
+    KH = K // 2
+    NKB = tl.cdiv(K, 128)
+    bad = tl.zeros([BR], tl.int1)
+    for kb in range(0, NKB):
+        jb = kb * 64 + tl.arange(0, 64)
+        byte = tl.load(w_ptr + g[:, None] * KH + jb[None, :], mask=mr[:, None] & (jb[None, :] < KH), other=0)
+        byte = byte.to(tl.int32) & 0xFF
+        gi = kb * 4 + tl.arange(0, 4)
+        sw = tl.load(ws_ptr + g[:, None] * KS_W + gi[None, :], mask=mr[:, None] & (gi[None, :] < K // 32), other=0)
+        if SCALE_E8M0:
+            ex = sw.to(tl.int32) & 0xFF
+        else:
+            ex = (sw.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        S = tl.max(ex, 1)  # [BR]
+        lo_ex = tl.min(tl.where(ex != 0, ex, 255), 1)
+        bad = bad | (mr & (S - lo_ex > 14) & (lo_ex != 255))
+        bad = bad | (mr & (S != 0) & (S <= 6))  # block scale 2^(S-133) would be subnormal
+        # per-group multiplier 2^(e_g - S + 6 + 14) on top of e2m1_x2p14's 2^-14 (0 for a zero scale)
+        sh = tl.minimum(tl.maximum(ex - S[:, None] + 6 + 14 + 127, 1), 254)
+        mult = tl.where(ex != 0, (sh << 23).to(tl.float32, bitcast=True), 0.0)  # [BR, 4]
+        lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BR, 4, 16]) * mult[:, :, None], [BR, 64])
+        hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BR, 4, 16]) * mult[:, :, None], [BR, 64])
+        w8 = tl.reshape(tl.join(lo, hi), [BR, 128]).to(tl.float8e4nv)  # natural K order, exact
+        k = kb * 128 + tl.arange(0, 128)
+        tl.store(out_ptr + rl[:, None] * K + k[None, :], w8, mask=mr[:, None] & (k[None, :] < K))
+        s_bits = tl.minimum(tl.maximum(S - 6, 1), 254)
+        s = tl.where(S != 0, (s_bits << 23).to(tl.float32, bitcast=True), 0.0)
+        tl.store(os_ptr + rl * NKB + kb, s, mask=mr)
+    tl.atomic_max(bad_ptr + tl.arange(0, BR) * 0, bad.to(tl.int32), mask=bad)
 
 
 @triton.jit
 def _gg_fp8_tma_kernel(a_ptr, as_ptr, w_desc, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, KS_W, NS_W,
                        E0, E1, BM: tl.constexpr, BN: tl.constexpr, ROW_SCALE: tl.constexpr):
-    """Block pid0 (one expert's BM sorted rows) x N tile pid1, for the experts E0 <= e < E1 whose weights
+    """N tile pid0 x block pid1 (one expert's BM sorted rows), for the experts E0 <= e < E1 whose weights
     the descriptor holds as rows (e - E0) * N + n. ROW_SCALE: ws [rows, K/128] (upcast); else the fp8
     checkpoint's [E, N/128, K/128] block scales."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # N tiles vary fastest: consecutive programs reuse the block's gathered A rows from L2
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if (ex < E0) | (ex >= E1):
         return
@@ -117,7 +121,7 @@ def usable(a: torch.Tensor, w: torch.Tensor, BM: int) -> bool:
 
 def _gemm(a, a_s, w2d, ws, c, rows, bexp, P, N, K, NS_W, E0, E1, BM, row_scale):
     wd = TensorDescriptor.from_tensor(w2d, [128, 128])
-    _gg_fp8_tma_kernel[(bexp.numel(), triton.cdiv(N, 128))](
+    _gg_fp8_tma_kernel[(triton.cdiv(N, 128), bexp.numel())](
         a, a_s, wd, ws, c, rows, bexp, P, N, K, a_s.size(1), ws.size(-1), NS_W, E0, E1,
         BM=BM, BN=128, ROW_SCALE=row_scale, num_warps=8, num_stages=4)
 
@@ -146,7 +150,7 @@ def fp4_upcast_grouped(a, a_s, w, w_s, e8m0, c, rows, bexp, BM) -> bool:
     BR = 32
     for e0 in range(0, E, chunk):
         rows_here = min(chunk, E - e0) * N
-        _fp4_upcast_kernel[(triton.cdiv(rows_here, BR), K // 128)](
+        _fp4_upcast_kernel[(triton.cdiv(rows_here, BR),)](
             wu, wsu, used, w8, s8, bad, e0, rows_here, N, K, wsu.size(1), BR=BR, SCALE_E8M0=e8m0, num_warps=4)
         _gemm(a, a_s, w8, s8, c, rows, bexp, P, N, K, 0, e0, min(E, e0 + chunk), BM, True)
     return not bool(bad.item())  # prefill only: one host read per call

@@ -1,0 +1,32 @@
+"""Error bound for GEMMs whose fp32 promotion happens once per 128-K block (the compiled prefill kernels).
+
+Hopper's FP8 wgmma accumulates inside the tensor core with about 14 mantissa bits (DeepSeek-V3 report,
+§3.3.2); a 128-K block is four k-32 wgmmas chained there before the block's partial is scaled into the
+fp32 accumulator, so each block contributes at most ~4·2^-13 = 2^-11 of its Σ|a·w|. Summed over blocks:
+|out - exact| <= 2^-11 · Σ_k |a_k w_k|, plus the output's own rounding (bf16: 2^-8 |ref| with margin).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TC_REL = 2.0 ** -11
+
+
+def assert_tensor_core_bound(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> None:
+    """out, ref [..] (any float dtype), mag = Σ|terms| per element (same shape): NaN-free and within the bound."""
+    o, r, m = out.double().cpu(), ref.double().cpu(), mag.double().cpu()
+    assert not torch.isnan(o).any(), "NaN in the kernel output"
+    bound = TC_REL * m + (2.0 ** -8 * r.abs() if out.dtype == torch.bfloat16 else 0.0) + 1e-30
+    excess = ((o - r).abs() / bound).max().item()
+    assert excess <= 1.0, f"error {excess:.2f}x the tensor-core accumulation bound"
+
+
+def fp8_abs_products(a, a_s, w, w_s) -> torch.Tensor:
+    """Σ_k |a_mk w_nk| for fp8 a [M, K] with per-row-per-128 scales a_s and fp8 w [N, K] with 128x128 block
+    scales w_s (the dequantised operands, fp64 on the CPU)."""
+    K = a.size(1)
+    A = (a.double().cpu() * a_s.double().cpu().repeat_interleave(128, 1)[:, :K]).abs()
+    W = (w.double().cpu() * w_s.double().cpu().repeat_interleave(128, 0)[:w.size(0)]
+         .repeat_interleave(128, 1)[:, :K]).abs()
+    return A @ W.t()
