@@ -139,11 +139,11 @@ class Attention:
     def allocate(self, rows: int, max_seq_len: int, device, dtype) -> None:
         # +1: the entry being filled has a slot too (decode writes it back unchanged until complete)
         n_entries = max_seq_len // self.ratio + 1 if self.ratio else 0
-        if self.fp8_kv:
-            width, dtype = kv_packed_width(self.hd, self.rd, dtype), torch.uint8
+        if self.fp8_kv:  # the indexer's key cache below stays in `dtype`
+            width, store = kv_packed_width(self.hd, self.rd, dtype), torch.uint8
         else:
-            width = self.hd
-        self.kv_cache = torch.zeros(rows, self.win + n_entries, width, dtype=dtype, device=device)
+            width, store = self.hd, dtype
+        self.kv_cache = torch.zeros(rows, self.win + n_entries, width, dtype=store, device=device)
         if self.compressor is not None:
             self.compressor.cache = self.kv_cache[:, self.win:]
             self.compressor.allocate(rows, device)
