@@ -1,16 +1,19 @@
 """Error bound for GEMMs whose fp32 promotion happens once per 128-K block (the compiled prefill kernels).
 
-Hopper's FP8 wgmma accumulates inside the tensor core with about 14 mantissa bits (DeepSeek-V3 report,
-§3.3.2); a 128-K block is four k-32 wgmmas chained there before the block's partial is scaled into the
-fp32 accumulator, so each block contributes at most ~4·2^-13 = 2^-11 of its Σ|a·w|. Summed over blocks:
-|out - exact| <= 2^-11 · Σ_k |a_k w_k|, plus the output's own rounding (bf16: 2^-8 |ref| with margin).
+Hopper's FP8 wgmma accumulates inside the tensor core with limited precision; the DeepSeek-V3 report
+(§3.3.2) measured ~2 % maximum relative error for K = 4096 without promotion. The error grows with the
+accumulations inside the tensor core, so promoting every 128 K leaves ~2 %·128/4096 ≈ 2^-10.6 of the
+block's Σ|a·w|, and summed over blocks: |out - exact| <~ 2^-10.6 · Σ_k |a_k w_k|. Measured on the H200
+(2026-11-29, fp8_gemm 300 x 1024 x 7168): 1.04 · 2^-11 = 2^-10.9. The tests allow 2^-9 (3.7x the
+measurement), plus the output's own rounding (bf16: 2^-8 |ref| with margin). A wrong tile, scale or
+row is off by O(1) of the value and still fails.
 """
 
 from __future__ import annotations
 
 import torch
 
-TC_REL = 2.0 ** -11
+TC_REL = 2.0 ** -9
 
 
 def assert_tensor_core_bound(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> None:
