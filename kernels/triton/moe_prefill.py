@@ -111,10 +111,11 @@ def _gg_fp8_tma_kernel(a_ptr, as_ptr, w_desc, ws_ptr, c_ptr, rows_ptr, bexp_ptr,
 
 def usable(a: torch.Tensor, w: torch.Tensor, BM: int) -> bool:
     """Prefill-sized blocks (BM >= 64) on a GPU with TMA (or the interpreter), N a multiple of the 128-row
-    W tile (a tile never reaches into the next expert), K a multiple of 128."""
+    W tile (a tile never reaches into the next expert), K a multiple of 128, W 16-byte aligned (a TMA
+    descriptor's base; the upcast scratch always is)."""
     N = w.size(1)
     K = a.size(1)
-    if BM < 64 or N % 128 or K % 128:
+    if BM < 64 or N % 128 or K % 128 or w.data_ptr() % 16:
         return False
     return _INTERPRET or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)
 
