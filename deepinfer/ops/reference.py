@@ -249,10 +249,15 @@ def _kv_scale_bytes(nope: int) -> int:
     return -(-(nope // 64) // 16) * 16
 
 
+def kv_rope_offset(head_dim: int, rope_dim: int) -> int:
+    """Byte offset of the rope dims in an FP8-layout entry: after the codes and the padded scale bytes."""
+    nope = head_dim - rope_dim
+    return nope + _kv_scale_bytes(nope)
+
+
 def kv_packed_width(head_dim: int, rope_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one FP8-layout cache entry (V4: 448 + 16 + 64·2 = 592 in bf16, against 1024 as bf16)."""
-    nope = head_dim - rope_dim
-    return nope + _kv_scale_bytes(nope) + rope_dim * torch.empty((), dtype=dtype).element_size()
+    return kv_rope_offset(head_dim, rope_dim) + rope_dim * dtype.itemsize
 
 
 @defop("kv_pack", tol={"uint8": (0.0, 0.0)})
@@ -286,7 +291,7 @@ def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.d
     codes = packed[..., :nope].contiguous().view(torch.float8_e4m3fn).float()
     s = (packed[..., nope:nope + nope // 64].to(torch.int32) << 23).view(torch.float32)
     deq = (codes.unflatten(-1, (-1, 64)) * s.unsqueeze(-1)).flatten(-2)
-    rope = packed[..., W - rope_dim * deq.new_empty((), dtype=dtype).element_size():].contiguous().view(dtype)
+    rope = packed[..., kv_rope_offset(head_dim, rope_dim):].contiguous().view(dtype)
     return torch.cat([deq.to(dtype), rope], -1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -10,6 +11,9 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""Kernels run by Triton's CPU interpreter (whose bf16 tl.dot is wrong: callers feed it fp32)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,6 +31,12 @@ def sms(device: torch.device) -> int:
 def p2(n: int) -> int:
     """Next power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """TMA tensor descriptors on t's device: sm_90+ (the interpreter emulates them, so CPU tests cover the
+    kernels that use them)."""
+    return INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def dot_ieee(*tensors: torch.Tensor) -> bool:
@@ -143,3 +153,24 @@ def e2m1_x2p14(code):
     """
     h = ((code & 7) << 9) | ((code & 8) << 12)
     return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, y_ptr, MN, NS, BS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = sum_s ws[s, i] for the flat [NS, MN] fp32 workspace, in a fixed order."""
+    o = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mo = o < MN
+    s = tl.arange(0, BS)
+    acc = tl.zeros([BS, BLOCK], tl.float32)
+    for s0 in range(0, NS, BS):
+        ss = (s0 + s).to(tl.int64)
+        acc += tl.load(ws_ptr + ss[:, None] * MN + o[None, :], mask=(ss[:, None] < NS) & mo[None, :], other=0.0)
+    tl.store(y_ptr + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=mo)
+
+
+def sum_splits(ws: torch.Tensor, y: torch.Tensor) -> None:
+    """y = ws.sum(0) for the fp32 [splits, M, N] partials, in a fixed order, cast to y's dtype."""
+    ns, MN = ws.size(0), y.numel()
+    BS = min(p2(ns), 32)
+    BLOCK = max(16, min(p2(MN), 4096 // BS))
+    _splitk_reduce_kernel[(triton.cdiv(MN, BLOCK),)](ws, y, MN, ns, BS=BS, BLOCK=BLOCK)

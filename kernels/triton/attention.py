@@ -24,19 +24,17 @@ registers (exact: e4m3 x 2^k is a bf16 value). V4 rows are 592 bytes instead of 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.reference import kv_packed_width
+from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 from deepinfer.ops.registry import implement
 
+from ._common import INTERPRET as _INTERPRET
 from ._common import e8m0_f32, p2
 from ._common import sms as _sms
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 
@@ -184,7 +182,7 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         f"sparse_attn_fp8: kv must be uint8 [B, N, {W}] (FP8 layout of head_dim {D}), got {kv.dtype} {list(kv.shape)}"
     q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()
     es = q.element_size()
-    packed = (W, W // es, (W - rope_dim * es) // es, D - rope_dim)
+    packed = (W, W // es, kv_rope_offset(D, rope_dim) // es, D - rope_dim)
     # fp32 dots under the interpreter too: its bf16 tl.dot is wrong, and the tile is dequantised here anyway
     ieee = q.dtype == torch.float32 or _INTERPRET
     return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from deepinfer.ops.reference import kv_packed_width
+from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 
 from ._common import e8m0_f32, p2, quant_e4m3_rows
 
@@ -73,9 +73,9 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     out = torch.empty(*kv.shape[:-1], W, dtype=torch.uint8, device=kv.device)
     M = kvc.numel() // D
     if M:
-        sb = W - nope - rope_dim * es
-        _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, (nope + sb) // es,
-                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=sb)
+        roff = kv_rope_offset(D, rope_dim)
+        _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, roff // es,
+                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=roff - nope)
     return out
 
 
@@ -107,5 +107,5 @@ def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.d
     if M:
         es = out.element_size()
         _kv_unpack_kernel[(M,)](pc, pc.view(dtype), out, head_dim, nope, nope // 64, W, W // es,
-                                (W - rope_dim * es) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim))
+                                kv_rope_offset(head_dim, rope_dim) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim))
     return out

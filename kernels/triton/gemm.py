@@ -40,8 +40,6 @@ block (about 2^-13 relative to the block's sum of |a w|), below the bf16 output'
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -49,10 +47,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.ops.registry import implement
 
-from ._common import e8m0_f32, weight_scale_arg
+from ._common import INTERPRET as _INTERPRET
+from ._common import e8m0_f32, sum_splits, tma_ok, weight_scale_arg
 from ._common import sms as _sms
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 
@@ -94,19 +92,9 @@ def _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT: tl.constexpr):
         tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=msk)
 
 
-@triton.jit
-def _splitk_reduce_kernel(p_ptr, c_ptr, MN, SPLITS, BLOCK: tl.constexpr):
-    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, SPLITS):  # fixed order: deterministic
-        acc += tl.load(p_ptr + s * MN + i, mask=i < MN, other=0.0)
-    tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=i < MN)
-
-
 def _finish(part, c, splits):
     if splits > 1:
-        MN = c.numel()
-        _splitk_reduce_kernel[(triton.cdiv(MN, 1024),)](part, c, MN, splits, BLOCK=1024)
+        sum_splits(part, c)
     return c
 
 
@@ -155,7 +143,7 @@ def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
     the interpreter runs the same kernel so that the CPU tests cover its indexing."""
     if M <= 64 or K % 16 or a.data_ptr() % 16 or w.data_ptr() % 16:
         return False
-    return _INTERPRET or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)
+    return tma_ok(a)
 
 
 @implement("fp8_gemm", "triton")

@@ -23,17 +23,15 @@ Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_ieee, p2, sms, split_k
+from ._common import INTERPRET as _INTERPRET
+from ._common import dot_ieee, p2, sms, split_k, sum_splits
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -91,19 +89,6 @@ def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, B
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, y_ptr, MN, NS, BS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = sum_s ws[s, i] for the flat [NS, MN] fp32 workspace, in a fixed order."""
-    o = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mo = o < MN
-    s = tl.arange(0, BS)
-    acc = tl.zeros([BS, BLOCK], tl.float32)
-    for s0 in range(0, NS, BS):
-        ss = (s0 + s).to(tl.int64)
-        acc += tl.load(ws_ptr + ss[:, None] * MN + o[None, :], mask=(ss[:, None] < NS) & mo[None, :], other=0.0)
-    tl.store(y_ptr + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=mo)
-
-
-@triton.jit
 def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       DOT_BF16: tl.constexpr):
     """y = x Wᵀ for fp32 x and bf16 W (the LM head) at fp32 accuracy on bf16 tensor cores.
@@ -151,15 +136,7 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         return
     ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=False)
-    _sum_splits(ws, y)
-
-
-def _sum_splits(ws: torch.Tensor, y: torch.Tensor) -> None:
-    """y = ws.sum(0) for the fp32 [splits, M, N] partials, in a fixed order, cast to y's dtype."""
-    ns, MN = ws.size(0), y.numel()
-    BS = min(p2(ns), 32)
-    BLOCK = max(16, min(p2(MN), 4096 // BS))
-    _splitk_reduce_kernel[(triton.cdiv(MN, BLOCK),)](ws, y, MN, ns, BS=BS, BLOCK=BLOCK)
+    sum_splits(ws, y)
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -179,7 +156,7 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         return
     ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
     _linear_kernel[grid](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=False)
-    _sum_splits(ws, y)
+    sum_splits(ws, y)
 
 
 @implement("linear", "triton")

@@ -45,7 +45,8 @@ from deepinfer.ops.registry import implement
 from . import moe_prefill
 from ._common import e2m1_x2p14, e8m0_f32, weight_scale_arg
 from ._common import sms as _sms
-from .gemm import _INTERPRET, _finish
+from ._common import INTERPRET as _INTERPRET
+from .gemm import _finish
 
 
 

@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import e2m1_x2p14
-from .gemm import _INTERPRET
+from ._common import e2m1_x2p14, tma_ok
 
 SCRATCH_BYTES = 1 << 30
 MAX_SPREAD = 14  # largest exact S - e_g (see the module docstring)
@@ -117,7 +116,7 @@ def usable(a: torch.Tensor, w: torch.Tensor, BM: int) -> bool:
     K = a.size(1)
     if BM < 64 or N % 128 or K % 128 or w.data_ptr() % 16:
         return False
-    return _INTERPRET or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9)
+    return tma_ok(a)
 
 
 def _gemm(a, a_s, w2d, ws, c, rows, bexp, P, N, K, NS_W, E0, E1, BM, row_scale):

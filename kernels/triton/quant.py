@@ -15,17 +15,15 @@ kernel (ieee fp32 dot, S_N rebuilt by every 32-row program) was ALU-bound at 3.6
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import INTERPRET as _INTERPRET
 from ._common import p2, pow2_ceil, quant_e4m3_block
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

@@ -32,18 +32,16 @@ cumsum and this kernel's blocked fp32 sums of probabilities round differently at
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import INTERPRET as _INTERPRET
 from ._common import key_index, p2, sort_key
 
 MASK32 = 0xFFFFFFFF
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # bigger histogram blocks there (speed)
 CAND = 256  # candidates of the boundary sub-bin resolved in registers (more: binary-search fallback)
 
 
