@@ -253,6 +253,16 @@ def _fg_cases():
     }
 
 
+def enable_only(flag_gems, resolved: list[str], known: list[str]) -> str:
+    """Enable exactly the FlagGems ops `resolved` (of its registration table `known`): `only_enable` where
+    the build has it, else `enable` with every other op unused. Returns which call was used."""
+    if hasattr(flag_gems, "only_enable"):
+        flag_gems.only_enable(include=resolved)
+        return "only_enable(include=...)"
+    flag_gems.enable(unused=[n for n in known if n not in resolved])
+    return "enable(unused=everything else)"
+
+
 def resolve_op_names(requested: list[str], known: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """Split requested FlagGems op names into (resolved, {unresolved: close matches}), e.g. softmax -> _softmax."""
     known_set = set(known)
@@ -308,12 +318,7 @@ def probe_flaggems(include: list[str] | None = None) -> dict:
         refs[n] = (inp, fn(*inp).float())
     torch.cuda.synchronize()
     try:
-        if hasattr(flag_gems, "only_enable"):
-            flag_gems.only_enable(include=resolved)
-            how = "only_enable(include=...)"
-        else:
-            flag_gems.enable(unused=[n for n in known if n not in resolved])
-            how = "enable(unused=everything else)"
+        how = enable_only(flag_gems, resolved, known)
     except Exception as e:
         out["rows"].append({"check": "enable", "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"})
         out["ok"] = False

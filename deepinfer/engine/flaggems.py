@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from deepinfer.debug.probes import resolve_op_names
+from deepinfer.debug.probes import enable_only, resolve_op_names
 from deepinfer.engine.loader import OptionError
 
 
@@ -35,10 +35,4 @@ def enable_flaggems(names: list[str], device, require_cuda: bool = True) -> dict
     if unresolved:
         hints = "; ".join(f"{n} (close: {', '.join(c) or 'none'})" for n, c in unresolved.items())
         raise OptionError(f"--flaggems: not in FlagGems' registration table: {hints}")
-    if hasattr(flag_gems, "only_enable"):
-        flag_gems.only_enable(include=resolved)
-        how = "only_enable(include=...)"
-    else:
-        flag_gems.enable(unused=[n for n in known if n not in resolved])
-        how = "enable(unused=everything else)"
-    return {"requested": names, "enabled": resolved, "how": how}
+    return {"requested": names, "enabled": resolved, "how": enable_only(flag_gems, resolved, known)}
