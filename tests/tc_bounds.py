@@ -4,7 +4,7 @@ Hopper's FP8 wgmma accumulates inside the tensor core with limited precision; th
 (§3.3.2) measured ~2 % maximum relative error for K = 4096 without promotion. The error grows with the
 accumulations inside the tensor core, so promoting every 128 K leaves ~2 %·128/4096 ≈ 2^-10.6 of the
 block's Σ|a·w|, and summed over blocks: |out - exact| <~ 2^-10.6 · Σ_k |a_k w_k|. Measured on the H200
-(2026-11-29, fp8_gemm 300 x 1024 x 7168): 1.04 · 2^-11 = 2^-10.9. The tests allow 2^-9 (3.7x the
+(2026-11-29, fp8_gemm 300 x 1024 x 7168): 1.04 · 2^-11 = 2^-10.9. The tests allow 2^-9 (`ab_cases.TC_REL`, 3.7x the
 measurement), plus the output's own rounding (bf16: 2^-8 |ref| with margin). A wrong tile, scale or
 row is off by O(1) of the value and still fails.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-TC_REL = 2.0 ** -9
+from deepinfer.debug.ab_cases import COMPARE, TC_REL
+from deepinfer.ops import REGISTRY
 
 
 def assert_tensor_core_bound(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> None:
@@ -25,11 +26,7 @@ def assert_tensor_core_bound(out: torch.Tensor, ref: torch.Tensor, mag: torch.Te
     assert excess <= 1.0, f"error {excess:.2f}x the tensor-core accumulation bound"
 
 
-def fp8_abs_products(a, a_s, w, w_s) -> torch.Tensor:
-    """Σ_k |a_mk w_nk| for fp8 a [M, K] with per-row-per-128 scales a_s and fp8 w [N, K] with 128x128 block
-    scales w_s (the dequantised operands, fp64 on the CPU)."""
-    K = a.size(1)
-    A = (a.double().cpu() * a_s.double().cpu().repeat_interleave(128, 1)[:, :K]).abs()
-    W = (w.double().cpu() * w_s.double().cpu().repeat_interleave(128, 0)[:w.size(0)]
-         .repeat_interleave(128, 1)[:, :K]).abs()
-    return A @ W.t()
+def abs_products(op: str, *args, **kwargs) -> torch.Tensor:
+    """Σ_k |a_k w_k| per output element of GEMM op `op`: its reference on the operands with their sign bits
+    cleared (`COMPARE[op].abs_args`, as `deepinfer ab` computes it; the scales are positive)."""
+    return REGISTRY[op].ref(*COMPARE[op].abs_args(args), **kwargs)

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 from deepinfer.ops import REGISTRY, ops  # noqa: E402
 from deepinfer.ops.reference import act_quant  # noqa: E402
-from deepinfer.quant.formats import dequant_fp4, e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
-from tc_bounds import assert_tensor_core_bound  # noqa: E402
+from deepinfer.quant.formats import e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
+from tc_bounds import abs_products, assert_tensor_core_bound  # noqa: E402
 
 DEV = "cuda" if COMPILED else "cpu"
 
@@ -174,7 +174,7 @@ def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, ad
     assert (out[args[2] < 0] == 0).all(), "padding rows must be exactly 0"
     if DEV == "cuda" and fmt != "float" and _prefill_path(args[0], args[3], P, E):
         # the compiled prefill kernels promote to fp32 once per 128-K block (tc_bounds)
-        assert_tensor_core_bound(out, ref, _abs_products(fmt, *args))
+        assert_tensor_core_bound(out, ref, abs_products("grouped_gemm", *args, out_dtype=torch.float32))
         return
     rtol, atol = d.tol[str(odt).removeprefix("torch.")]
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
@@ -183,20 +183,6 @@ def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, ad
 def _prefill_path(a, w, P, E) -> bool:
     from deepinfer_kernels.triton import moe_grouped, moe_prefill
     return moe_prefill.usable(a, w, moe_grouped._block_m(P, E))
-
-
-def _abs_products(fmt, a, a_s, e, w, w_s) -> torch.Tensor:
-    """[P, N] sum_k |a_pk w_e(p)nk| from the dequantised operands (CPU, fp64)."""
-    A = (a.float().cpu() * a_s.float().cpu().repeat_interleave(128, 1)[:, :a.size(1)]).double().abs()
-    w, w_s = w.cpu(), w_s.cpu()
-    if fmt == "fp4":
-        W = dequant_fp4(w, w_s if w_s.dtype == torch.uint8 else float_to_e8m0(w_s))
-    else:
-        W = torch.stack([w[j].float() * w_s[j].repeat_interleave(128, 0)[:w.size(1)].repeat_interleave(128, 1)
-                         [:, :w.size(2)] for j in range(w.size(0))])
-    W = W.double().abs()
-    ec = e.cpu().clamp_min(0)
-    return torch.einsum("pk,pnk->pn", A, W[ec]) * (e.cpu() >= 0).unsqueeze(1)
 
 
 @pytest.mark.parametrize("spread", [14, 15])
@@ -222,7 +208,7 @@ def test_fp4_prefill_upcast_exact_or_bf16(spread, monkeypatch):
     out, ref = d.impls["triton"](*args, out_dtype=torch.float32), d.ref(*args, out_dtype=torch.float32)
     assert seen == [spread <= 14]
     if DEV == "cuda" and spread <= 14:
-        assert_tensor_core_bound(out, ref, _abs_products("fp4", *args))
+        assert_tensor_core_bound(out, ref, abs_products("grouped_gemm", *args, out_dtype=torch.float32))
     else:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

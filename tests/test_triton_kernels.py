@@ -35,7 +35,7 @@ pytest.importorskip("triton")
 
 from deepinfer.ops import REGISTRY  # noqa: E402
 from deepinfer.ops.reference import kv_packed_width, kv_unpack  # noqa: E402
-from tc_bounds import assert_tensor_core_bound, fp8_abs_products  # noqa: E402
+from tc_bounds import abs_products, assert_tensor_core_bound  # noqa: E402
 from deepinfer.quant.formats import fp4_pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +209,7 @@ def test_fp8_gemm(seed, M, N, K, out_dtype):
     w_s = _pow2(g, -(-N // 128), -(-K // 128))
     out, ref = run_both("fp8_gemm", a, a_s, w, w_s, out_dtype)
     if COMPILED and M > 64:  # the compiled prefill kernel promotes once per 128-K block (tc_bounds)
-        assert_tensor_core_bound(out, ref, fp8_abs_products(a, a_s, w, w_s))
+        assert_tensor_core_bound(out, ref, abs_products("fp8_gemm", a, a_s, w, w_s, torch.float32))
         return
     # fp32 sums in another order differ by ~eps·sqrt(K) of the output scale on elements that cancel to near
     # zero (seen 3e-7 of the scale at M 130): atol relative to the scale, as in test_v4_shapes_compiled
@@ -567,7 +567,7 @@ def test_gemm_paths(seed, M, N, K):
     w_s = _pow2(g, -(-N // 128), -(-K // 128))
     out, ref = run_both("fp8_gemm", a, a_s, w, w_s, torch.float32)
     if COMPILED and M > 64:  # the compiled prefill kernel promotes once per 128-K block (tc_bounds)
-        assert_tensor_core_bound(out, ref, fp8_abs_products(a, a_s, w, w_s))
+        assert_tensor_core_bound(out, ref, abs_products("fp8_gemm", a, a_s, w, w_s, torch.float32))
     else:
         check("fp8_gemm", out, ref, tol_override={"float32": (1e-5, 1e-6 * ref.abs().max().item())})
     vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -613,7 +613,7 @@ def test_v4_shapes_compiled():
     a2_s, w_s = _pow2(g, 300, 56), _pow2(g, 8, 56)
     for odt in (torch.float32, torch.bfloat16):
         out, ref = run_both("fp8_gemm", a2, a2_s, w, w_s, odt)
-        assert_tensor_core_bound(out, ref, fp8_abs_products(a2, a2_s, w, w_s))
+        assert_tensor_core_bound(out, ref, abs_products("fp8_gemm", a2, a2_s, w, w_s, torch.float32))
     x = randn(g, 2, 2, 4, 4096, dtype=torch.bfloat16)
     fn = randn(g, 24, 4 * 4096, scale=0.01)
     check("hc_pre", *run_both("hc_pre", x, fn, torch.tensor([0.7, 0.8, 0.9], device=DEV),
