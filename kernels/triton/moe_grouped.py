@@ -12,24 +12,28 @@ token's top-k) skips the sort: block p is row p.
 
 Numerics per weight format (same as `gemm.py` / `linear.py`, whose references the op's reference loops):
   fp8   e4m3 x e4m3 dots over K blocks of 128, times the row's A scale and the 128x128 W block scale;
-  fp4   64 packed bytes per weight row per 128-K step, both nibbles decoded, the per-32 power-of-two
-        scales (f32, or raw ue8m0 bytes: a quarter of the scale traffic) multiplied in, A pre-scaled by
-        its per-128 power-of-two scale, two bf16 dots per step (A's even / odd columns against the low /
-        high nibbles: no interleave), the nibble decode on sm_90 a packed PTX byte-permute table lookup
-        (4 values per ~15 instructions; `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). Why bf16 and not the FP4 -> FP8 upcast
-        with a per-128 power-of-two rescale: the bf16 form is lossless for *every* scale pattern
-        (e2m1 x 2^e has 2 significant bits, bf16 the full fp32 exponent range), while the FP8 rescale
-        (each group divided by its block's largest scale) stays exact only while a 128 block's four
-        group scales lie within 2^8 of each other (e4m3's subnormal floor) and needs a second path
-        otherwise. Decode streams weights (M is ~1-4 rows per expert), so the MMA rate is irrelevant
-        there. Decode-sized blocks split K over a third grid axis (fp32 partials, fixed-order reduce).
-        Prefill-sized blocks (BM >= 64) take `moe_prefill`: the weights upcast once to FP8 scratch with
-        a per-row-per-128 power-of-two rescale, then an FP8 TMA grouped GEMM -- the upcast is exact
-        within a 2^14 scale spread per block (checked per call; beyond it this bf16 kernel runs).
+  fp4   computed transposed (C^T = W . A^T: the decoded weight tile is the MMA's M side, the block's
+        tokens its N side). 64 packed bytes per weight row per 128-K step, both nibbles decoded, the
+        per-32 power-of-two scales (f32, or raw ue8m0 bytes: a quarter of the scale traffic) multiplied
+        in, A pre-scaled by its per-128 power-of-two scale, two bf16 dots per step (the low / high
+        nibbles against A's even / odd columns: no interleave), the nibble decode on sm_90 a packed PTX
+        byte-permute table lookup (4 values per ~15 instructions; `DEEPINFER_FP4_ASM=0`: the
+        Triton-expression decode). Decode-sized blocks split K over a third grid axis (fp32 partials,
+        fixed-order reduce).
+        Why in-kernel FP4 -> bf16 and not the Hopper FP4 -> FP8 upcast (a per-row-per-128 power-of-two
+        rescale, then FP8 MMA): the bf16 form is lossless for *every* scale pattern (e2m1 x 2^e has 2
+        significant bits, bf16 the full fp32 exponent range), while the FP8 rescale stays exact only
+        while a 128-K block's four group scales lie within 2^14 of each other and needs a second path
+        beyond; and it was slower. That path (upcast once per call into FP8 scratch + a TMA FP8 grouped
+        GEMM) was built and measured on the H200 (2026-11-29, flash w1|w3, [256 x 4096, 4096]):
+        7.0 ms against 4.85 ms for this kernel at 4096 prompt tokens, 5.7 ms against 2.2 ms at 1024 --
+        the scratch round trip (write 1 B, read 1 B per weight element after reading 0.5 B) costs more
+        than the FP8 MMA saves at ~25-100 rows per expert. So it was removed.
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
 FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits) at
-decode; the prefill kernels promote once per 128-K block as DeepGEMM does (see gemm.py).
+decode; fp8 experts at prefill sizes (`moe_prefill`) promote once per 128-K block as DeepGEMM does (see
+gemm.py).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import moe_prefill
-from ._common import e2m1_x2p14, e8m0_f32, weight_scale_arg
+from ._common import e2m1_x2p14, e8m0_f32, split_k, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from .gemm import _finish
@@ -229,16 +233,21 @@ def _fp4_bf16_hi(byte, scale):
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr):
-    # Program (block b, N tile, K split). Each 128-K step loads 64 packed bytes per weight row (one
-    # contiguous 64 B segment; byte i = element 2i low nibble, 2i+1 high nibble) and decodes the low
-    # and the high nibbles as two [BN, 64] tiles with the 4 per-32 power-of-two scales multiplied in.
-    # A's even and odd columns are loaded as two [BM, 64] tiles, so two dots (even x low, odd x high)
-    # cover the step with no interleave shuffle. A is pre-scaled by its per-128 power-of-two scale.
-    # Every operand value is exact in bf16 and every bf16 x bf16 product exact in the fp32
-    # accumulator, so the dots chain straight into it.
+    # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
+    # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
+    # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
+    # (the old form) a 16-row block ran the small-M MMA and staged every decoded weight tile through
+    # shared memory; transposed it is 1.3x faster at decode sizes and 1.45-4.4x at prefill sizes on the
+    # H200 (module docstring).
+    # Each 128-K step loads 64 packed bytes per weight row (one contiguous 64 B segment; byte i = element
+    # 2i low nibble, 2i+1 high nibble) and decodes the low and the high nibbles as two [BN, 64] tiles with
+    # the 4 per-32 power-of-two scales multiplied in. A's [BM, 128] step is loaded whole and split into
+    # its even and odd columns in registers, so two dots (low x even, high x odd) cover the step with no
+    # interleave shuffle. A is pre-scaled by its per-128 power-of-two scale. Every operand value is exact
+    # in bf16 and every bf16 x bf16 product exact in the fp32 accumulator, so the dots chain straight
+    # into it.
     # IDENT (a handful of rows, e.g. one token's top-k): block b is row b alone and bexp_ptr is e
-    # itself -- no sort. (Loading the next step's bytes before this step's decode, by hand, was tried:
-    # 20-50 % slower on the H200, so the loop stays plain.)
+    # itself -- no sort.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -253,20 +262,20 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
     mn = rn < N
     jb = tl.arange(0, 64)
     g4 = tl.arange(0, 4)
+    rk = tl.arange(0, 128)
     KH = K // 2
     KG = K // 32
     w_base = w_ptr + ex * N * KH
     ws_base = ws_ptr + ex * N * KS_W
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM], tl.float32)
     kb0 = tl.program_id(2) * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, 128))
     for kb in range(kb0, kb1):
         kh = kb * 64 + jb
-        ke = 2 * kh  # even K columns; odd = ke + 1 (K is even)
-        am = mr[:, None] & (ke[None, :] < K)
+        k = kb * 128 + rk
         sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
-        a_e = tl.load(a_ptr + rows[:, None] * K + ke[None, :], mask=am, other=0.0).to(tl.float32) * sa[:, None]
-        a_o = tl.load(a_ptr + rows[:, None] * K + ke[None, :] + 1, mask=am, other=0.0).to(tl.float32) * sa[:, None]
+        a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
+        a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
         byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH), other=0)
         g = kb * 4 + g4
         sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
@@ -282,17 +291,17 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
             lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
             hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
         if DOT_BF16:
-            acc = tl.dot(a_e.to(tl.bfloat16), tl.trans(lo.to(tl.bfloat16)), acc)
-            acc = tl.dot(a_o.to(tl.bfloat16), tl.trans(hi.to(tl.bfloat16)), acc)
+            acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
+            acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
         else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
-            acc = tl.dot(a_e, tl.trans(lo), acc, input_precision="ieee")
-            acc = tl.dot(a_o, tl.trans(hi), acc, input_precision="ieee")
-    msk = mr[:, None] & mn[None, :]
+            acc = tl.dot(lo.to(tl.float32), tl.trans(a_e), acc, input_precision="ieee")
+            acc = tl.dot(hi.to(tl.float32), tl.trans(a_o), acc, input_precision="ieee")
+    msk = mn[:, None] & mr[None, :]
     if SPLIT:  # fp32 partial of this K split, at the rows' original positions
         pk = tl.program_id(2).to(tl.int64)
-        tl.store(p_ptr + (pk * P + rows[:, None]) * N + rn[None, :], acc, mask=msk)
+        tl.store(p_ptr + (pk * P + rows[None, :]) * N + rn[:, None], acc, mask=msk)
     else:
-        tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=msk)
+        tl.store(c_ptr + rows[None, :] * N + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=msk)
 
 
 def _asm_ok(device: torch.device) -> bool:
@@ -305,20 +314,22 @@ def _asm_ok(device: torch.device) -> bool:
 
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM.
+    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweep,
+    2026-11-29, `.device`-style script, CUDA-graph timed; fastest within ~5 %):
 
-    Decode-sized blocks (BM <= 32): weight streaming. BN 64, and the 128-K steps split over a third grid
-    axis until there are ~4 programs per SM (each split >= 2 K blocks): at batch 1 (6 blocks, N 4096)
-    384 tiles become 768 programs. (H200 sweep at batch 1, w1|w3: BN 32/64/128, 2-8 warps, 2-4 stages
-    all within 78-93 us -- the per-element FP4 decode instructions, not the tiling, bound it.) Prefill-sized blocks (BM 64): 64x128 tiles, no split.
+    BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
+    over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
+    splits). Targets of 2, 4 and 8 programs per SM were within 5 %; 8 warps 10 % slower.
+    BM 64: 64 x 64 tiles, 4 warps. BM 128 (long prompts, ~100 rows per expert): 128 x 128, 8 warps.
     """
     nkb = triton.cdiv(K, 128)
     if BM <= 32:
-        tiles = nb * triton.cdiv(N, 64)
-        splits = max(1, min(nkb // 2, triton.cdiv(4 * _sms(device), tiles)))
-        per = triton.cdiv(nkb, splits)
-        return 64, triton.cdiv(nkb, per), per, 4, 3
-    return 256, 1, nkb, 8, 2
+        BN = 64 if N <= 64 else 128
+        per, splits = split_k(nkb, nb * triton.cdiv(N, BN), 2 * _sms(device))
+        return BN, splits, per, 4, 3
+    if BM <= 64:
+        return 64, 1, nkb, 4, 3
+    return 128, 1, nkb, 8, 3
 
 
 @triton.jit
@@ -382,10 +393,6 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        if not ident and moe_prefill.usable(a, w, BM):  # prefill: FP4 -> FP8 upcast + FP8 GEMM, if exact
-            if moe_prefill.fp4_upcast_grouped(a, a_s, w.view(torch.uint8), w_s, e8m0, c, rows, bexp, BM):
-                return c
-            # some block's group scales lie > 2^14 apart: the bf16 kernel below rewrites every routed row
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
         part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
