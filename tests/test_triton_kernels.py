@@ -410,27 +410,30 @@ def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- mHC
-def _hc_inputs(g, hc, D, dtype, n_mix):
-    x = randn(g, 2, 3, hc, D, dtype=dtype)
+def _hc_inputs(g, hc, D, dtype, n_mix, S=3):
+    x = randn(g, 2, S, hc, D, dtype=dtype)
     fn = randn(g, n_mix, hc * D, scale=0.05)
     base = randn(g, n_mix, scale=0.5)
     return x, fn, base
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("hc,D,dtype", [(4, 40, torch.float32), (3, 20, torch.float32), (4, 64, torch.bfloat16)])
-def test_hc_pre(seed, hc, D, dtype):
+@pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 3), (3, 20, torch.float32, 3),
+                                          (4, 64, torch.bfloat16, 3), (4, 40, torch.float32, 45)])
+def test_hc_pre(seed, hc, D, dtype, S):
+    """S 45: 90 tokens, the token-tiled prefill mix (TILE_TOKENS), with a partial last tile."""
     g = gen(seed)
-    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc)
+    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
     scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
     check("hc_pre", *run_both("hc_pre", x, fn, scale, base, 1e-6, 1e-6, 20))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("hc,D,dtype", [(4, 40, torch.float32), (3, 20, torch.float32), (4, 64, torch.bfloat16)])
-def test_hc_head(seed, hc, D, dtype):
+@pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 3), (3, 20, torch.float32, 3),
+                                          (4, 64, torch.bfloat16, 3), (3, 20, torch.bfloat16, 40)])
+def test_hc_head(seed, hc, D, dtype, S):
     g = gen(seed)
-    x, fn, base = _hc_inputs(g, hc, D, dtype, hc)
+    x, fn, base = _hc_inputs(g, hc, D, dtype, hc, S)
     scale = (torch.rand(1, generator=g) + 0.5).to(DEV)
     check("hc_head", *run_both("hc_head", x, fn, scale, base, 1e-6, 1e-6))
 

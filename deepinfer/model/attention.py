@@ -22,7 +22,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import is_active, tap
 from deepinfer.model.compressor import Compressor
-from deepinfer.model.rope import rope_kind
+from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Numerics, WeightSource
 from deepinfer.ops import ops
 from deepinfer.ops.reference import kv_packed_width
@@ -75,7 +75,7 @@ class Indexer:
         [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.d))
         cos, sin = ctx.rope.get("compress", ctx.positions)
-        q = torch.cat([q[..., :-self.rd], ops.rope(q[..., -self.rd:], cos, sin)], -1)
+        q = rope_tail_(q, self.rd, cos, sin)
         # The Hadamard rotation is orthogonal (scores unchanged), so `exact` applies it too: the tapped
         # q/keys are then in the same basis in both numerics and compare element by element.
         q = ops.hadamard(q)
@@ -161,9 +161,9 @@ class Attention:
         else:
             qr = ops.rms_norm(self.wq_a(x, xq), self.q_norm, self.eps)
         q = ops.rms_norm(self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
-        q = torch.cat([q[..., :-rd], ops.rope(q[..., -rd:], cos, sin)], -1)
+        q = rope_tail_(q, rd, cos, sin)
         kv = ops.rms_norm(self.wkv(x, xq), self.kv_norm, self.eps)
-        kv = torch.cat([kv[..., :-rd], ops.rope(kv[..., -rd:], cos, sin)], -1)
+        kv = rope_tail_(kv, rd, cos, sin)
         if self.fp8_kv:  # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant)
             kv = ops.kv_pack(kv, rd)
         elif self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
@@ -178,7 +178,7 @@ class Attention:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
             o = self._decode(x, q, kv, qr, ctx)
-        o = torch.cat([o[..., :-rd], ops.rope(o[..., -rd:], cos, sin, inverse=True)], -1)
+        o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         og = torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, self.groups, -1), self.wo_a.to(o.dtype))
         return self.wo_b(og.flatten(2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.model.rope import rope_tail_
 from deepinfer.model.weights import Numerics, WeightSource
 from deepinfer.ops import ops
 
@@ -47,7 +48,7 @@ class Compressor:
         """pooled [B, W, d] f32, first_pos [B, W] -> entries [B, W, d] in the compute dtype."""
         kv = ops.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
         cos, sin = rope.get("compress", first_pos)
-        kv = torch.cat([kv[..., :-self.rd], ops.rope(kv[..., -self.rd:], cos, sin)], -1)
+        kv = rope_tail_(kv, self.rd, cos, sin)
         if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation
             kv = ops.hadamard(kv)
             if self.numerics.official:

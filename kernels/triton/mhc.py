@@ -3,7 +3,8 @@
 hc_pre / hc_head run as two kernels each (grids from shapes only: graph-capturable, no host syncs,
 no atomics):
 
-1. `_hc_mix_kernel`, grid (T, nsplit): split-K over the token's hc·D inputs. fn is one [R, hc·D]
+1. `_hc_mix_kernel`, grid (T, nsplit) (from `TILE_TOKENS` tokens on: `_hc_mix_tiles_kernel`, 32 tokens a
+   program, the same partials as one fp32 dot per K chunk): split-K over the token's hc·D inputs. fn is one [R, hc·D]
    matrix (R = (2+hc)·hc = 24 rows for hc_pre, hc for hc_head); a program streams one K chunk
    (`per` x BK columns, BR x BK <= 4096 fp32 per step with BR = p2(R)) and writes its R mix partials
    plus the partial sum of squares to a fp32 [T, nsplit, R + 1] workspace (torch.empty). nsplit makes
@@ -48,6 +49,31 @@ def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: 
     base = (t * NS + sp) * (R + 1)
     tl.store(ws_ptr + base + r, tl.sum(acc, 1), mask=mr)
     tl.store(ws_ptr + base + R, tl.sum(ss, 0))
+
+
+@triton.jit
+def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.constexpr, BR: tl.constexpr,
+                         BK: tl.constexpr):
+    """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 ("ieee") dot
+    [BT, BK] x [BK, BR], so fn is read once per BT tokens instead of once per token."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    mt = t < T
+    sp = tl.program_id(1)
+    r = tl.arange(0, BR)
+    mr = r < R
+    ss = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BR], tl.float32)
+    k_lo = sp * KCH
+    for k0 in range(k_lo, k_lo + KCH, BK):
+        kk = (k0 + tl.arange(0, BK)).to(tl.int64)
+        mk = kk < KD
+        x = tl.load(x_ptr + t[:, None] * KD + kk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, 1)
+        f = tl.load(fn_ptr + r[None, :] * KD + kk[:, None], mask=mr[None, :] & mk[:, None], other=0.0)
+        acc = tl.dot(x, f.to(tl.float32), acc, input_precision="ieee")
+    base = (t * NS + sp) * (R + 1)
+    tl.store(ws_ptr + base[:, None] + r[None, :], acc, mask=mt[:, None] & mr[None, :])
+    tl.store(ws_ptr + base + R, ss, mask=mt)
 
 
 @triton.jit
@@ -110,19 +136,32 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
     tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
+TILE_TOKENS = 64
+"""From this many tokens (prefill) the mix runs token-tiled: per-token programs re-read the whole fn
+([24, 16384] fp32 = 1.5 MB for hc_pre) once per token (~0.2 ms per call at 1024 tokens on the H200)."""
+
+
 def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full):
     T = y.numel() // D
     R = (2 + HC) * HC if full else HC
     KD = HC * D
-    BR = p2(R)
-    BK = max(16, min(p2(KD), 4096 // BR))
-    per, ns = split_k(triton.cdiv(KD, BK), T, 2 * sms(xc.device))
-    ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
-    _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
+    if T >= TILE_TOKENS:  # prefill: BT tokens per program share each fn tile
+        BT, BR, BK = 32, max(16, p2(R)), 64
+        per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
+        ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
+        _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK)
+    else:
+        BR = p2(R)
+        BK = max(16, min(p2(KD), 4096 // BR))
+        per, ns = split_k(triton.cdiv(KD, BK), T, 2 * sms(xc.device))
+        ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)
     BW = p2(R + 1)
     BS = max(2, min(p2(ns), 4096 // BW))
-    BD = max(16, min(p2(D), 256))
+    # one D tile per 256 columns at decode (parallelism); at prefill wider tiles, since every tile redoes
+    # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
+    BD = max(16, min(p2(D), 256 if T < TILE_TOKENS else 1024))
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
                                               float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD)
 
