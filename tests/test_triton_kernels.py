@@ -326,7 +326,7 @@ def _tied_scores(g, B, S, T):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("T,k", [(37, 8), (7, 10), (64, 64), (20, 5)])
+@pytest.mark.parametrize("T,k", [(37, 8), (7, 10), (64, 64), (20, 5), (33, 512)])
 def test_topk_indices(seed, T, k):
     g = gen(seed)
     B, S = 2, 3

@@ -86,6 +86,9 @@ def _topk_round_kernel(src_ptr, nv_ptr, dst_ptr, out_ptr, n_src, n_dst, k,
     if FINAL:
         idx = tl.where(key >= 0, key_index(key), -1)
         tl.store(out_ptr + row * k + r, idx, mask=r < k)
+        if C < KP:  # fewer entries than k (short context): the slots past them are empty
+            r2 = tl.arange(0, KP)
+            tl.store(out_ptr + row * k + r2, tl.full([KP], -1, tl.int64), mask=(r2 >= C) & (r2 < k))
     else:
         tl.store(dst_ptr + row * n_dst + ch * KP + r, key, mask=r < KP)
 
@@ -105,7 +108,9 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
     KP = p2(k)
     C = max(2 * KP, p2(CHUNK))
     if T <= C:
-        Cf = max(p2(T), KP)
+        # sort only the T entries, not k slots: at decode the context often has fewer compressed entries
+        # than the top-k (V4: k 512; 32 entries at 128 tokens): a 512-key sort was ~50 us on the H200
+        Cf = max(p2(T), 16)
         _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP)
         return out
     nch = triton.cdiv(T, C)
