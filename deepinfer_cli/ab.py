@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, handle_errors
 
 
@@ -87,7 +88,7 @@ def ab_cmd(
 
 
 def _print_table(rep, note, do_bench: bool) -> None:
-    con = Console()
+    con = console()
     src = f"saved cases in {rep.source}" if rep.source else f"ref {rep.ref}"
     title = f"A/B · {rep.backend} vs {src} · device {rep.device}" + (" (Triton interpreter)" if rep.interpreter else "")
     if rep.seed is not None:

@@ -15,6 +15,7 @@ from rich.table import Table
 from deepinfer.engine.bench import BenchOptions, run_bench
 from deepinfer.engine.loader import OptionError
 from deepinfer_cli import common
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
 
 GiB = 2**30
@@ -198,7 +199,7 @@ def bench_cmd(
     if as_json:
         print(json.dumps(report, default=str))
         return
-    _print(report, Console())
+    _print(report, console())
     if record_to:
         print(f"recorded a row in {record_to}", file=sys.stderr)
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deepinfer.debug.compare import STATS, Report, Tol, Tolerances, compare_dumps, fmt
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, handle_errors
 
 _STYLE = {"pass": "green", "fail": "bold red", "shape": "bold red", "skip": "dim", "only_a": "yellow",
@@ -94,7 +95,7 @@ def compare_cmd(
     if as_json:
         print(json.dumps(data, ensure_ascii=False))
     else:
-        render(rep, Console(), show_passing=not failures_only)
+        render(rep, console(), show_passing=not failures_only)
     if not rep.passed:
         raise typer.Exit(1)
 

@@ -7,12 +7,12 @@ import dataclasses
 import json
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.runner import GraphCaptureError
 from deepinfer_cli import common
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, fail, handle_errors
 
 
@@ -85,7 +85,7 @@ def generate_cmd(
     if as_json:
         print(json.dumps(_json_obj(lm, numerics, dtype, text, c, res, logprobs), ensure_ascii=False))
         return
-    con = Console()
+    con = console()
     con.print(text + c.text, markup=False, highlight=False)
     t = Table(title=f"{lm.cfg.name} · {common.ops.backend} · {numerics}/{dtype}", show_lines=False)
     for col in ("#", "id", "text", "logprob", "margin"):
@@ -120,7 +120,7 @@ def _print_many(lm, numerics, dtype, items, res, logprobs, as_json) -> None:
             print(json.dumps({"index": i, **_json_obj(lm, numerics, dtype, text, c, res, logprobs)},
                              ensure_ascii=False))
         return
-    con = Console()
+    con = console()
     for i, ((text, _, _), c) in enumerate(zip(items, res.completions)):
         con.rule(f"[{i}] {len(c.token_ids)} tokens, finish: {c.finish_reason}")
         con.print(text + c.text, markup=False, highlight=False)

@@ -12,6 +12,7 @@ from rich.table import Table
 from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, MarginResult, from_dumps, parse_spec, plot,
                                     run_margin, sparkline)
 from deepinfer_cli import common
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, handle_errors
 
 
@@ -81,7 +82,7 @@ def margin_cmd(
     if as_json:
         print(json.dumps(res.to_dict(), ensure_ascii=False))
     else:
-        con = Console()
+        con = console()
         render(res, con, token_text)
         if plot_path:
             con.print(f"plot: {plot_path}", highlight=False)

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
 
 probe_app = typer.Typer(name="probe", help="Probe kernel coverage, compilers and the environment.",
@@ -29,7 +30,7 @@ def _emit(d: dict, as_json: bool, render) -> None:
     if as_json:
         print(json.dumps(d, default=str))
     else:
-        render(d, Console())
+        render(d, console())
 
 
 def _value(v) -> str:

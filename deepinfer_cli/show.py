@@ -7,12 +7,12 @@ import re
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
 from deepinfer.debug.compare import fmt
 from deepinfer.debug.h5schema import DumpReader
+from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, handle_errors
 
 
@@ -66,7 +66,7 @@ def show_cmd(
             n: {"shape": list(m["shape"]), "dtype": m["dtype"], "order": m["order"], **(s or {})}
             for n, (m, s) in info.items()}}, ensure_ascii=False, default=str))
         return
-    con = Console()
+    con = console()
     t = Table(title=f"{path}", show_header=False, box=None)
     for k, v in attrs.items():
         t.add_row(f"[dim]{k}[/dim]", str(v))

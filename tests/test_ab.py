@@ -44,6 +44,16 @@ def test_table_output_and_summary_line():
     assert "6 passed, 0 failed, 0 skipped" in r.stdout
 
 
+def test_table_not_truncated_when_piped(monkeypatch):
+    """Redirected output (a log file, CliRunner) is data: the table gets 200 columns, not rich's 80, which
+    cut every cell to a few characters (a GPU run's `ab --bench` log was unreadable that way)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--shapes", "tiny", "--ops", "^grouped_gemm$", "--bench"])
+    assert r.exit_code == 0, r.output
+    assert "grouped_gemm tiny/decode/expert_w1" in r.stdout  # the case cell whole (80 columns: "grou")
+    assert "of roofline" in r.stdout and "0 failed" in r.stdout
+
+
 def test_fresh_inputs_and_seed():
     from deepinfer.debug.ab_cases import SHAPES, build
 
