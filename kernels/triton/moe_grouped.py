@@ -315,7 +315,8 @@ def _asm_ok(device: torch.device) -> bool:
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweep,
-    2026-11-29, `.device`-style script, CUDA-graph timed; fastest within ~5 %):
+    2026-11-29, a standalone script: decode sizes timed as CUDA graphs, prefill sizes with do_bench;
+    fastest within ~5 %):
 
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
