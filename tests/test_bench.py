@@ -188,16 +188,16 @@ def test_cli_bad_options():
 
 def test_op_flops_count_useful_work_only():
     """FLOPs per op call from its arguments: padding rows (e = -1) and empty index slots (-1) count 0."""
-    from deepinfer.engine.oprates import _flops
+    from deepinfer.engine.oprates import op_flops
 
     a = torch.zeros(6, 256)
-    assert _flops("fp8_gemm", (a, None, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
-    assert _flops("linear", (torch.zeros(2, 3, 256), torch.zeros(10, 256)), {}) == 2 * 6 * 10 * 256
+    assert op_flops("fp8_gemm", (a, None, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
+    assert op_flops("linear", (torch.zeros(2, 3, 256), torch.zeros(10, 256)), {}) == 2 * 6 * 10 * 256
     e = torch.tensor([0, -1, 3, 3, -1, 1])
-    assert _flops("grouped_gemm", (a, None, e, torch.zeros(4, 32, 128), None), {}) == 2 * 4 * 256 * 32
+    assert op_flops("grouped_gemm", (a, None, e, torch.zeros(4, 32, 128), None), {}) == 2 * 4 * 256 * 32
     q, idx = torch.zeros(1, 5, 8, 64), torch.tensor([[[0, 1, -1]] * 5])
-    assert _flops("sparse_attn", (q, None, None, idx, 1.0), {}) == 4 * 10 * 8 * 64
-    assert _flops("rms_norm", (a,), {}) == 0
+    assert op_flops("sparse_attn", (q, None, None, idx, 1.0), {}) == 4 * 10 * 8 * 64
+    assert op_flops("rms_norm", (a,), {}) == 0
 
 
 @pytest.mark.gpu

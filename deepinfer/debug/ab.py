@@ -250,12 +250,12 @@ def rate(cr: "CaseResult", args, kwargs, outs, ms: float) -> None:
     """Fill time, GB/s, TFLOP/s and the roofline fraction of a benched case: the achieved time against
     the larger of its bytes over the measured copy bandwidth and its FLOPs over the measured matmul
     rate of its MMA kind (FP8 for the FP8/FP4 GEMMs, bf16 otherwise)."""
-    from deepinfer.engine.oprates import _flops
+    from deepinfer.engine.oprates import FP8_CEILING_OPS, op_flops
 
     c = ceilings(torch.device("cuda"))
     nbytes = io_bytes(cr.op, args, kwargs, outs)
-    flops = _flops(cr.op, tuple(args), kwargs)
-    mma = c["fp8"] if cr.op in ("fp8_gemm", "fp4_gemm", "grouped_gemm") and c["fp8"] else c["bf16"]
+    flops = op_flops(cr.op, tuple(args), kwargs)
+    mma = c["fp8"] if cr.op in FP8_CEILING_OPS and c["fp8"] else c["bf16"]
     t = ms * 1e-3
     cr.time_ms, cr.gbps = ms, nbytes / t / 1e9
     cr.tflops = flops / t / 1e12 if flops else None

@@ -24,7 +24,7 @@ def _gemm_flops(a: torch.Tensor, n: int) -> float:
     return 2.0 * a.numel() * n  # a [M, K]: 2 M N K
 
 
-def _flops(name: str, args: tuple, kwargs: dict) -> float:
+def op_flops(name: str, args: tuple, kwargs: dict) -> float:
     """Useful FLOPs of one call (float: reads index tensors, so call after the pass)."""
     if name in ("fp8_gemm", "fp4_gemm"):
         return _gemm_flops(args[0], args[2].size(0))
@@ -43,6 +43,10 @@ def _flops(name: str, args: tuple, kwargs: dict) -> float:
 
 
 OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "linear", "sparse_attn", "sparse_attn_fp8", "indexer_scores")
+
+FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm")
+"""Ops held against the measured FP8 matmul rate (the issue's yardstick, even where a kernel runs bf16
+MMAs); every other op against the bf16 rate. `summarize` and `ab --bench` both use this."""
 
 
 @contextlib.contextmanager
@@ -71,21 +75,17 @@ def op_rates(names: tuple[str, ...] = OPS):
 
 
 def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dict]:
-    """Per op: calls, ms, TFLOP/s and the ratio to the measured ceiling of its MMA kind.
-
-    fp8_gemm / grouped_gemm / fp4_gemm are held against the FP8 rate (the issue's yardstick, even
-    where a kernel runs bf16 MMAs), everything else against bf16.
-    """
+    """Per op: calls, ms, TFLOP/s and the ratio to the measured ceiling of its kind (`FP8_CEILING_OPS`)."""
     torch.cuda.synchronize()
     rows: dict[str, dict] = {}
     for name, s, e, args, kwargs in calls:
         r = rows.setdefault(name, {"op": name, "calls": 0, "ms": 0.0, "flops": 0.0})
         r["calls"] += 1
         r["ms"] += s.elapsed_time(e)
-        r["flops"] += _flops(name, args, kwargs)
+        r["flops"] += op_flops(name, args, kwargs)
     out = []
     for r in sorted(rows.values(), key=lambda r: -r["ms"]):
-        fp8 = r["op"] in ("fp8_gemm", "fp4_gemm", "grouped_gemm") and fp8_rate
+        fp8 = r["op"] in FP8_CEILING_OPS and fp8_rate
         ceiling = fp8_rate if fp8 else bf16_rate
         r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12 if r["ms"] > 0 else 0.0
         r["ceiling"] = "fp8" if fp8 else "bf16"

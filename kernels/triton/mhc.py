@@ -145,23 +145,22 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     T = y.numel() // D
     R = (2 + HC) * HC if full else HC
     KD = HC * D
-    if T >= TILE_TOKENS:  # prefill: BT tokens per program share each fn tile
-        BT, BR, BK = 32, max(16, p2(R)), 64
-        per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
-        ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
+    tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
+    BT = 32 if tiled else 1
+    BR = max(16, p2(R)) if tiled else p2(R)
+    BK = 64 if tiled else max(16, min(p2(KD), 4096 // BR))
+    per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
+    ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
+    if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK)
     else:
-        BR = p2(R)
-        BK = max(16, min(p2(KD), 4096 // BR))
-        per, ns = split_k(triton.cdiv(KD, BK), T, 2 * sms(xc.device))
-        ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
         _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)
     BW = p2(R + 1)
     BS = max(2, min(p2(ns), 4096 // BW))
     # one D tile per 256 columns at decode (parallelism); at prefill wider tiles, since every tile redoes
     # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
-    BD = max(16, min(p2(D), 256 if T < TILE_TOKENS else 1024))
+    BD = max(16, min(p2(D), 1024 if tiled else 256))
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
                                               float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD)
 
