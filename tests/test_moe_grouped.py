@@ -9,6 +9,7 @@ format is tested with fp32/fp16 inputs; the quantised formats feed fp8.
 from __future__ import annotations
 
 import os
+import struct
 
 # Compiled on a CUDA host, interpreted on CPU: tests/conftest.py sets TRITON_INTERPRET for CPU sessions
 # before triton is imported (setting it here would leak into every later test module of the session).
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 
 from deepinfer.ops import REGISTRY, ops  # noqa: E402
 from deepinfer.ops.reference import act_quant  # noqa: E402
-from deepinfer.quant.formats import e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
+from deepinfer.quant.formats import FP4_VALUES, e8m0_to_float, float_to_e8m0, quant_fp4, quant_fp8_block  # noqa: E402
 from tc_bounds import abs_products, assert_tensor_core_bound  # noqa: E402
 
 DEV = "cuda" if COMPILED else "cpu"
@@ -136,6 +137,63 @@ CASES = [  # fmt, P, E, N, K, n_pad, busy_rows, a dtype (float fmt), out dtype
 ]
 
 
+def _bf16(h: int) -> float:
+    """bf16 bits -> value."""
+    return struct.unpack("<f", struct.pack("<I", (h & 0xFFFF) << 16))[0]
+
+
+def _to_bf16(x: float) -> int:
+    """value -> bf16 bits, round to nearest even (via float32, as the hardware's fp32 product is exact here)."""
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """A host model of the few PTX instructions the FP4 decode uses, run over its text: b32 registers as
+    Python ints, mul.rn.bf16x2 per 16-bit half."""
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
+        op, _, rest = stmt.strip().partition(" ")
+        if not op or op == ".reg":
+            continue
+        d, *src = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            regs[d] = val(src[0])
+        elif op == "prmt.b32":
+            a, b, c = (val(t) for t in src)
+            by = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            regs[d] = sum(by[(c >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op in ("shl.b32", "shr.b32", "or.b32", "and.b32"):
+            a, b = val(src[0]), val(src[1])
+            if op == "shl.b32":
+                regs[d] = (a << b) & 0xFFFFFFFF
+            else:
+                regs[d] = a >> b if op == "shr.b32" else (a | b if op == "or.b32" else a & b)
+        elif op == "mul.rn.bf16x2":
+            a, b = val(src[0]), val(src[1])
+            regs[d] = _to_bf16(_bf16(a) * _bf16(b)) | _to_bf16(_bf16(a >> 16) * _bf16(b >> 16)) << 16
+        else:
+            raise AssertionError(f"the host model lacks {op!r}: extend _run_ptx")
+    return regs
+
+
+def test_fp4_ptx_decode_bit_logic_every_byte():
+    """`_ASM_DECODE`, run by a host model of its PTX text: every byte gives the e2m1 values of its low and
+    high nibbles times the scale -- 1, 2^-127 (a bf16 subnormal scale) and 2^120."""
+    mg = _triton()
+    for scale in (1.0, 2.0 ** -127, 2.0 ** 120):
+        sb = _to_bf16(scale)
+        assert _bf16(sb) == scale
+        for b0 in range(256):
+            b1 = (b0 * 37 + 11) % 256
+            out = _run_ptx(mg._ASM_DECODE.value, {"$2": b0 | b1 << 8, "$3": sb | sb << 16})
+            got = [_bf16(out["$0"]), _bf16(out["$0"] >> 16), _bf16(out["$1"]), _bf16(out["$1"] >> 16)]
+            want = [FP4_VALUES[c] * scale for c in (b0 & 15, b1 & 15, b0 >> 4, b1 >> 4)]
+            assert got == want, (hex(b0), hex(b1), scale, got, want)
+
+
 def test_grouped_gemm_fp4_every_code():
     """Random bytes: all 16 e2m1 codes (incl. -0) through the in-kernel bit decode."""
     _triton()
@@ -206,6 +264,27 @@ def test_fp4_any_scale_spread_exact(spread, P, busy):
     d = REGISTRY["grouped_gemm"]
     out, ref = d.impls["triton"](*args, out_dtype=torch.float32), d.ref(*args, out_dtype=torch.float32)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("P,busy", [(300, 150), (6, 1)])
+@pytest.mark.parametrize("lo_s,a_exp", [(3, 120), (232, -10)])
+def test_fp4_extreme_scales_exact(lo_s, a_exp, P, busy):
+    """Group scales near both ends of ue8m0 (2^-124 .. 2^-120 and 2^105 .. 2^109) with activations ~2^120
+    (the products stay normal) or ~2^-10 (act_quant floors a block's amax at 1e-4): the decode's two
+    power-of-two multiplies (x 2^126, x scale) keep every code exact, where one multiply by
+    scale x 2^126 would overflow bf16."""
+    _triton()
+    g = torch.Generator().manual_seed(4)
+    E, N, K = 3, 128, 256
+    e = _routing(g, P, E, min(9, P // 2), busy=1, busy_rows=busy)
+    a, a_s = act_quant(torch.randn(P, K, generator=g) * 2.0 ** a_exp, 128)
+    w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+    sb = torch.randint(lo_s, lo_s + 5, (E, N, K // 32), generator=g).to(torch.uint8)
+    args = [t.to(DEV) for t in (a, a_s, e, w, sb)]
+    d = REGISTRY["grouped_gemm"]
+    out, ref = d.impls["triton"](*args, out_dtype=torch.float32), d.ref(*args, out_dtype=torch.float32)
+    assert ref.abs().max() > 1e-3 and torch.isfinite(ref).all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_grouped_gemm_reference_is_the_per_expert_gemms():

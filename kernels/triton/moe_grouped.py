@@ -16,10 +16,15 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         tokens its N side). 64 packed bytes per weight row per 128-K step, both nibbles decoded, the
         per-32 power-of-two scales (f32, or raw ue8m0 bytes: a quarter of the scale traffic) multiplied
         in, A pre-scaled by its per-128 power-of-two scale, two bf16 dots per step (the low / high
-        nibbles against A's even / odd columns: no interleave), the nibble decode on sm_90 a packed PTX
-        byte-permute table lookup (4 values per ~15 instructions; `DEEPINFER_FP4_ASM=0`: the
-        Triton-expression decode). Decode-sized blocks split K over a third grid axis (fp32 partials,
-        fixed-order reduce).
+        nibbles against A's even / odd columns: no interleave), the nibble decode on sm_90 PTX bit placement
+        (`_ASM_DECODE`: 4 values per ~7 integer instructions and 4 bf16x2 multiplies;
+        `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). It replaced a byte-permute table lookup
+        (~5 instructions per value): the kernel is bound by these per-element instructions, and the
+        per-step loop went from 965 to 594 SASS instructions at decode tiles (offline sm_90 compile;
+        unmasked loads for whole tiles did 66 of that), which on the H200 (2026-11-29, flash w1|w3;
+        decode sizes graph-timed) took batch 1 from 60.6 to 36.0 us, batch 64 from 1494 to 824 us, a 1024-token
+        prefill from 2476 to 1478 us. Decode-sized blocks split K over a third grid axis (fp32
+        partials, fixed-order reduce).
         Why in-kernel FP4 -> bf16 and not the Hopper FP4 -> FP8 upcast (a per-row-per-128 power-of-two
         rescale, then FP8 MMA): the bf16 form is lossless for *every* scale pattern (e2m1 x 2^e has 2
         significant bits, bf16 the full fp32 exponent range), while the FP8 rescale stays exact only
@@ -195,44 +200,42 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
              mask=mr[:, None] & mn[None, :])
 
 
-# bf16 bytes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000,
-# 0x4040, 0x4080, 0x40C0) as two 8-byte prmt tables: low bytes C0800000 C0804000, high 3F3F3F00 40404040.
-_PRMT_DECODE = (
-    "mov.b32 z, 0; shr.b32 u, m, 4; or.b32 u, u, m; prmt.b32 s, u, z, 0x0020; "  # the 4 magnitude indices as nibbles
-    "mov.b32 t0, 0xC0800000; mov.b32 t1, 0xC0804000; prmt.b32 lo, t0, t1, s; "
-    "mov.b32 t0, 0x3F3F3F00; mov.b32 t1, 0x40404040; prmt.b32 hi, t0, t1, s; "
-    "prmt.b32 a, lo, hi, 0x5140; prmt.b32 b, lo, hi, 0x7362; "  # bf16 pairs (elements 0,1) and (2,3)
-    "prmt.b32 t0, g, z, 0x1404; prmt.b32 t1, g, z, 0x3424; or.b32 a, a, t0; or.b32 b, b, t1; "  # signs
-    "mul.rn.bf16x2 $0, a, $3; mul.rn.bf16x2 $1, b, $4; }"  # x scale: exact (power of two)
+# FP4 -> bf16 by bit placement (the Marlin-style trick, made exact for every scale): a nibble s|e1 e0 m put
+# at bf16 bit 15 (sign) and bits 8..6 (exponent low bits, mantissa top bit) reads as e2m1 x 2^-126 --
+# normal for e > 0, and for e = 0 the bf16 subnormal m x 2^-127 -- so one exact multiply by 2^126 restores
+# it. Per 2 packed bytes b0, b1 (4 values; the MMA operand layout holds K pairs, so 2 bytes arrive as one
+# 16-bit load): prmt spreads them into the high bytes of the two 16-bit halves, x = [0, b0, 0, b1]; then
+# (x << 4 | x >> 2) & 0x81C081C0 is the bf16 pair of the low nibbles (sign at 15, bits 8..6 per half) and
+# (h | h >> 6) & 0x81C081C0 with h = x & 0xF000F000 that of the high nibbles. ~1.75 integer instructions
+# per value (the byte-permute table lookup it replaced took ~5), then two bf16x2 multiplies, x 2^126 and
+# x the group scale, both exact (powers of two; bf16 keeps subnormals). Two multiplies, not one by
+# scale x 2^126: that product overflows bf16 for scales above 2.
+_ASM_DECODE = tl.constexpr(
+    "{ .reg .b32 x, y, u, k; mov.b32 k, 0x7E807E80; "  # k: 2^126 in both bf16 halves
+    "prmt.b32 x, $2, 0, 0x1404; "  # [0, b0, 0, b1]
+    "shl.b32 y, x, 4; shr.b32 u, x, 2; or.b32 y, y, u; and.b32 y, y, 0x81C081C0; "
+    "mul.rn.bf16x2 y, y, k; mul.rn.bf16x2 $0, y, $3; "  # low nibbles
+    "and.b32 x, x, 0xF000F000; shr.b32 u, x, 6; or.b32 x, x, u; and.b32 x, x, 0x81C081C0; "
+    "mul.rn.bf16x2 x, x, k; mul.rn.bf16x2 $1, x, $3; }"  # high nibbles
 )
-_ASM_REGS = "{ .reg .b32 m, u, s, t0, t1, lo, hi, a, b, g, z; "
-# jit code reads globals only as tl.constexpr
-_ASM_LO = tl.constexpr(_ASM_REGS + "and.b32 m, $2, 0x07070707; shl.b32 g, $2, 4; and.b32 g, g, 0x80808080; "
-                       + _PRMT_DECODE)
-_ASM_HI = tl.constexpr(_ASM_REGS + "shr.b32 m, $2, 4; and.b32 m, m, 0x07070707; and.b32 g, $2, 0x80808080; "
-                       + _PRMT_DECODE)
 
 
 @triton.jit
-def _fp4_bf16_lo(byte, scale):
-    """Low nibbles of uint8 `byte` as bf16 e2m1 values times the bf16 power-of-two `scale` (same shape),
-    4 elements per PTX block: a byte-permute (prmt) table lookup builds the bf16 bits of 4 values in ~15
-    instructions (the Triton decode needs ~11 per value); sm_90 (mul.bf16x2)."""
+def _fp4_bf16(byte, scale):
+    """uint8 `byte` (two e2m1 nibbles each) -> (low nibbles, high nibbles) as bf16 values times the bf16
+    power-of-two `scale` (same shape), 2 bytes per PTX block (`_ASM_DECODE`); sm_90 (mul.bf16x2).
+    The bit logic is checked for all 256 byte values by tests/test_moe_grouped.py (a host model of the
+    PTX) and on the GPU by the grouped GEMM tests."""
     return tl.inline_asm_elementwise(
-        asm=_ASM_LO, constraints="=r,=r,r,r,r", args=[byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _fp4_bf16_hi(byte, scale):
-    """High nibbles of `byte`, as `_fp4_bf16_lo`."""
-    return tl.inline_asm_elementwise(
-        asm=_ASM_HI, constraints="=r,=r,r,r,r", args=[byte, scale], dtype=tl.bfloat16, is_pure=True, pack=4)
+        asm=_ASM_DECODE, constraints="=r,=r,r,r", args=[byte, scale],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
 
 
 @triton.jit
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr):
+                   DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
+                   EVEN: tl.constexpr):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -274,17 +277,22 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
         kh = kb * 64 + jb
         k = kb * 128 + rk
         sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
-        a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
-        a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
-        byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH), other=0)
         g = kb * 4 + g4
-        sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
+        if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): only the padded rows are masked
+            a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+            byte = tl.load(w_base + rn[:, None] * KH + kh[None, :])
+            sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :])
+        else:
+            a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
+            byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH),
+                           other=0)
+            sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
+        a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
         if SCALE_E8M0:
             sw = e8m0_f32(sw)
         if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
             sb = tl.reshape(tl.broadcast_to(sw.to(tl.bfloat16)[:, :, None], [BN, 4, 16]), [BN, 64])
-            lo = _fp4_bf16_lo(byte, sb)
-            hi = _fp4_bf16_hi(byte, sb)
+            lo, hi = _fp4_bf16(byte, sb)
         else:
             byte = byte.to(tl.int32) & 0xFF
             sw = sw * 16384.0
@@ -399,7 +407,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
             a, a_s, w.view(torch.uint8), w_s, c, part, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=_asm_ok(a.device),
-            IDENT=ident, num_warps=nw, num_stages=ns)
+            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, num_warps=nw, num_stages=ns)
         if splits > 1:
             _finish(part, c, splits)
     else:
