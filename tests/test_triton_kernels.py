@@ -286,6 +286,29 @@ def test_rope(seed, heads, inverse):
 
 # ------------------------------------------------------------------------------ compressor, indexer
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("overlap,r,D", [(True, 4, 24), (True, 4, 130), (False, 16, 20), (False, 1, 17)])
+def test_compress_decode(seed, overlap, r, D):
+    """The fused decode step: pooled entries and both states (every slot of every row, untouched rows
+    included) equal the reference's. Rows permuted over a larger state; positions that complete a window
+    (the overlap half shifts) and positions inside one; a fresh row whose previous half is -inf."""
+    g = gen(seed)
+    coff = 2 if overlap else 1
+    B, R, C2 = 5, 7, coff * D
+    kv_state, score_state = randn(g, R, coff * r, C2), randn(g, R, coff * r, C2, scale=2.0)
+    rows = torch.randperm(R, generator=g)[:B].to(DEV)
+    score_state[rows[1], :r] = float("-inf")
+    pos = torch.tensor([r - 1, 0, 2 * r - 1, r + r // 2, 3 * r + 1])[:B].to(DEV)
+    args = (randn(g, B, C2), randn(g, B, C2, scale=2.0), randn(g, r, C2), pos, rows)
+    ref_states = (kv_state.clone(), score_state.clone())
+    ref = REGISTRY["compress_decode"].ref(*args, *ref_states, overlap)
+    with poisoned():
+        out = REGISTRY["compress_decode"].impls["triton"](*args, kv_state, score_state, overlap)
+    check("compress_decode", out, ref)
+    check("compress_decode", kv_state, ref_states[0])
+    check("compress_decode", score_state, ref_states[1])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("slots,D", [(5, 20), (8, 300), (1, 16)])
 def test_compress_pool(seed, slots, D):
     g = gen(seed)

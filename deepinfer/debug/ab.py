@@ -204,12 +204,12 @@ def _clone(x):
 
 
 def call(op: str, fn, args: tuple, kwargs: dict) -> list:
-    """Run `fn` on copies of the inputs; in-place ops return the written args."""
+    """Run `fn` on copies of the inputs; in-place ops return their return value (if any) and the written args."""
     args, kwargs = _clone(args), _clone(kwargs)
     out = fn(*args, **kwargs)
     spec = COMPARE.get(op, CompareSpec())
-    if spec.inplace:
-        return [args[i] for i in spec.inplace]
+    if spec.inplace:  # the return value (if any), then the written args
+        return ([] if out is None else _as_list(out)) + [args[i] for i in spec.inplace]
     return _as_list(out)
 
 
@@ -225,7 +225,8 @@ def io_bytes(op: str, args: tuple, kwargs: dict, outs: list) -> int:
     spec = COMPARE.get(op, CompareSpec())
     if spec.inplace:  # only what the kernel reads (non-buffer inputs) and writes (changed elements)
         n = sum(_nbytes(a) for i, a in enumerate(args) if i not in spec.inplace)
-        for i, o in zip(spec.inplace, outs):
+        n += _nbytes(outs[:len(outs) - len(spec.inplace)])  # a returned value
+        for i, o in zip(spec.inplace, outs[len(outs) - len(spec.inplace):]):
             changed = ~(_bits(o) == _bits(args[i]))
             n += int(changed.sum().item()) * o.element_size()
         return n

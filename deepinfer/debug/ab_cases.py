@@ -83,7 +83,8 @@ class Variant:
 class CompareSpec:
     """How to compare an op's outputs. `sets`: output indices holding index sets per row (last dim);
     `aligned`: output index -> the set output whose order it follows; `inplace`: arg indices written in
-    place (the outputs are those args after the call, poisoned first); `exact`: integer equality only."""
+    place (the outputs are the op's return value, if any, then those args after the call, poisoned first);
+    `exact`: integer equality only."""
 
     sets: tuple = ()
     aligned: tuple = ()  # pairs (output, set_output)
@@ -117,6 +118,7 @@ COMPARE: dict[str, CompareSpec] = {
     "topk_indices": CompareSpec(sets=(0,)),
     "moe_route": CompareSpec(sets=(1,), aligned=((0, 1),)),
     "kv_store": CompareSpec(inplace=(0,)),
+    "compress_decode": CompareSpec(inplace=(5, 6)),  # the pooled entry, then both states
     "fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 2), tc_rel=TC_REL),  # (a, a_s, w, w_s)
     "grouped_gemm": CompareSpec(abs_args=_abs_gemm(0, 3), tc_rel=TC_REL),  # (a, a_s, e, w, w_s)
 }
@@ -240,6 +242,28 @@ def build_compress_pool(d: Dims, phase: str, g, device):
     score = torch.randn(B, W, slots, d.head_dim, generator=g) * 3
     score[:, 0, : d.ratio] = float("-inf")  # the first window has no previous half: -inf slots
     return [Variant("csa", (kv.to(device), score.to(device)), {})]
+
+
+def build_compress_decode(d: Dims, phase: str, g, device):
+    """One decode step of the CSA (overlapping, ratio r) and HCA-like (one window of r) compressors over
+    a state of B + 2 rows, the B rows permuted; positions mix windows just completed and partly filled.
+    A decode-only op: both phases run the decode batch."""
+    B = max(2, d.decode_batch)
+    out = []
+    for name, overlap, r in (("csa", True, d.ratio), ("hca", False, 4 * d.ratio)):
+        coff = 2 if overlap else 1
+        C2 = coff * d.head_dim
+        R = B + 2
+        kv_state = torch.randn(R, coff * r, C2, generator=g)
+        score_state = torch.randn(R, coff * r, C2, generator=g) * 2
+        score_state[0, : r] = float("-inf")  # a fresh row: the previous window's half is empty
+        pos = torch.randint(0, 4 * r, (B,), generator=g)
+        pos[0] = r - 1  # completes its window
+        rows = torch.randperm(R, generator=g)[:B]
+        args = (torch.randn(B, C2, generator=g), torch.randn(B, C2, generator=g) * 2,
+                torch.randn(r, C2, generator=g), pos, rows, kv_state, score_state)
+        out.append(Variant(name, tuple(t.to(device) for t in args) + (overlap,), {}))
+    return out
 
 
 def build_indexer_scores(d: Dims, phase: str, g, device):

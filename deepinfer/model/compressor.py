@@ -121,25 +121,11 @@ class Compressor:
     def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
         """x [B, 1, D] at per-row positions pos [B]: update the state; where a window completes, write
         its entry to `cache[row, pos // ratio]`. Branch-free over rows (no host sync)."""
-        r, d = self.ratio, self.d
+        r = self.ratio
         kv, score = self._project(x)
-        kv, score = kv[:, 0], score[:, 0] + self.ape[pos % r]
-        slot = (r if self.overlap else 0) + pos % r
-        st_kv, st_sc = self.kv_state[rows], self.score_state[rows]
-        ar = torch.arange(len(rows), device=x.device)
-        st_kv[ar, slot], st_sc[ar, slot] = kv, score
+        pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
+                                     self.overlap).unsqueeze(1)  # [B, 1, d]
         done = (pos + 1) % r == 0
-        if self.overlap:
-            kvw = torch.cat([st_kv[:, :r, :d], st_kv[:, r:, d:]], 1)
-            scw = torch.cat([st_sc[:, :r, :d], st_sc[:, r:, d:]], 1)
-            # after a completed window its second half becomes the next window's overlap half
-            m = done.view(-1, 1, 1)
-            self.kv_state[rows] = torch.where(m, torch.cat([st_kv[:, r:], st_kv[:, r:]], 1), st_kv)
-            self.score_state[rows] = torch.where(m, torch.cat([st_sc[:, r:], st_sc[:, r:]], 1), st_sc)
-        else:
-            kvw, scw = st_kv, st_sc
-            self.kv_state[rows], self.score_state[rows] = st_kv, st_sc
-        pooled = ops.compress_pool(kvw.unsqueeze(1), scw.unsqueeze(1))  # [B, 1, d]
         first = (pos + 1 - r).clamp_min(0).unsqueeze(1)
         entry = self._finish(pooled, first, rope)[:, 0]
         idx = (pos // r).clamp_max(self.cache.size(1) - 1)

@@ -185,6 +185,38 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return (kv.float() * score.float().softmax(dim=2)).sum(dim=2)
 
 
+@defop("compress_decode")
+def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+                    kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """One decode token through a compressor's carried window: the state update and the window's pooling.
+
+    kv, score [B, coff·d] float32: this token's wkv / wgate projections (coff = 2 if `overlap` else 1);
+    ape [r, coff·d] the window-position bias; pos [B] positions; rows [B] distinct state rows;
+    kv_state, score_state [R, coff·r, coff·d] float32, updated in place: the token lands in slot
+    (r if overlap else 0) + pos % r with score + ape[pos % r]; with `overlap`, once its window completes
+    ((pos + 1) % r == 0) the second half becomes the next window's overlap half (both halves = it).
+    Returns [B, d] float32: `compress_pool` of the row's window -- slots 0..r-1 (overlap: the previous
+    window's first d channels, then this window's last d channels) -- the entry when the window is complete.
+    """
+    r = ape.size(0)
+    d = kv.size(-1) // (2 if overlap else 1)
+    score = score + ape[pos % r]
+    slot = (r if overlap else 0) + pos % r
+    st_kv, st_sc = kv_state[rows], score_state[rows]
+    ar = torch.arange(len(rows), device=kv.device)
+    st_kv[ar, slot], st_sc[ar, slot] = kv, score
+    if overlap:
+        kvw = torch.cat([st_kv[:, :r, :d], st_kv[:, r:, d:]], 1)
+        scw = torch.cat([st_sc[:, :r, :d], st_sc[:, r:, d:]], 1)
+        m = ((pos + 1) % r == 0).view(-1, 1, 1)
+        kv_state[rows] = torch.where(m, torch.cat([st_kv[:, r:], st_kv[:, r:]], 1), st_kv)
+        score_state[rows] = torch.where(m, torch.cat([st_sc[:, r:], st_sc[:, r:]], 1), st_sc)
+    else:
+        kvw, scw = st_kv, st_sc
+        kv_state[rows], score_state[rows] = st_kv, st_sc
+    return compress_pool(kvw.unsqueeze(1), scw.unsqueeze(1))[:, 0]
+
+
 @defop("indexer_scores", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)})
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
