@@ -284,6 +284,26 @@ def test_rope(seed, heads, inverse):
     check("rope", *run_both("rope", x, ang.cos().to(DEV), ang.sin().to(DEV), inverse))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("heads", [None, 5])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place_on_the_tail_view(seed, heads, inverse):
+    """`rope_tail_`'s form: out = x = the last R dims of a wider activation (strided view, B and S > 1),
+    rotated where they lie: the tail equals the reference, the other dims keep their bits."""
+    g = gen(seed)
+    B, S, D, R = 3, 2, 20, 8
+    full = randn(g, B, S, D) if heads is None else randn(g, B, S, heads, D, dtype=torch.bfloat16)
+    ang = torch.rand(B, S, R // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    want = REGISTRY["rope"].ref(full[..., -R:].contiguous(), cos, sin, inverse)
+    before = full.clone()
+    tail = full[..., -R:]
+    got = REGISTRY["rope"].impls["triton"](tail, cos, sin, inverse, out=tail)
+    assert got.data_ptr() == tail.data_ptr()
+    check("rope", full[..., -R:], want)
+    assert torch.equal(full[..., :-R], before[..., :-R])
+
+
 # ------------------------------------------------------------------------------ compressor, indexer
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("overlap,r,D", [(True, 4, 24), (True, 4, 130), (False, 16, 20), (False, 1, 17)])

@@ -41,6 +41,14 @@ class StepContext:
         self.rope = rope
         self.prefill = prefill
         self.start = start  # prefill: first position (> 0: a later chunk of one row's prompt)
+        self._cs = {}
+
+    def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions: gathered once per step and
+        kind, shared by every layer (and indexer) of that kind instead of two gathers per call."""
+        if kind not in self._cs:
+            self._cs[kind] = self.rope.get(kind, self.positions)
+        return self._cs[kind]
 
     @property
     def pos(self) -> torch.Tensor:
@@ -74,7 +82,7 @@ class Indexer:
         """x [B, S, D], qr = (q-LoRA activations [B, S, q_lora], their act_quant or None) -> entry indices
         [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.d))
-        cos, sin = ctx.rope.get("compress", ctx.positions)
+        cos, sin = ctx.rope_at_positions("compress")
         q = rope_tail_(q, self.rd, cos, sin)
         # The Hadamard rotation is orthogonal (scores unchanged), so `exact` applies it too: the tapped
         # q/keys are then in the same basis in both numerics and compare element by element.
@@ -154,7 +162,7 @@ class Attention:
         """x [B, S, D] (after attn_norm; xq its act_quant when the caller fused it) -> [B, S, D]."""
         B, S, _ = x.shape
         rd, n = self.rd, self.name
-        cos, sin = ctx.rope.get(self.rope_kind, ctx.positions)
+        cos, sin = ctx.rope_at_positions(self.rope_kind)
         qrq = None
         if self.wq_b.fmt != "float":  # q_norm's output feeds two FP8 projections: quantise it once
             qr, *qrq = ops.rms_norm_quant(self.wq_a(x, xq), self.q_norm, self.eps)

@@ -156,12 +156,16 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- RoPE
 @defop("rope")
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """Interleaved rotary embedding of x's last dim (pairs (2i, 2i+1)), in float32.
 
     x [B, S, H, R] (or [B, S, R]), cos/sin [B, S, R/2]. `inverse` rotates by -θ (the output
-    de-rotation). Returns x's dtype.
+    de-rotation). Returns x's dtype; written into `out` (x's shape and dtype, may be x itself: in place)
+    when given, and `out` returned.
     """
+    if out is not None:
+        return out.copy_(rope(x, cos, sin, inverse))
     squeeze = x.dim() == 3
     if squeeze:
         x = x.unsqueeze(2)

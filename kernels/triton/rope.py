@@ -12,9 +12,13 @@ from ._common import p2
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, HALF, INVERSE: tl.constexpr,
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, XB, XS, XH, YB, YS, YH, INVERSE: tl.constexpr,
                  BH: tl.constexpr, BR: tl.constexpr):
+    # x and y by strides (last dim contiguous): the RoPE tail of a [.., head_dim] activation is rotated
+    # where it lies, and y may be x (in place: each pair is read and written by the same thread).
     t = tl.program_id(0).to(tl.int64)  # token (b, s)
+    b = t // S
+    sq = t % S
     hb = tl.program_id(1)
     h = hb * BH + tl.arange(0, BH)
     i = tl.arange(0, BR)
@@ -24,25 +28,38 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, HALF, INVERSE: tl.constexpr,
     if INVERSE:
         s = -s
     m = (h[:, None] < H) & mi[None, :]
-    base = (t * H + h[:, None]) * (2 * HALF) + 2 * i[None, :]
-    x0 = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + base + 1, mask=m, other=0.0).to(tl.float32)
+    xo = b * XB + sq * XS + h[:, None].to(tl.int64) * XH + 2 * i[None, :]
+    yo = b * YB + sq * YS + h[:, None].to(tl.int64) * YH + 2 * i[None, :]
+    x0 = tl.load(x_ptr + xo, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + xo + 1, mask=m, other=0.0).to(tl.float32)
     y0 = x0 * c[None, :] - x1 * s[None, :]
     y1 = x0 * s[None, :] + x1 * c[None, :]
-    tl.store(y_ptr + base, y0.to(y_ptr.dtype.element_ty), mask=m)
-    tl.store(y_ptr + base + 1, y1.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + yo, y0.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + yo + 1, y1.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), (t.stride(2) if t.dim() == 4 else 0)
 
 
 @implement("rope", "triton")
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     R = x.size(-1)
     H = 1 if x.dim() == 3 else x.size(2)
-    xc = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"rope: out {tuple(out.shape)} {out.dtype} (last-dim stride {out.stride(-1)}) must have "
+                         f"x's shape {tuple(x.shape)} and dtype {x.dtype} with a contiguous last dim")
     cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(xc)
-    T = x.size(0) * x.size(1)
-    if T == 0 or xc.numel() == 0:
-        return y
+    S = x.size(1)
+    T = x.size(0) * S
+    if T == 0 or x.numel() == 0:
+        return out
     BH = min(p2(H), 16)
-    _rope_kernel[(T, triton.cdiv(H, BH))](xc, cos, sin, y, H, R // 2, INVERSE=bool(inverse), BH=BH, BR=p2(R // 2))
-    return y
+    _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, *_strides(x), *_strides(out),
+                                          INVERSE=bool(inverse), BH=BH, BR=p2(R // 2))
+    return out
