@@ -145,7 +145,7 @@ class Attention:
         self.kv_cache = None
 
     def allocate(self, rows: int, max_seq_len: int, device, dtype) -> None:
-        # +1: the entry being filled has a slot too (decode writes it back unchanged until complete)
+        # +1: the entry being filled has a slot too (decode writes its partial entry there until it completes)
         n_entries = max_seq_len // self.ratio + 1 if self.ratio else 0
         if self.fp8_kv:  # the indexer's key cache below stays in `dtype`
             width, store = kv_packed_width(self.hd, self.rd, dtype), torch.uint8

@@ -119,15 +119,17 @@ class Compressor:
         return first_entry + n
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
-        """x [B, 1, D] at per-row positions pos [B]: update the state; where a window completes, write
-        its entry to `cache[row, pos // ratio]`. Branch-free over rows (no host sync)."""
+        """x [B, 1, D] at per-row positions pos [B] (< the allocated max_seq_len): update the state and write
+        the entry of the window pos lies in to `cache[row, pos // ratio]` (complete once (pos + 1) % ratio
+        == 0). Branch-free over rows (no host sync)."""
         r = self.ratio
         kv, score = self._project(x)
         pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
                                      self.overlap).unsqueeze(1)  # [B, 1, d]
-        done = (pos + 1) % r == 0
         first = (pos + 1 - r).clamp_min(0).unsqueeze(1)
         entry = self._finish(pooled, first, rope)[:, 0]
-        idx = (pos // r).clamp_max(self.cache.size(1) - 1)
-        old = self.cache[rows, idx]
-        self.cache[rows, idx] = torch.where(done.unsqueeze(-1), self._encode(entry), old)
+        # The window being filled owns slot pos // r (the +1 entry `allocate` adds), so its partial entry
+        # is written every step and the complete one when the window completes; nothing reads an entry
+        # before that (attention: j < (t + 1) // r; the indexer's top-k masks j >= n_valid). Saves the
+        # read of the old entry and the select of the old per-row `where` form.
+        ops.kv_store(self.cache, rows, pos // r, self._encode(entry))
