@@ -50,6 +50,13 @@ class StepContext:
             self._cs[kind] = self.rope.get(kind, self.positions)
         return self._cs[kind]
 
+    def memo(self, key, make):
+        """`make()` once per step for `key`: index tensors every layer of the same shape would rebuild
+        (decode's window slots, HCA's visible entries), a few small kernels each."""
+        if key not in self._cs:
+            self._cs[key] = make()
+        return self._cs[key]
+
     @property
     def pos(self) -> torch.Tensor:
         return self.positions[:, -1]
@@ -211,8 +218,11 @@ class Attention:
         top-k; HCA: every entry complete at the query's position (j < (t + 1) // ratio)."""
         if self.indexer is not None:
             return self.indexer(x, qr, ctx, self.name + ".indexer")
-        j = torch.arange(n_entries, device=x.device)
-        return torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+        def visible():
+            j = torch.arange(n_entries, device=x.device)
+            return torch.where(j < (ctx.positions.unsqueeze(-1) + 1) // self.ratio, j, -1)
+
+        return ctx.memo(("hca", self.ratio, n_entries), visible)
 
     def _prefill(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
         B, S, _ = x.shape
@@ -260,19 +270,24 @@ class Attention:
         return o
 
     def _decode(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+        # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
+        # one batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
+        # kv_cache[rows] first, without copying every row's whole cache each step.
         pos, rows, dev = ctx.pos, ctx.rows, x.device
-        ops.kv_store(self.kv_cache, rows, pos % self.win, kv[:, 0])
-        w = torch.arange(self.win, device=dev)
-        idx = torch.where(w <= pos.unsqueeze(-1), w, -1).unsqueeze(1)  # [B, 1, win]
+        B, _, H, D = q.shape
+        win, N = self.win, self.kv_cache.size(1)
+        ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0])
+
+        def window():  # ring slot w holds a position <= pos once the sequence reached it; -1 otherwise
+            w = torch.arange(win, device=dev)
+            return torch.where(w <= pos.unsqueeze(-1), w + (rows * N).unsqueeze(-1), -1).unsqueeze(1)
+
+        gidx = ctx.memo(("window", win, N), window)  # [B, 1, win], shared by every layer of this shape
         if self.compressor is not None:
             self.compressor.decode(x, pos, rows, ctx.rope)
-            sel = self._select(x, qr, ctx, self.kv_cache.size(1) - self.win)
-            idx = torch.cat([idx, torch.where(sel >= 0, sel + self.win, -1)], -1)
-        # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
-        # one batch whose slot indices are offset to its row. Same op, same result as gathering
-        # kv_cache[rows] first, without copying every row's whole cache each step.
-        B, _, H, D = q.shape
-        N = self.kv_cache.size(1)
-        gidx = torch.where(idx >= 0, idx + (rows * N).view(B, 1, 1), -1).view(1, B, -1)
+            sel = self._select(x, qr, ctx, N - win)
+            base = ctx.memo(("entries", win, N), lambda: (rows * N + win).view(B, 1, 1))
+            gidx = torch.cat([gidx, torch.where(sel >= 0, sel + base, -1)], -1)
+        gidx = gidx.view(1, B, -1)
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
         return o.view(B, 1, H, D)
