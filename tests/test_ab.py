@@ -121,9 +121,9 @@ def test_reference_runs_before_backend(fake_triton):
     order = []
     ref = REGISTRY["swiglu"].ref
 
-    def patched(gate, up, limit):
+    def patched(gate, up, limit, **kw):
         order.append("backend")
-        return ref(gate, up, limit)
+        return ref(gate, up, limit, **kw)
 
     import deepinfer.debug.ab as ab
 

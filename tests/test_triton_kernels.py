@@ -523,6 +523,20 @@ def test_swiglu(seed, limit, dtype):
     check("swiglu", *run_both("swiglu", gate, up, limit))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, None])
+def test_swiglu_routed_form(seed, out_dtype):
+    """The routed experts' call: gate and up the two halves of one [P, 2I] GEMM output (row-strided views,
+    read in place), each row times its routing weight, cast to the next GEMM's dtype."""
+    g = gen(seed)
+    P, I = 7, 300
+    h13 = randn(g, P, 2 * I, dtype=torch.bfloat16, scale=5.0)
+    w = torch.rand(P, generator=g).to(DEV)
+    out, ref = run_both("swiglu", h13[:, :I], h13[:, I:], 7.0, weight=w, out_dtype=out_dtype)
+    check("swiglu", out, ref)
+    assert out.dtype == (out_dtype or torch.float32)
+
+
 # ------------------------------------------------------------------------------------------- caches
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

@@ -384,7 +384,12 @@ def build_swiglu(d: Dims, phase: str, g, device):
     M = B * S * (d.topk if phase == "decode" else 1)
     gate = (torch.randn(M, d.moe_inter, generator=g) * 6).bfloat16().to(device)  # crosses the ±10 clamp
     up = (torch.randn(M, d.moe_inter, generator=g) * 6).bfloat16().to(device)
-    return [Variant("expert", (gate, up, d.swiglu_limit), {})]
+    h13 = (torch.randn(M, 2 * d.moe_inter, generator=g) * 6).bfloat16().to(device)
+    w = torch.rand(M, generator=g).to(device)
+    return [Variant("expert", (gate, up, d.swiglu_limit), {}),
+            # the routed experts' form: the halves of the w1|w3 output in place, weighted, cast for w2
+            Variant("routed_weighted", (h13[:, :d.moe_inter], h13[:, d.moe_inter:], d.swiglu_limit),
+                    {"weight": w, "out_dtype": torch.bfloat16})]
 
 
 POISON = float("nan")

@@ -156,8 +156,7 @@ class RoutedExperts:
         else:
             a = self.w1.quantize_input(x_rows)
             h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
-        h = ops.swiglu(h1, h3, self.limit)
-        h = (w.float().unsqueeze(-1) * h).to(dt)
+        h = ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt)  # weighted before w2, as the official code
         return self.w2(self.w2.quantize_input(h), e, dt).float()
 
 

@@ -422,13 +422,21 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 @defop("swiglu")
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU in float32: silu(min(gate, limit)) · clamp(up, -limit, limit) (limit 0: no clamp)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Clamped SwiGLU in float32: silu(min(gate, limit)) · clamp(up, -limit, limit) (limit 0: no clamp).
+
+    gate, up [..., N]; weight [...] (optional): each row times its routing weight, in float32 (the
+    official code scales a routed expert's activation before w2); the result cast to `out_dtype`
+    (default float32)."""
     g, u = gate.float(), up.float()
     if limit > 0:
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
-    return F.silu(g) * u
+    y = F.silu(g) * u
+    if weight is not None:
+        y = weight.float().unsqueeze(-1) * y
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 # ------------------------------------------------------------------------------------------- caches

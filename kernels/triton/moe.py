@@ -163,26 +163,45 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # gate / up by row stride: the two halves of the w1|w3 GEMM's [P, 2I] output are read in place
     pid = tl.program_id(0)
     o = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     m = o < n
-    g = tl.load(g_ptr + o, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + o, mask=m, other=0.0).to(tl.float32)
+    r = o // N
+    c = o % N
+    g = tl.load(g_ptr + r * SG + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * SU + c, mask=m, other=0.0).to(tl.float32)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(y_ptr + o, y, mask=m)
+    if WEIGHT:
+        y = tl.load(w_ptr + r, mask=m, other=0.0).to(tl.float32) * y
+    tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows_view(t: torch.Tensor, N: int) -> torch.Tensor:
+    """t [..., N] as [M, N] with a unit column stride, without a copy when it already is one."""
+    t2 = t.reshape(-1, N)
+    return t2 if t2.stride(-1) == 1 or N == 1 else t2.contiguous()
 
 
 @implement("swiglu", "triton")
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    N = gate.size(-1)
+    y = torch.empty(gate.shape, dtype=out_dtype or torch.float32, device=gate.device)
     n = gate.numel()
     if n == 0:
         return y
+    g2, u2 = _rows_view(gate, N), _rows_view(up, N)
+    w = weight.reshape(-1).float().contiguous() if weight is not None else g2
+    BLOCK = 1024
+    _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
+                                             CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK)
+    return y
     BLOCK = 1024
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, float(limit), CLAMP=limit > 0, BLOCK=BLOCK)
     return y
