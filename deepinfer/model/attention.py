@@ -41,21 +41,19 @@ class StepContext:
         self.rope = rope
         self.prefill = prefill
         self.start = start  # prefill: first position (> 0: a later chunk of one row's prompt)
-        self._cs = {}
-
-    def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions: gathered once per step and
-        kind, shared by every layer (and indexer) of that kind instead of two gathers per call."""
-        if kind not in self._cs:
-            self._cs[kind] = self.rope.get(kind, self.positions)
-        return self._cs[kind]
+        self._memo = {}
 
     def memo(self, key, make):
-        """`make()` once per step for `key`: index tensors every layer of the same shape would rebuild
-        (decode's window slots, HCA's visible entries), a few small kernels each."""
-        if key not in self._cs:
-            self._cs[key] = make()
-        return self._cs[key]
+        """`make()` once per step for `key`: tensors every layer of the same kind or shape would rebuild
+        (cos/sin, decode's window slots, HCA's visible entries), a few small kernels each."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions, gathered once per step and
+        kind for every layer (and indexer) of that kind."""
+        return self.memo(("rope", kind), lambda: self.rope.get(kind, self.positions))
 
     @property
     def pos(self) -> torch.Tensor:

@@ -195,12 +195,14 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     """One decode token through a compressor's carried window: the state update and the window's pooling.
 
     kv, score [B, coff·d] float32: this token's wkv / wgate projections (coff = 2 if `overlap` else 1);
-    ape [r, coff·d] the window-position bias; pos [B] positions; rows [B] distinct state rows;
+    ape [r, coff·d] the window-position bias; pos [B] positions; rows [B] state rows (a row listed twice,
+    as the decode runner's padding entries share a spare row, ends in an unspecified state);
     kv_state, score_state [R, coff·r, coff·d] float32, updated in place: the token lands in slot
     (r if overlap else 0) + pos % r with score + ape[pos % r]; with `overlap`, once its window completes
     ((pos + 1) % r == 0) the second half becomes the next window's overlap half (both halves = it).
-    Returns [B, d] float32: `compress_pool` of the row's window -- slots 0..r-1 (overlap: the previous
-    window's first d channels, then this window's last d channels) -- the entry when the window is complete.
+    Returns [B, d] float32: `compress_pool` of the row's current window (overlap: the previous window's r
+    slots of the first d channels, then this window's r slots of the last d channels; else its r slots)
+    -- the entry once the window is complete.
     """
     r = ape.size(0)
     d = kv.size(-1) // (2 if overlap else 1)
