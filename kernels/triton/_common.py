@@ -156,21 +156,53 @@ def e2m1_x2p14(code):
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, y_ptr, MN, NS, BS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = sum_s ws[s, i] for the flat [NS, MN] fp32 workspace, in a fixed order."""
-    o = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mo = o < MN
-    s = tl.arange(0, BS)
-    acc = tl.zeros([BS, BLOCK], tl.float32)
-    for s0 in range(0, NS, BS):
-        ss = (s0 + s).to(tl.int64)
-        acc += tl.load(ws_ptr + ss[:, None] * MN + o[None, :], mask=(ss[:, None] < NS) & mo[None, :], other=0.0)
-    tl.store(y_ptr + o, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=mo)
+def splitk_store(acc, p_ptrs, c_ptrs, mask, split, n_splits, slab, cnt_ptr):
+    """Split-K epilogue inside the GEMM: no reduction launch.
+
+    Stores this split's fp32 partial `acc` at `p_ptrs + split * slab` (p_ptrs: split 0's addresses of the
+    tile, slab: elements per split); the program that completes the tile -- the one whose increment of
+    the tile's counter at `cnt_ptr` returns n_splits - 1 -- sums the n_splits partials in split order
+    (the same sum whichever program finishes last: deterministic) into `c_ptrs`, cast to their dtype,
+    and re-arms the counter to 0 for the next launch or graph replay. The barrier puts every thread's
+    partial store before the release increment (the CUTLASS semaphore pattern: syncthreads, then one
+    thread's gpu-scope atomic); the acquire side reads the partials with .cg, from L2.
+    Counters come from `tile_counters`; one stream uses them at a time (every launch leaves them 0).
+    """
+    tl.store(p_ptrs + split.to(tl.int64) * slab, acc, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_splits - 1:
+        tot = tl.zeros_like(acc)
+        for _ in range(0, n_splits):
+            tot += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            p_ptrs += slab
+        tl.store(c_ptrs, tot.to(c_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
-def sum_splits(ws: torch.Tensor, y: torch.Tensor) -> None:
-    """y = ws.sum(0) for the fp32 [splits, M, N] partials, in a fixed order, cast to y's dtype."""
-    ns, MN = ws.size(0), y.numel()
-    BS = min(p2(ns), 32)
-    BLOCK = max(16, min(p2(MN), 4096 // BS))
-    _splitk_reduce_kernel[(triton.cdiv(MN, BLOCK),)](ws, y, MN, ns, BS=BS, BLOCK=BLOCK)
+TILE_COUNTERS = 1 << 14
+_counters: dict = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's int32 [TILE_COUNTERS] split-K tile counters (zero; `splitk_store` leaves them zero).
+
+    Split-K runs only while output tiles are fewer than ~2 per SM (`split_k`), so a launch needs a few
+    hundred counters at most. Allocated once per device, by the first split launch (the decode warm-up
+    runs before any graph capture)."""
+    if tiles > TILE_COUNTERS:
+        raise ValueError(f"split-K over {tiles} output tiles: more than the {TILE_COUNTERS} tile counters")
+    key = (device.type, device.index)
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return c
+
+
+def split_buffers(c: torch.Tensor, splits: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [splits, *c.shape], tile counters) for a split-K launch into c over `tiles` output
+    tiles; (c, c) -- unused placeholders -- when the reduction is not split."""
+    if splits == 1:
+        return c, c
+    part = torch.empty(splits, *c.shape, dtype=torch.float32, device=c.device)
+    return part, tile_counters(c.device, tiles)

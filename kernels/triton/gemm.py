@@ -19,8 +19,9 @@ Triton interpreter (whose bf16 dot is broken) the same values go through an fp32
 Tiling (heuristics by shape, deterministic; no autotune):
   * decode (M <= 64): memory-bound weight streaming. BM = next_pow2(M) >= 16, BN = 64, BK = 128, and
     split-K over a second grid axis so that about 2 programs per SM stream disjoint weight slices
-    (each split >= 2 K blocks); splits write fp32 partials to a [splits, M, N] workspace that a tiny
-    kernel sums in a fixed order (deterministic: no atomics) and casts to out_dtype. E.g. flash wq_a
+    (each split >= 2 K blocks); splits write fp32 partials to a [splits, M, N] workspace and the tile's
+    last split to finish sums them in split order and casts to out_dtype (`splitk_store`: a per-tile
+    counter, no second launch; the sum's order is fixed, so it is deterministic). E.g. flash wq_a
     (M 32, N 1024, K 4096) went from 16 programs to 16 x 8; expert_w1 from 32 programs of 32-K steps
     to 32 x 8 programs of 128-K steps.
   * prefill (M > 64): 128x128 output tiles (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4
@@ -48,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, sum_splits, tma_ok, weight_scale_arg
+from ._common import e8m0_f32, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import sms as _sms
 
 
@@ -83,23 +84,18 @@ def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT: tl.constexpr):
+def _store_out(acc, c_ptr, p_ptr, cnt_ptr, rm, rn, M, N, SPLIT: tl.constexpr):
     msk = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT:  # fp32 partial of split program_id(1)
-        pk = tl.program_id(1).to(tl.int64)
-        tl.store(p_ptr + (pk * M + rm[:, None]) * N + rn[None, :], acc, mask=msk)
+    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    if SPLIT:  # fp32 partial of split program_id(1); the tile's last split sums them into c
+        splitk_store(acc, p_ptr + rm[:, None] * N + rn[None, :], c_ptrs, msk, tl.program_id(1),
+                     tl.num_programs(1), M * N, cnt_ptr + tl.program_id(0))
     else:
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=msk)
-
-
-def _finish(part, c, splits):
-    if splits > 1:
-        sum_splits(part, c)
-    return c
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT: tl.constexpr):
     # BK == 128: one scale per K block for A (per row) and for W (per 128x128 block)
@@ -118,7 +114,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, 
         sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + n_blk * KS_W + kb)
         acc += tl.dot(a, w, max_num_imprecise_acc=0) * (sa[:, None] * sw)
-    _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT)
+    _store_out(acc, c_ptr, p_ptr, cnt_ptr, rm, rn, M, N, SPLIT)
 
 
 @triton.jit
@@ -135,7 +131,7 @@ def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, K
         sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + (rn // 128) * KS_W + kb, mask=rn < N, other=0.0)
         acc += tl.dot(a, w.T, max_num_imprecise_acc=128) * (sa[:, None] * sw[None, :])
-    _store_out(acc, c_ptr, c_ptr, rm, rn, M, N, False)
+    _store_out(acc, c_ptr, c_ptr, c_ptr, rm, rn, M, N, False)
 
 
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
@@ -165,11 +161,11 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:
         ns = 4  # 2 x 16 KB of fp8 operands per stage
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
-    _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, M, N, K, a_s.size(1), w_s.size(1), per,
+    part, cnt = split_buffers(c, splits, grid[0])
+    _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns)
-    return _finish(part, c, splits)
+    return c
 
 
 @triton.jit
@@ -183,7 +179,7 @@ def _e2m1(code):
 
 
 @triton.jit
-def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
+def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
                      BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
                      DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr):
     # K blocks of 128 = 64 packed bytes per weight row (byte i: element 2i low nibble, 2i+1 high nibble)
@@ -218,7 +214,7 @@ def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, M, N, K, KS_A, 
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    _store_out(acc, c_ptr, p_ptr, rm, rn, M, N, SPLIT)
+    _store_out(acc, c_ptr, p_ptr, cnt_ptr, rm, rn, M, N, SPLIT)
 
 
 @implement("fp4_gemm", "triton")
@@ -233,9 +229,9 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     if M == 0 or N == 0:
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else c
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
-    _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, M, N, K, a_s.size(1), w_s.size(1), per,
+    part, cnt = split_buffers(c, splits, grid[0])
+    _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
                            num_warps=nw, num_stages=ns)
-    return _finish(part, c, splits)
+    return c

@@ -10,8 +10,8 @@ Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
   no tensor cores, no TF32). The program tile is BM x BN x BK <= 8192 (BM = p2(M) >= 2, BK = 128 so one
   fp32 weight row segment is 512 contiguous bytes); nsplit is chosen so that N tiles x splits ~ 2 x SMs
   (the [1024, 4096] fp32 weight at M = 1: 32 N tiles x 16 splits = 512 programs of 32 KB each instead
-  of 16 programs streaming 1 MB). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and a
-  second kernel sums them in a fixed order (one [BS, BLOCK] tile + tl.sum: deterministic, no atomics);
+  of 16 programs streaming 1 MB). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and the
+  tile's last split sums them in split order into y (`splitk_store`: deterministic, no second launch);
   with a single split the GEMV kernel stores y directly.
 * fp32 x, bf16 W (the LM head, kept in its checkpoint bf16): x split exactly into three bf16
   parts, three bf16 dots into one fp32 accumulator (`_linear_x3_kernel`): fp32-exact products at the
@@ -30,14 +30,14 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import dot_ieee, p2, sms, split_k, sum_splits
+from ._common import dot_ieee, p2, sms, split_buffers, split_k, splitk_store
 
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   IEEE: tl.constexpr, DIRECT: tl.constexpr):
-    """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: out is y (DIRECT) or the fp32 partials."""
+def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
+    """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: stores y (DIRECT) or a split-K partial."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -57,15 +57,17 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl
             acc += tl.dot(x, w)
     msk = (rm[:, None] < M) & (rn[None, :] < N)
     if DIRECT:
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=msk)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=msk)
     else:
-        tl.store(out_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :], acc, mask=msk)
+        splitk_store(acc, p_ptr + rm[:, None] * N + rn[None, :], y_ptr + rm[:, None] * N + rn[None, :], msk,
+                     pid_s, tl.num_programs(2), M * N, cnt_ptr + pid_m * tl.num_programs(1) + pid_n)
 
 
 @triton.jit
-def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr,
+def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, DIRECT: tl.constexpr):
-    """out[s, m, n] = sum over k in split s of x[m, k] * w[n, k] (fp32 FMA); DIRECT: out is y itself."""
+    """Partial over K split s: sum over its k of x[m, k] * w[n, k] (fp32 FMA), stored into y (DIRECT: one
+    split) or through `splitk_store`."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = tl.arange(0, BM).to(tl.int64)
@@ -81,11 +83,12 @@ def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, KCH, BM: tl.constexpr, B
         w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         w = w.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference's w.to(x.dtype), then exact fp32
         acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+    msk = mm[:, None] & mn[None, :]
     if DIRECT:
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mm[:, None] & mn[None, :])
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=msk)
     else:
-        tl.store(out_ptr + (pid_s * M + rm[:, None]) * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
+        splitk_store(acc, p_ptr + rm[:, None] * N + rn[None, :], y_ptr + rm[:, None] * N + rn[None, :], msk,
+                     pid_s, tl.num_programs(1), M * N, cnt_ptr + pid_n)
 
 
 @triton.jit
@@ -131,12 +134,8 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     BN = max(2, min(p2(N), 8192 // (BM * BK)))
     n_tiles = triton.cdiv(N, BN)
     per, ns = split_k(triton.cdiv(K, BK), n_tiles, 2 * sms(x2.device))
-    if ns == 1:
-        _linear_gemv_kernel[(n_tiles, 1)](x2, w, y, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=True)
-        return
-    ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
-    _linear_gemv_kernel[(n_tiles, ns)](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=False)
-    sum_splits(ws, y)
+    ws, cnt = split_buffers(y, ns, n_tiles)
+    _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=ns == 1)
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -151,12 +150,8 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     per, ns = split_k(triton.cdiv(K, BK), tiles, 2 * sms(x2.device))
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), ns)
     ieee = dot_ieee(x2)
-    if ns == 1:
-        _linear_kernel[grid](x2, w, y, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=True)
-        return
-    ws = torch.empty(ns, M, N, dtype=torch.float32, device=x2.device)
-    _linear_kernel[grid](x2, w, ws, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=False)
-    sum_splits(ws, y)
+    ws, cnt = split_buffers(y, ns, tiles)
+    _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=ns == 1)
 
 
 @implement("linear", "triton")

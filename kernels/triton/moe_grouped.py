@@ -53,10 +53,9 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import moe_prefill
-from ._common import e2m1_x2p14, e8m0_f32, split_k, weight_scale_arg
+from ._common import e2m1_x2p14, e8m0_f32, split_buffers, split_k, splitk_store, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
-from .gemm import _finish
 
 
 
@@ -249,7 +248,7 @@ def _fp4_bf16(byte, scale):
 
 
 @triton.jit
-def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
+def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
                    EVEN: tl.constexpr):
@@ -272,6 +271,11 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if (ex < 0) | (ex >= E):
+        if IDENT:  # row pid_m has no local expert: its output row is 0 (c is not zero-filled)
+            if tl.program_id(2) == 0:
+                rz = pid_n * BN + tl.arange(0, BN)
+                tl.store(c_ptr + pid_m * N + rz, tl.zeros([BN], tl.float32).to(c_ptr.dtype.element_ty),
+                         mask=rz < N)
         return
     if IDENT:
         rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
@@ -322,11 +326,12 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, rows_ptr, bexp_pt
             acc = tl.dot(lo.to(tl.float32), tl.trans(a_e), acc, input_precision="ieee")
             acc = tl.dot(hi.to(tl.float32), tl.trans(a_o), acc, input_precision="ieee")
     msk = mn[:, None] & mr[None, :]
-    if SPLIT:  # fp32 partial of this K split, at the rows' original positions
-        pk = tl.program_id(2).to(tl.int64)
-        tl.store(p_ptr + (pk * P + rows[None, :]) * N + rn[:, None], acc, mask=msk)
+    c_ptrs = c_ptr + rows[None, :] * N + rn[:, None]
+    if SPLIT:  # fp32 partial of this K split at the rows' original positions; the tile's last split sums
+        splitk_store(acc, p_ptr + rows[None, :] * N + rn[:, None], c_ptrs, msk, tl.program_id(2),
+                     tl.num_programs(2), P * N, cnt_ptr + pid_m * tl.num_programs(1) + pid_n)
     else:
-        tl.store(c_ptr + rows[None, :] * N + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=msk)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=msk)
 
 
 def _asm_ok(device: torch.device) -> bool:
@@ -393,11 +398,12 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     P, K = a.shape
     E, N = w.size(0), w.size(1)
-    c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows with e = -1 stay 0
+    fp4 = w.dtype in (torch.int8, torch.uint8)
+    ident = fp4 and P <= IDENT_MAX_P and N > 0 and E > 0
+    # rows with e = -1 (no local expert) are 0: IDENT programs store them, sorted blocks never see them
+    c = (torch.empty if ident else torch.zeros)(P, N, dtype=out_dtype, device=a.device)
     if P == 0 or N == 0 or E == 0:
         return c
-    fp4 = w.dtype in (torch.int8, torch.uint8)
-    ident = fp4 and P <= IDENT_MAX_P
     if ident:  # block p = row p: no sort, no align launch (one token's top-k hits distinct experts)
         BM, rows, bexp = 16, e, e.reshape(-1).long().contiguous()
     else:
@@ -420,13 +426,11 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
-        part = torch.zeros(splits, P, N, dtype=torch.float32, device=a.device) if splits > 1 else c
+        part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
         _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
-            a, a_s, w.view(torch.uint8), w_s, c, part, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
+            a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=_asm_ok(a.device),
             IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, num_warps=nw, num_stages=ns)
-        if splits > 1:
-            _finish(part, c, splits)
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
