@@ -306,11 +306,13 @@ def test_rope_in_place_on_the_tail_view(seed, heads, inverse):
 
 # ------------------------------------------------------------------------------ compressor, indexer
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("overlap,r,D", [(True, 4, 24), (True, 4, 130), (False, 16, 20), (False, 1, 17)])
-def test_compress_decode(seed, overlap, r, D):
+@pytest.mark.parametrize("overlap,r,D,out_dtype", [(True, 4, 24, torch.float32), (True, 4, 130, torch.bfloat16),
+                                                   (False, 16, 20, torch.float32), (False, 1, 17, torch.bfloat16)])
+def test_compress_decode(seed, overlap, r, D, out_dtype):
     """The fused decode step: pooled entries and both states (every slot of every row, untouched rows
     included) equal the reference's. Rows permuted over a larger state; positions that complete a window
-    (the overlap half shifts) and positions inside one; a fresh row whose previous half is -inf."""
+    (the overlap half shifts) and positions inside one; a fresh row whose previous half is -inf. kv and
+    score are the two halves of one [B, 2·C2] projection (strided rows), as the compressor passes them."""
     g = gen(seed)
     coff = 2 if overlap else 1
     B, R, C2 = 5, 7, coff * D
@@ -318,11 +320,12 @@ def test_compress_decode(seed, overlap, r, D):
     rows = torch.randperm(R, generator=g)[:B].to(DEV)
     score_state[rows[1], :r] = float("-inf")
     pos = torch.tensor([r - 1, 0, 2 * r - 1, r + r // 2, 3 * r + 1])[:B].to(DEV)
-    args = (randn(g, B, C2), randn(g, B, C2, scale=2.0), randn(g, r, C2), pos, rows)
+    proj = torch.cat([randn(g, B, C2), randn(g, B, C2, scale=2.0)], -1)
+    args = (proj[:, :C2], proj[:, C2:], randn(g, r, C2), pos, rows)
     ref_states = (kv_state.clone(), score_state.clone())
-    ref = REGISTRY["compress_decode"].ref(*args, *ref_states, overlap)
+    ref = REGISTRY["compress_decode"].ref(*args, *ref_states, overlap, out_dtype)
     with poisoned():
-        out = REGISTRY["compress_decode"].impls["triton"](*args, kv_state, score_state, overlap)
+        out = REGISTRY["compress_decode"].impls["triton"](*args, kv_state, score_state, overlap, out_dtype)
     check("compress_decode", out, ref)
     check("compress_decode", kv_state, ref_states[0])
     check("compress_decode", score_state, ref_states[1])
@@ -538,6 +541,18 @@ def test_swiglu_routed_form(seed, out_dtype):
 
 
 # ------------------------------------------------------------------------------------------- caches
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("T,k,D,dtype,out_dtype", [(3, 6, 130, torch.bfloat16, torch.bfloat16),
+                                                   (5, 1, 64, torch.float32, torch.bfloat16),
+                                                   (2, 4, 700, torch.float32, torch.float32)])
+def test_moe_combine(seed, T, k, D, dtype, out_dtype):
+    """Σ_k routed + shared in fp32; routed read through its row strides (a [T, k, D] view of a wider buffer)."""
+    g = gen(seed)
+    routed = randn(g, T, k, D + 3, dtype=dtype)[..., :D]
+    shared = randn(g, T, D, dtype=dtype)
+    check("moe_combine", *run_both("moe_combine", routed, shared, out_dtype))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.float16)])

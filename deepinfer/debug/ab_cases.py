@@ -392,6 +392,16 @@ def build_swiglu(d: Dims, phase: str, g, device):
                     {"weight": w, "out_dtype": torch.bfloat16})]
 
 
+def build_moe_combine(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    T = B * S
+    routed = (torch.randn(T, d.topk, d.dim, generator=g) * 0.1).bfloat16().to(device)
+    shared = (torch.randn(T, d.dim, generator=g) * 0.1).bfloat16().to(device)
+    return [Variant("local", (routed, shared, torch.bfloat16), {}),
+            # expert parallelism: the exchange's rows come back already summed (k = 1), in float32
+            Variant("summed", (routed.float().sum(1, keepdim=True), shared, torch.bfloat16), {})]
+
+
 POISON = float("nan")
 
 

@@ -130,7 +130,8 @@ class EPState:
 
 
 class EPDispatch:
-    """`moe.dispatch` replacement: (token, expert) pairs -> owner ranks -> compute_experts -> back -> sum over k.
+    """`moe.dispatch` replacement: (token, expert) pairs -> owner ranks -> compute_experts -> back (the MoE
+    sums the k rows with its shared expert, `moe_combine`).
 
     Send buffer row `dest * C + slot` holds this rank's `slot`-th pair for rank `dest` (slots in pair
     order, computed with a cumulative sum: no host sync). C = T_cap * k rows per destination.
@@ -143,7 +144,7 @@ class EPDispatch:
             raise ValueError(f"{moe.name}: {self.n_local} local experts x {state.world} ranks != {moe.n_experts}")
 
     def __call__(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """xt [T, D], weights [T, k] f32, idx [T, k] global expert ids -> [T, D] float32."""
+        """xt [T, D], weights [T, k] f32, idx [T, k] global expert ids -> [T, k, D] in xt's dtype."""
         T, st = idx.size(0), self.state
         if st.tokens is not None:  # decode: the agreed static capacity
             if T > st.tokens:
@@ -157,7 +158,7 @@ class EPDispatch:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def exchange(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, t_cap: int) -> torch.Tensor:
-        """One fixed-size exchange of this rank's T <= t_cap tokens -> [T, D] float32."""
+        """One fixed-size exchange of this rank's T <= t_cap tokens -> [T, k, D] in xt's dtype."""
         T, k = idx.shape
         D, W, dev = xt.size(1), self.state.world, xt.device
         C = t_cap * k
@@ -174,10 +175,10 @@ class EPDispatch:
         recv_x, recv_m = torch.empty_like(send_x), torch.empty_like(send_m)
         dist.all_to_all_single(recv_x, send_x, group=self.state.group)
         dist.all_to_all_single(recv_m, send_m, group=self.state.group)  # (weight, local id): ids < 2^24 exact
-        out = self.moe.compute_experts(recv_x, recv_m[:, 0], recv_m[:, 1].long())  # [W*C, D] f32
+        out = self.moe.compute_experts(recv_x, recv_m[:, 0], recv_m[:, 1].long())  # [W*C, D] xt's dtype
         back = torch.empty_like(out)
         dist.all_to_all_single(back, out, group=self.state.group)
-        return back.index_select(0, pos).view(T, k, D).sum(1)
+        return back.index_select(0, pos).view(T, k, D)
 
 
 def moes(model) -> list:

@@ -100,12 +100,12 @@ class Indexer:
         elif ctx.prefill:
             keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
         else:  # decode: score against the key cache in place (rows), no per-step gather of every row
-            self.compressor.decode(x, ctx.pos, ctx.rows, ctx.rope)
+            self.compressor.decode(x, ctx)
             keys = self.compressor.cache
         w = self.weights_proj(x).float() * self.scale
         rows = None if ctx.prefill else ctx.rows
         scores = ops.indexer_scores(q, keys, w, rows)  # [B, S, T]
-        n_valid = (ctx.positions + 1) // self.ratio
+        n_valid = ctx.memo(("n_valid", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)
             n = int(n_valid.max())
@@ -282,7 +282,7 @@ class Attention:
 
         gidx = ctx.memo(("window", win, N), window)  # [B, 1, win], shared by every layer of this shape
         if self.compressor is not None:
-            self.compressor.decode(x, pos, rows, ctx.rope)
+            self.compressor.decode(x, ctx)
             sel = self._select(x, qr, ctx, N - win)
             base = ctx.memo(("entries", win, N), lambda: (rows * N + win).view(B, 1, 1))
             gidx = torch.cat([gidx, torch.where(sel >= 0, sel + base, -1)], -1)

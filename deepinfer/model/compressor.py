@@ -29,8 +29,9 @@ class Compressor:
         self.coff = 2 if overlap else 1
         # The official code keeps the compressor in float32 (the checkpoint stores bf16).
         self.ape = W.f32(prefix + "ape")  # [ratio, coff·d]
-        self.wkv = W.linear(prefix + "wkv", force_float=True, dtype=torch.float32)
-        self.wgate = W.linear(prefix + "wgate", force_float=True, dtype=torch.float32)
+        # wkv and wgate stacked: [2·coff·d, D], one projection (one GEMV launch at decode) for both series
+        self.wkv_gate = torch.cat([W.linear(prefix + name, force_float=True, dtype=torch.float32).weight
+                                   for name in ("wkv", "wgate")])
         self.norm = W.f32(prefix + "norm.weight")
         self.cache: torch.Tensor | None = None
         self.kv_state = self.score_state = None
@@ -44,10 +45,10 @@ class Compressor:
         self.score_state = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------------------------------------
-    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, rope) -> torch.Tensor:
-        """pooled [B, W, d] f32, first_pos [B, W] -> entries [B, W, d] in the compute dtype."""
+    def _finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """pooled [B, W, d] (f32 or the compute dtype), cos/sin [B, W, rd/2] of the windows' first positions
+        -> entries [B, W, d] in the compute dtype."""
         kv = ops.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        cos, sin = rope.get("compress", first_pos)
         kv = rope_tail_(kv, self.rd, cos, sin)
         if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation
             kv = ops.hadamard(kv)
@@ -62,8 +63,10 @@ class Compressor:
         return ops.kv_pack(entries, self.rd) if self.fp8_cache else entries.to(self.cache.dtype)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf)
+        """x [B, S, D] -> (wkv(x), wgate(x)) [B, S, coff·d] float32: the two halves of one projection."""
+        y = ops.linear(x.float(), self.wkv_gate)
+        n = self.coff * self.d
+        return y[..., :n], y[..., n:]
 
     def prefill(self, x: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
         """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d] (FP8-layout rows
@@ -114,22 +117,25 @@ class Compressor:
             scw = torch.cat([prev_sc[..., :d], scw[..., d:]], 2)
         pooled = ops.compress_pool(kvw, scw)
         first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
-        entries = self._finish(pooled, first, rope)
+        entries = self._finish(pooled, *rope.get("compress", first))
         self.cache[rows, first_entry:first_entry + n] = self._encode(entries)
         return first_entry + n
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rope) -> None:
-        """x [B, 1, D] at per-row positions pos [B] (< the allocated max_seq_len): update the state and write
-        the entry of the window pos lies in to `cache[row, pos // ratio]` (complete once (pos + 1) % ratio
-        == 0). Branch-free over rows (no host sync)."""
-        r = self.ratio
+    def decode(self, x: torch.Tensor, ctx) -> None:
+        """x [B, 1, D] at the step's per-row positions ctx.pos [B] (< the allocated max_seq_len), cache rows
+        ctx.rows: update the state and write the entry of the window pos lies in to `cache[row, pos //
+        ratio]` (complete once (pos + 1) % ratio == 0). Branch-free over rows (no host sync). The window's
+        cos/sin and entry slot are built once per step and ratio (`ctx.memo`), shared by every compressor
+        of that ratio."""
+        r, pos, rows = self.ratio, ctx.pos, ctx.rows
         kv, score = self._project(x)
         pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
-                                     self.overlap).unsqueeze(1)  # [B, 1, d]
-        first = (pos + 1 - r).clamp_min(0).unsqueeze(1)
-        entry = self._finish(pooled, first, rope)[:, 0]
+                                     self.overlap, out_dtype=self.numerics.dtype).unsqueeze(1)  # [B, 1, d]
+        cos, sin = ctx.memo(("compress_first", r),
+                            lambda: ctx.rope.get("compress", (pos + 1 - r).clamp_min(0).unsqueeze(1)))
+        entry = self._finish(pooled, cos, sin)[:, 0]
         # The window being filled owns slot pos // r (the +1 entry `allocate` adds), so its partial entry
         # is written every step and the complete one when the window completes; nothing reads an entry
         # before that (attention: j < (t + 1) // r; the indexer's top-k masks j >= n_valid). Saves the
         # read of the old entry and the select of the old per-row `where` form.
-        ops.kv_store(self.cache, rows, pos // r, self._encode(entry))
+        ops.kv_store(self.cache, rows, ctx.memo(("entry_slot", r), lambda: pos // r), self._encode(entry))

@@ -5,6 +5,8 @@ The routed part works on (token, expert) *pairs*: `compute_experts(x_rows [P, D]
 row p through local expert e[p] (e = -1 marks a padding row, output 0). Locally the pairs are every
 token's top-k; with expert parallelism (`deepinfer.engine.distributed`) `dispatch` is replaced by an
 all-to-all exchange that calls `compute_experts` on the rows a rank received for its own experts.
+Either way `dispatch` hands back each token's routed rows ([T, k, D], or [T, 1, D] already summed) and
+`ops.moe_combine` adds them and the shared expert's row in float32 (one launch).
 """
 
 from __future__ import annotations
@@ -24,19 +26,31 @@ class Expert:
     def __init__(self, W: WeightSource, prefix: str, limit: float):
         self.w1, self.w2, self.w3 = (W.linear(f"{prefix}w{i}") for i in (1, 2, 3))
         self.limit = limit
+        # w1|w3 stacked (the shared expert): one GEMM for both; w1 / w3 stay as views of its rows
+        self.w13 = Linear.stacked([self.w1, self.w3])
+        if self.w13 is not None:
+            I = self.w1.out_features
+            self.w1, self.w3 = self.w13.rows(0, I), self.w13.rows(I, 2 * I)
 
     @classmethod
     def from_linears(cls, w1: Linear, w2: Linear, w3: Linear, limit: float) -> "Expert":
         ex = cls.__new__(cls)
-        ex.w1, ex.w2, ex.w3, ex.limit = w1, w2, w3, limit
+        ex.w1, ex.w2, ex.w3, ex.limit, ex.w13 = w1, w2, w3, limit, None
         return ex
+
+    def _gate_up(self, x: torch.Tensor, xq: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.w13 is None:
+            return self.w1(x, xq), self.w3(x, xq)
+        h13 = self.w13(x, xq)
+        I = self.w1.out_features
+        return h13[..., :I], h13[..., I:]  # swiglu reads the halves by row stride
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, xq: tuple | None = None) -> torch.Tensor:
         """x [T, D] (xq: its act_quant, if the caller has it) -> [T, D]."""
-        h = ops.swiglu(self.w1(x, xq), self.w3(x, xq), self.limit)
-        if weight is not None:  # the official code scales before w2 (so w2's FP8 input sees it)
-            h = weight * h
-        return self.w2(h.to(x.dtype))
+        if weight is None:  # swiglu casts for w2 itself
+            return self.w2(ops.swiglu(*self._gate_up(x, xq), self.limit, out_dtype=x.dtype))
+        h = ops.swiglu(*self._gate_up(x, xq), self.limit)
+        return self.w2((weight * h).to(x.dtype))  # the official code scales before w2 (its FP8 input sees it)
 
 
 class StackedLinear:
@@ -144,10 +158,10 @@ class RoutedExperts:
         return (self[j] for j in range(self.n))
 
     def __call__(self, x_rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """x_rows [P, D], w [P] f32, e [P] int64 (local ids, -1 = padding) -> [P, D] float32.
+        """x_rows [P, D], w [P] f32, e [P] int64 (local ids, -1 = padding) -> [P, D] in x_rows' dtype.
 
         Per row exactly `Expert.__call__`: act_quant once for w1 and w3 (both quantise the same input),
-        clamped SwiGLU in f32, the routing weight applied before w2, cast to x's dtype, w2.
+        clamped SwiGLU in f32, the routing weight applied before w2, cast to x's dtype, w2 (out: x's dtype).
         """
         dt = x_rows.dtype
         if self.fused:
@@ -157,7 +171,7 @@ class RoutedExperts:
             a = self.w1.quantize_input(x_rows)
             h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
         h = ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt)  # weighted before w2, as the official code
-        return self.w2(self.w2.quantize_input(h), e, dt).float()
+        return self.w2(self.w2.quantize_input(h), e, dt)
 
 
 class MoE:
@@ -191,21 +205,22 @@ class MoE:
         tap(self.name + ".router.scores", scores)
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
-        y = self.dispatch(xt, weights, idx)  # [T, D] float32
-        y = y + self.shared(xt, xq=xq).float()
-        return y.to(x.dtype).view(shape)
+        routed = self.dispatch(xt, weights, idx)  # [T, k, D] (or [T, 1, D] summed)
+        return ops.moe_combine(routed, self.shared(xt, xq=xq), x.dtype).view(shape)
 
     def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """All experts are local: pairs = every token's top-k. -> [T, D] float32 (summed over k)."""
+        """All experts are local: pairs = every token's top-k. -> [T, k, D] in xt's dtype (summed later, with
+        the shared expert, by `moe_combine`)."""
         T, k = idx.shape
         rows = xt.repeat_interleave(k, dim=0)
-        out = self.compute_experts(rows, weights.reshape(-1), idx.reshape(-1) - self.expert_offset)
-        return out.view(T, k, -1).sum(1)
+        e = idx.reshape(-1)
+        out = self.compute_experts(rows, weights.reshape(-1), e - self.expert_offset if self.expert_offset else e)
+        return out.view(T, k, -1)
 
     def compute_experts(self, x_rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Row p through local expert e[p], scaled by w[p] before w2; e = -1 rows give 0.
 
-        x_rows [P, D] compute dtype, w [P] f32, e [P] int64 (local ids) -> [P, D] float32.
+        x_rows [P, D] compute dtype, w [P] f32, e [P] int64 (local ids) -> [P, D] compute dtype.
         One `grouped_gemm` per matrix over the stacked experts; no host sync on a sync-free backend.
         """
         return self.experts(x_rows, w, e)

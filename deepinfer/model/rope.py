@@ -14,7 +14,8 @@ from deepinfer.ops.reference import yarn_inv_freq
 
 
 class RopeTables:
-    """cos/sin [max_pos, rope_head_dim/2] float32 for both rope types, gathered by position."""
+    """cos/sin of both rope types, gathered by position: one [max_pos, 2, rope_head_dim/2] float32 table per
+    type (cos then sin of a position side by side), so a step's cos and sin are one gather, not two."""
 
     def __init__(self, cfg: ModelConfig, max_pos: int, device):
         rd = cfg.rope_head_dim
@@ -24,13 +25,13 @@ class RopeTables:
             inv = yarn_inv_freq(rd, base, cfg.rope_factor, cfg.original_seq_len if yarn else 0,
                                 cfg.beta_fast, cfg.beta_slow)
             ang = torch.outer(t, inv)
-            self.tables[kind] = (ang.cos().to(device), ang.sin().to(device))
+            self.tables[kind] = torch.stack([ang.cos(), ang.sin()], 1).to(device)
         self.max_pos = max_pos
 
     def get(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, S] int64 -> (cos, sin) [B, S, R/2]."""
-        cos, sin = self.tables[kind]
-        return cos[positions], sin[positions]
+        """positions [B, S] int64 -> (cos, sin) [B, S, R/2], views of one gathered [B, S, 2, R/2]."""
+        cs = self.tables[kind][positions]
+        return cs[..., 0, :], cs[..., 1, :]
 
 
 def rope_kind(attn_kind: str) -> str:

@@ -75,6 +75,27 @@ class Linear:
             return _dequant_fp8(self.weight, self.scale).to(dtype)
         return (fp4_unpack(self.weight) * scale_f32(self.scale).repeat_interleave(32, -1)).to(dtype)
 
+    @staticmethod
+    def stacked(parts: list["Linear"]) -> "Linear | None":
+        """The parts' rows stacked into one Linear -- projections of one input as one GEMM -- or None where
+        they cannot be: different forms or K, FP4, or an FP8 part whose rows do not fill its 128-row scale
+        blocks (the stacked scale rows would then straddle two parts)."""
+        f, k = parts[0].fmt, parts[0].in_features
+        if f == "fp4" or any(p.fmt != f or p.in_features != k for p in parts):
+            return None
+        if f == "fp8" and any(p.out_features % 128 for p in parts):
+            return None
+        return Linear(torch.cat([p.weight for p in parts]),
+                      None if f == "float" else torch.cat([p.scale for p in parts]), f)
+
+    def rows(self, lo: int, hi: int) -> "Linear":
+        """Output rows lo:hi as a Linear over views (no copy); FP8: lo and hi on 128-row scale blocks."""
+        if self.scale is None:
+            return Linear(self.weight[lo:hi], None, self.fmt)
+        if self.fmt == "fp8":
+            return Linear(self.weight[lo:hi], self.scale[lo // 128:-(-hi // 128)], self.fmt)
+        return Linear(self.weight[lo:hi], self.scale[lo:hi], self.fmt)
+
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + (
             self.scale.numel() * self.scale.element_size() if self.scale is not None else 0)

@@ -191,18 +191,20 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 @defop("compress_decode")
 def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-                    kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool) -> torch.Tensor:
+                    kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One decode token through a compressor's carried window: the state update and the window's pooling.
 
-    kv, score [B, coff·d] float32: this token's wkv / wgate projections (coff = 2 if `overlap` else 1);
+    kv, score [B, coff·d] float32: this token's wkv / wgate projections (coff = 2 if `overlap` else 1; rows
+    may be strided views, e.g. the two halves of one fused projection);
     ape [r, coff·d] the window-position bias; pos [B] positions; rows [B] state rows (a row listed twice,
     as the decode runner's padding entries share a spare row, ends in an unspecified state);
     kv_state, score_state [R, coff·r, coff·d] float32, updated in place: the token lands in slot
     (r if overlap else 0) + pos % r with score + ape[pos % r]; with `overlap`, once its window completes
     ((pos + 1) % r == 0) the second half becomes the next window's overlap half (both halves = it).
-    Returns [B, d] float32: `compress_pool` of the row's current window (overlap: the previous window's r
-    slots of the first d channels, then this window's r slots of the last d channels; else its r slots)
-    -- the entry once the window is complete.
+    Returns [B, d] in `out_dtype` (pooled in float32, then cast): `compress_pool` of the row's current
+    window (overlap: the previous window's r slots of the first d channels, then this window's r slots of
+    the last d channels; else its r slots) -- the entry once the window is complete.
     """
     r = ape.size(0)
     d = kv.size(-1) // (2 if overlap else 1)
@@ -220,7 +222,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     else:
         kvw, scw = st_kv, st_sc
         kv_state[rows], score_state[rows] = st_kv, st_sc
-    return compress_pool(kvw.unsqueeze(1), scw.unsqueeze(1))[:, 0]
+    return compress_pool(kvw.unsqueeze(1), scw.unsqueeze(1))[:, 0].to(out_dtype)
 
 
 @defop("indexer_scores", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)})
@@ -439,6 +441,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     if weight is not None:
         y = weight.float().unsqueeze(-1) * y
     return y if out_dtype is None else y.to(out_dtype)
+
+
+@defop("moe_combine")
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A MoE layer's output: the sum over k of each token's routed rows plus its shared-expert row, in
+    float32, cast to `out_dtype`.
+
+    routed [T, k, D] (the weighted expert outputs of a token's k pairs; k = 1 for a form already summed),
+    shared [T, D] -> [T, D]."""
+    return (routed.float().sum(1) + shared.float()).to(out_dtype)
 
 
 # ------------------------------------------------------------------------------------------- caches

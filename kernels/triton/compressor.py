@@ -44,7 +44,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _compress_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, skv_ptr, ssc_ptr, y_ptr, SLOTS, C2, D, r,
-                            OVERLAP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+                            KV_RS, SC_RS, OVERLAP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
     # Program (token b, channel block j): every slot of the channels it owns -- j, and with OVERLAP also
     # d + j (the other half of the same pooled channel) -- so no other program touches them and the
     # state update needs no barrier. The token's own slot is taken from registers, never re-read.
@@ -58,12 +58,12 @@ def _compress_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, skv_ptr,
     m2 = (sl[:, None] < r) & mj[None, :]
     new = (sl == s)[:, None]
     base = row * SLOTS * C2
-    kv_a = tl.load(kv_ptr + b * C2 + j, mask=mj, other=0.0)
-    sc_a = tl.load(sc_ptr + b * C2 + j, mask=mj, other=0.0) + tl.load(ape_ptr + s * C2 + j, mask=mj, other=0.0)
+    kv_a = tl.load(kv_ptr + b * KV_RS + j, mask=mj, other=0.0)
+    sc_a = tl.load(sc_ptr + b * SC_RS + j, mask=mj, other=0.0) + tl.load(ape_ptr + s * C2 + j, mask=mj, other=0.0)
     first = base + sl[:, None] * C2 + j[None, :]  # slots 0..r-1, channels j
     if OVERLAP:
-        kv_b = tl.load(kv_ptr + b * C2 + D + j, mask=mj, other=0.0)
-        sc_b = tl.load(sc_ptr + b * C2 + D + j, mask=mj, other=0.0) + tl.load(ape_ptr + s * C2 + D + j, mask=mj,
+        kv_b = tl.load(kv_ptr + b * KV_RS + D + j, mask=mj, other=0.0)
+        sc_b = tl.load(sc_ptr + b * SC_RS + D + j, mask=mj, other=0.0) + tl.load(ape_ptr + s * C2 + D + j, mask=mj,
                                                                                other=0.0)
         second = base + (r + sl[:, None]) * C2 + D + j[None, :]  # slots r..2r-1, channels d + j
         k1 = tl.load(skv_ptr + first, mask=m2, other=0.0)
@@ -93,19 +93,27 @@ def _compress_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, skv_ptr,
         y = tl.sum(k1 * (e1 / tl.sum(e1, 0)[None, :]), 0)
         tl.store(skv_ptr + base + s * C2 + j, kv_a, mask=mj)
         tl.store(ssc_ptr + base + s * C2 + j, sc_a, mask=mj)
-    tl.store(y_ptr + b * D + j, y, mask=mj)
+    tl.store(y_ptr + b * D + j, y.to(y_ptr.dtype.element_ty), mask=mj)
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [B, C] float32 with unit channel stride (any row stride): as it is when it already is."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @implement("compress_decode", "triton")
 def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-                    kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool) -> torch.Tensor:
+                    kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One launch for what the reference does in ~25 torch ops (gather the rows' state, write the token,
-    pool, shift the overlap half, scatter back): B programs x channel blocks."""
+    pool, shift the overlap half, scatter back): B programs x channel blocks. kv / score are read by row
+    stride (the halves of the fused wkv|wgate projection, no copies); the entry is cast on the store."""
     B, C2 = kv.shape
     r = ape.size(0)
     coff = 2 if overlap else 1
     D = C2 // coff
-    y = torch.empty(B, D, dtype=torch.float32, device=kv.device)
+    y = torch.empty(B, D, dtype=out_dtype, device=kv.device)
     if B == 0 or D == 0:
         return y
     if kv_state.shape[1:] != (coff * r, C2) or score_state.shape != kv_state.shape \
@@ -113,9 +121,10 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
             or not (kv_state.is_contiguous() and score_state.is_contiguous()):
         raise ValueError(f"compress_decode: states must be contiguous float32 [R, {coff * r}, {C2}], got "
                          f"{tuple(kv_state.shape)} {kv_state.dtype} / {tuple(score_state.shape)} {score_state.dtype}")
+    kv, score = _unit_stride_rows(kv), _unit_stride_rows(score)
     BS = p2(r)
     BD = max(16, min(p2(D), 2048 // BS))
     _compress_decode_kernel[(B, triton.cdiv(D, BD))](
-        kv.float().contiguous(), score.float().contiguous(), ape.float().contiguous(), pos.contiguous(),
-        rows.contiguous(), kv_state, score_state, y, coff * r, C2, D, r, OVERLAP=bool(overlap), BS=BS, BD=BD)
+        kv, score, ape.float().contiguous(), pos.contiguous(), rows.contiguous(), kv_state, score_state, y,
+        coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD)
     return y

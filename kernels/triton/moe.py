@@ -163,6 +163,37 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 @triton.jit
+def _moe_combine_kernel(r_ptr, s_ptr, y_ptr, K, D, RT, RK, ST, BD: tl.constexpr):
+    # program (token t, channel block): Σ_j routed[t, j] in pair order, then + shared[t], in fp32
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = c < D
+    acc = tl.zeros([BD], tl.float32)
+    for j in range(0, K):
+        acc += tl.load(r_ptr + t * RT + j * RK + c, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(s_ptr + t * ST + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + c, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@implement("moe_combine", "triton")
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """One launch for the reference's float / sum / float / add / cast (five at decode); inputs read by
+    row strides."""
+    T, K, D = routed.shape
+    if routed.stride(-1) != 1:
+        routed = routed.contiguous()
+    if shared.stride(-1) != 1:
+        shared = shared.contiguous()
+    y = torch.empty(T, D, dtype=out_dtype, device=routed.device)
+    if T == 0 or D == 0:
+        return y
+    BD = max(16, min(p2(D), 512))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, K, D, routed.stride(0), routed.stride(1),
+                                                 shared.stride(0), BD=BD)
+    return y
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr,
                    BLOCK: tl.constexpr):
     # gate / up by row stride: the two halves of the w1|w3 GEMM's [P, 2I] output are read in place

@@ -12,10 +12,11 @@ from ._common import p2
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, XB, XS, XH, YB, YS, YH, INVERSE: tl.constexpr,
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, CS, SS, XB, XS, XH, YB, YS, YH, INVERSE: tl.constexpr,
                  BH: tl.constexpr, BR: tl.constexpr):
     # x and y by strides (last dim contiguous): the RoPE tail of a [.., head_dim] activation is rotated
-    # where it lies, and y may be x (in place: each pair is read and written by the same thread).
+    # where it lies, and y may be x (in place: each pair is read and written by the same thread). cos / sin
+    # rows by stride too (CS, SS): the two halves of one gathered [T, 2, HALF] table row.
     t = tl.program_id(0).to(tl.int64)  # token (b, s)
     b = t // S
     sq = t % S
@@ -23,8 +24,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, XB, XS, XH, YB, YS,
     h = hb * BH + tl.arange(0, BH)
     i = tl.arange(0, BR)
     mi = i < HALF
-    c = tl.load(cos_ptr + t * HALF + i, mask=mi, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * HALF + i, mask=mi, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * CS + i, mask=mi, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * SS + i, mask=mi, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
     m = (h[:, None] < H) & mi[None, :]
@@ -42,6 +43,13 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), (t.stride(2) if t.dim() == 4 else 0)
 
 
+def _token_rows(t: torch.Tensor, half: int) -> torch.Tensor:
+    """cos or sin [B, S, half] as [B·S, half] rows with a unit last stride: a view when the token dims
+    merge (any row stride), else a copy."""
+    t = t.reshape(-1, half)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @implement("rope", "triton")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,12 +62,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"rope: out {tuple(out.shape)} {out.dtype} (last-dim stride {out.stride(-1)}) must have "
                          f"x's shape {tuple(x.shape)} and dtype {x.dtype} with a contiguous last dim")
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _token_rows(cos, R // 2), _token_rows(sin, R // 2)
     S = x.size(1)
     T = x.size(0) * S
     if T == 0 or x.numel() == 0:
         return out
     BH = min(p2(H), 16)
-    _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, *_strides(x), *_strides(out),
+    _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, cos.stride(0), sin.stride(0),
+                                          *_strides(x), *_strides(out),
                                           INVERSE=bool(inverse), BH=BH, BR=p2(R // 2))
     return out
