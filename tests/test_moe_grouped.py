@@ -180,16 +180,19 @@ def _run_ptx(asm: str, regs: dict) -> dict:
     return regs
 
 
-def test_fp4_ptx_decode_bit_logic_every_byte():
+@pytest.mark.parametrize("folded", [False, True])
+def test_fp4_ptx_decode_bit_logic_every_byte(folded):
     """`_ASM_DECODE`, run by a host model of its PTX text: every byte gives the e2m1 values of its low and
-    high nibbles times the scale -- 1, 2^-127 (a bf16 subnormal scale) and 2^120."""
+    high nibbles times the scale -- 1, 2^-127 (a bf16 subnormal scale) and 2^120. `_ASM_DECODE_FOLDED`
+    (one multiply, by scale x 2^126) for the scales it is used with, <= 2: 2, 1 and 2^-127."""
     mg = _triton()
-    for scale in (1.0, 2.0 ** -127, 2.0 ** 120):
-        sb = _to_bf16(scale)
-        assert _bf16(sb) == scale
+    for scale in ((2.0, 1.0, 2.0 ** -127) if folded else (1.0, 2.0 ** -127, 2.0 ** 120)):
+        sb = _to_bf16(scale * 2.0 ** 126 if folded else scale)
+        assert _bf16(sb) == (scale * 2.0 ** 126 if folded else scale)
+        asm = (mg._ASM_DECODE_FOLDED if folded else mg._ASM_DECODE).value
         for b0 in range(256):
             b1 = (b0 * 37 + 11) % 256
-            out = _run_ptx(mg._ASM_DECODE.value, {"$2": b0 | b1 << 8, "$3": sb | sb << 16})
+            out = _run_ptx(asm, {"$2": b0 | b1 << 8, "$3": sb | sb << 16})
             got = [_bf16(out["$0"]), _bf16(out["$0"] >> 16), _bf16(out["$1"]), _bf16(out["$1"] >> 16)]
             want = [FP4_VALUES[c] * scale for c in (b0 & 15, b1 & 15, b0 >> 4, b1 >> 4)]
             assert got == want, (hex(b0), hex(b1), scale, got, want)

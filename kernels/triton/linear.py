@@ -8,9 +8,9 @@ Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
 * M <= 16 (decode): split-K GEMV. Grid (cdiv(N, BN), nsplit); a program owns BN weight rows and one
   K chunk of `per` x BK columns and does fp32 FMA products reduced with tl.sum (exact fp32 products,
   no tensor cores, no TF32). The program tile is BM x BN x BK <= 8192 (BM = p2(M) >= 2, BK = 128 so one
-  fp32 weight row segment is 512 contiguous bytes); nsplit is chosen so that N tiles x splits ~ 2 x SMs
+  fp32 weight row segment is 512 contiguous bytes); nsplit is chosen so that N tiles x splits ~ 4 x SMs
   (the [1024, 4096] fp32 weight at M = 1: 32 N tiles x 16 splits = 512 programs of 32 KB each instead
-  of 16 programs streaming 1 MB). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and the
+  of 16 programs streaming 1 MB; `GEMV_PROGRAMS_PER_SM`). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and the
   tile's last split sums them in split order into y (`splitk_store`: deterministic, no second launch);
   with a single split the GEMV kernel stores y directly.
 * fp32 x, bf16 W (the LM head, kept in its checkpoint bf16): x split exactly into three bf16
@@ -126,6 +126,14 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
 
 
 GEMV_MAX_M = 16
+GEMV_PROGRAMS_PER_SM = 4
+"""K splits until N tiles x splits ~ this many programs per SM: each program's K loop waits on its loads
+(an FMA reduction, not a dot: nothing pipelines them), so bytes in flight come from programs. H200
+(2026-11-29, fp32 [N, 4096] at M = 1, graph-timed): N 2048 32.0 -> 25.6 us from 2 to 4 per SM, N 1024 and
+512 within 1 us (14.2 -> 14.7, 9.2 -> 10.2); 8 to 32 per SM no better. Still ~3x the bytes' floor: the
+per-step FMA reduction, not the split, bounds it."""
+
+
 def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     M, K = x2.shape
     N = w.size(0)
@@ -133,7 +141,7 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     BK = max(16, min(p2(K), 128))
     BN = max(2, min(p2(N), 8192 // (BM * BK)))
     n_tiles = triton.cdiv(N, BN)
-    per, ns = split_k(triton.cdiv(K, BK), n_tiles, 2 * sms(x2.device))
+    per, ns = split_k(triton.cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
     ws, cnt = split_buffers(y, ns, n_tiles)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=ns == 1)
 
