@@ -42,7 +42,10 @@ def _softplus(x):
 @triton.jit
 def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE: tl.constexpr,
                        BD: tl.constexpr, DOT: tl.constexpr):
-    """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate."""
+    """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate. The FMA form keeps the
+    products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
+    is a cross-thread shuffle tree every step; H200 2026-11-29, E 256, D 4096, graph-timed moe_route:
+    8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2)."""
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -51,6 +54,10 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE:
     mt = t < T
     me = e < E
     acc = tl.zeros([BT, BE], tl.float32)
+    if DOT:  # the FMA form's accumulator is unused
+        acc3 = tl.zeros([1, 1, 1], tl.float32)
+    else:
+        acc3 = tl.zeros([BT, BE, BD], tl.float32)
     d_lo = pid_s * DCH
     for d0 in range(d_lo, d_lo + DCH, BD):
         d = (d0 + tl.arange(0, BD)).to(tl.int64)
@@ -61,7 +68,9 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE:
             acc += tl.dot(x, g.to(tl.float32), input_precision="tf32x3")
         else:
             g = tl.load(g_ptr + e[:, None] * D + d[None, :], mask=me[:, None] & md[None, :], other=0.0)
-            acc += tl.sum(x[:, None, :] * g.to(tl.float32)[None, :, :], 2)
+            acc3 += x[:, None, :] * g.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc3, 2)
     tl.store(ws_ptr + (pid_s * T + t[:, None]) * E + e[None, :], acc, mask=mt[:, None] & me[None, :])
 
 

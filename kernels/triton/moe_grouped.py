@@ -7,7 +7,8 @@ kernel grid is (max blocks, cdiv(N, BN)[, K splits]) -- a function of (P, E, N, 
 routing -- and each program loads its block's expert id (unused blocks: -1, return at once), gathers
 its A rows, streams that expert's W tiles over K once for the whole block (fp32 accumulate) and
 scatters the results to the rows' original positions. Rows with e = -1 belong to no block and keep
-the zeros the output is allocated with. Nothing calls .item()/.tolist()/nonzero/unique, so a decode
+the zeros the output is allocated with (IDENT launches, below, store those rows as 0 themselves and
+allocate the output without a fill). Nothing calls .item()/.tolist()/nonzero/unique, so a decode
 step that routes through here can be captured in a CUDA graph. FP4 with at most `IDENT_MAX_P` rows (one
 token's top-k) skips the sort: block p is row p.
 
