@@ -282,6 +282,9 @@ def test_rope(seed, heads, inverse):
     x = randn(g, B, S, R) if heads is None else randn(g, B, S, heads, R, dtype=torch.bfloat16)
     ang = torch.rand(B, S, R // 2, generator=g) * 6.28
     check("rope", *run_both("rope", x, ang.cos().to(DEV), ang.sin().to(DEV), inverse))
+    # cos / sin as `RopeTables.get` hands them out: the two halves of one gathered [B, S, 2, R/2] row
+    cs = torch.stack([ang.cos(), ang.sin()], 2).to(DEV)
+    check("rope", *run_both("rope", x, cs[..., 0, :], cs[..., 1, :], inverse))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
