@@ -105,11 +105,7 @@ class StackedLinear:
 
     def rows(self, j: int, lo: int, hi: int) -> Linear:
         """Rows lo:hi (one part) of expert j's matrix as a `Linear` over views (no copy)."""
-        if self.scale is None:
-            return Linear(self.weight[j, lo:hi], None, self.fmt)
-        if self.fmt == "fp4":
-            return Linear(self.weight[j, lo:hi], self.scale[j, lo:hi], self.fmt)
-        return Linear(self.weight[j, lo:hi], self.scale[j, lo // 128:-(-hi // 128)], self.fmt)
+        return self[j].rows(lo, hi)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The GEMM input as `Linear` feeds it: act_quant per 128 for FP8/FP4 weights, x as is for float."""

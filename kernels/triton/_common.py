@@ -33,6 +33,18 @@ def p2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous (any other strides: kernels take row strides), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 or t.size(-1) <= 1 else t.contiguous()
+
+
+def rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [..., n] as [M, n] rows with a unit column stride: a view (any row stride) when the leading dims
+    merge, else a copy."""
+    return unit_last_stride(t.reshape(-1, n))
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """TMA tensor descriptors on t's device: sm_90+ (the interpreter emulates them, so CPU tests cover the
     kernels that use them)."""

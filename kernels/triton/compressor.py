@@ -9,7 +9,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from ._common import p2, unit_last_stride
 
 
 @triton.jit
@@ -96,12 +96,6 @@ def _compress_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, skv_ptr,
     tl.store(y_ptr + b * D + j, y.to(y_ptr.dtype.element_ty), mask=mj)
 
 
-def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [B, C] float32 with unit channel stride (any row stride): as it is when it already is."""
-    t = t.float()
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @implement("compress_decode", "triton")
 def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
                     kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool,
@@ -121,7 +115,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
             or not (kv_state.is_contiguous() and score_state.is_contiguous()):
         raise ValueError(f"compress_decode: states must be contiguous float32 [R, {coff * r}, {C2}], got "
                          f"{tuple(kv_state.shape)} {kv_state.dtype} / {tuple(score_state.shape)} {score_state.dtype}")
-    kv, score = _unit_stride_rows(kv), _unit_stride_rows(score)
+    kv, score = unit_last_stride(kv.float()), unit_last_stride(score.float())
     BS = p2(r)
     BD = max(16, min(p2(D), 2048 // BS))
     _compress_decode_kernel[(B, triton.cdiv(D, BD))](

@@ -173,7 +173,6 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
                                               num_warps=4 if tiled else APPLY_WARPS_DECODE)
 
 
-
 @implement("hc_pre", "triton")
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import key_index, p2, sms, sort_key, split_k
+from ._common import key_index, p2, rows_2d, sms, sort_key, split_k, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -189,10 +189,7 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
     """One launch for the reference's float / sum / float / add / cast (five at decode); inputs read by
     row strides."""
     T, K, D = routed.shape
-    if routed.stride(-1) != 1:
-        routed = routed.contiguous()
-    if shared.stride(-1) != 1:
-        shared = shared.contiguous()
+    routed, shared = unit_last_stride(routed), unit_last_stride(shared)
     y = torch.empty(T, D, dtype=out_dtype, device=routed.device)
     if T == 0 or D == 0:
         return y
@@ -222,12 +219,6 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.co
     tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _rows_view(t: torch.Tensor, N: int) -> torch.Tensor:
-    """t [..., N] as [M, N] with a unit column stride, without a copy when it already is one."""
-    t2 = t.reshape(-1, N)
-    return t2 if t2.stride(-1) == 1 or N == 1 else t2.contiguous()
-
-
 @implement("swiglu", "triton")
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -236,12 +227,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     n = gate.numel()
     if n == 0:
         return y
-    g2, u2 = _rows_view(gate, N), _rows_view(up, N)
+    g2, u2 = rows_2d(gate, N), rows_2d(up, N)
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     BLOCK = 1024
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
                                              CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK)
-    return y
-    BLOCK = 1024
-    _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, float(limit), CLAMP=limit > 0, BLOCK=BLOCK)
     return y

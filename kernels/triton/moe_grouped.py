@@ -255,12 +255,8 @@ def _fp4_bf16(byte, scale, FOLD: tl.constexpr):
     FOLD: `scale` is the group scale x 2^126 (`_ASM_DECODE_FOLDED`, one multiply).
     The bit logic is checked for all 256 byte values by tests/test_moe_grouped.py (a host model of the
     PTX) and on the GPU by the grouped GEMM tests."""
-    if FOLD:
-        return tl.inline_asm_elementwise(
-            asm=_ASM_DECODE_FOLDED, constraints="=r,=r,r,r", args=[byte, scale],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return tl.inline_asm_elementwise(
-        asm=_ASM_DECODE, constraints="=r,=r,r,r", args=[byte, scale],
+        asm=_ASM_DECODE_FOLDED if FOLD else _ASM_DECODE, constraints="=r,=r,r,r", args=[byte, scale],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
 
 

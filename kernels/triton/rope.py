@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2
+from ._common import p2, rows_2d, unit_last_stride
 
 
 @triton.jit
@@ -43,26 +43,18 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), (t.stride(2) if t.dim() == 4 else 0)
 
 
-def _token_rows(t: torch.Tensor, half: int) -> torch.Tensor:
-    """cos or sin [B, S, half] as [B·S, half] rows with a unit last stride: a view when the token dims
-    merge (any row stride), else a copy."""
-    t = t.reshape(-1, half)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @implement("rope", "triton")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
          out: torch.Tensor | None = None) -> torch.Tensor:
     R = x.size(-1)
     H = 1 if x.dim() == 3 else x.size(2)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_last_stride(x)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"rope: out {tuple(out.shape)} {out.dtype} (last-dim stride {out.stride(-1)}) must have "
                          f"x's shape {tuple(x.shape)} and dtype {x.dtype} with a contiguous last dim")
-    cos, sin = _token_rows(cos, R // 2), _token_rows(sin, R // 2)
+    cos, sin = rows_2d(cos, R // 2), rows_2d(sin, R // 2)  # [B·S, R/2] rows: views of a gathered table
     S = x.size(1)
     T = x.size(0) * S
     if T == 0 or x.numel() == 0:
