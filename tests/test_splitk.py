@@ -111,6 +111,6 @@ def test_grouped_fp4_split(seed, P, E):
     e = e.to(DEV)
     BM = 16 if P <= grouped.IDENT_MAX_P else grouped._block_m(P, E)
     nb = P if P <= grouped.IDENT_MAX_P else grouped.align_max_blocks(P, E, BM)
-    assert grouped._fp4_config(nb, N, K, BM, torch.device(DEV))[1] > 1, "shape must split K"
+    assert grouped._fp4_config(nb, N, K, BM, False, torch.device(DEV))[1] > 1, "shape must split K"
     out, _ = _check("grouped_gemm", (a, a_s, e, w, w_s, torch.float32))
     assert torch.equal(out[1], torch.zeros_like(out[1]))

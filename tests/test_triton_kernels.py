@@ -401,7 +401,8 @@ def test_topk_indices_multi_round(seed, monkeypatch):
 # ---------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("S,H,D,K,dtype", [(3, 5, 24, 13, torch.float32), (1, 4, 16, 40, torch.float32),
-                                           (2, 20, 32, 9, torch.float16), (1, 64, 64, 70, torch.float16)]
+                                           (2, 20, 32, 9, torch.float16), (1, 64, 64, 70, torch.float16),
+                                           (2, 40, 512, 20, torch.float32)]  # V4 head dim: 64-head tiles
                          + ([(2, 16, 64, 40, torch.bfloat16)] if COMPILED else []))  # bf16 dot: GPU only
 def test_sparse_attn(seed, S, H, D, K, dtype):
     g = gen(seed)
@@ -439,7 +440,8 @@ def test_sparse_attn_split(seed, B, S, H, D, K, dtype):
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 3, 5, 128, 64, 13, torch.float32),  # prefill-like
                                                 (2, 1, 20, 192, 64, 300, torch.float32),  # split (decode)
-                                                (3, 1, 16, 160, 32, 200, torch.float16)]
+                                                (3, 1, 16, 160, 32, 200, torch.float16),
+                                                (1, 2, 40, 512, 64, 40, torch.float32)]  # 64-head tiles, masked
                          + ([(2, 2, 64, 512, 64, 90, torch.bfloat16)] if COMPILED else []))  # V4 dims: GPU
 def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype):
     """Attention over FP8-layout rows (codes, e8m0 scales, rope dims in q's dtype) equals the reference on

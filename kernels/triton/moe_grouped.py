@@ -261,10 +261,38 @@ def _fp4_bf16(byte, scale, FOLD: tl.constexpr):
 
 
 @triton.jit
+def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, KS_A, BR: tl.constexpr):
+    """Program (BR rows, one 128-K block): o[r, kb*128 + j] = a[r, kb*128 + 2j] x s[r, kb] for j < 64 and
+    a[r, kb*128 + 2(j-64) + 1] x s[r, kb] for j >= 64, in bf16 (exact: e4m3 x 2^k). The FP4 GEMM's
+    prefill form reads these even / odd halves as its two dot operands straight into shared memory."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    kb = tl.program_id(1)
+    mr = r < P
+    j = tl.arange(0, 128)
+    a = tl.load(a_ptr + r[:, None] * K + kb * 128 + j[None, :], mask=mr[:, None], other=0.0)
+    s = tl.load(as_ptr + r * KS_A + kb, mask=mr, other=0.0)
+    a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * s[:, None], [BR, 64, 2]))
+    o = o_ptr + r[:, None] * K + kb * 128 + tl.arange(0, 64)[None, :]
+    tl.store(o, a_e.to(tl.bfloat16), mask=mr[:, None])
+    tl.store(o + 64, a_o.to(tl.bfloat16), mask=mr[:, None])
+
+
+def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
+    """a [P, K] e4m3 (K % 128 == 0) with its per-128 scales a_s [P, K/128] f32 -> [P, K] bf16, scaled,
+    each 128-K block as its 64 even then its 64 odd columns (`_a_bf16_split_kernel`)."""
+    P, K = a.shape
+    o = torch.empty(P, K, dtype=torch.bfloat16, device=a.device)
+    if P:
+        BR = 32
+        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a_s.size(1), BR=BR, num_warps=4)
+    return o
+
+
+@triton.jit
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
-                   EVEN: tl.constexpr, FOLD: tl.constexpr):
+                   EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -280,8 +308,19 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # into it.
     # IDENT (a handful of rows, e.g. one token's top-k): block b is row b alone and bexp_ptr is e
     # itself -- no sort.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # A_BF16 (prefill-sized blocks): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`),
+    # so its tiles go from global straight into shared memory as the dots' operand -- no per-program
+    # fp8 -> fp32 -> x scale -> bf16 conversion and register-to-shared re-layout of the same A tile for
+    # every N tile (that was as many instructions per step as the weight decode: 516 -> see
+    # `_fp4_config`). Its grid has the N tiles varying fastest, so the programs of one block, which read
+    # the same A rows, run together and find them in L2.
+    tl.static_assert(not (A_BF16 and (SPLIT or IDENT)))
+    if A_BF16:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if (ex < 0) | (ex >= E):
         if IDENT:  # row pid_m has no local expert: its output row is 0 (c is not zero-filled)
@@ -310,18 +349,24 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     for kb in range(kb0, kb1):
         kh = kb * 64 + jb
         k = kb * 128 + rk
-        sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
         g = kb * 4 + g4
-        if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): only the padded rows are masked
-            a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+        if A_BF16:  # K % 128 == 0: only the padded rows are masked
+            a_e = tl.load(a_ptr + rows[:, None] * K + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
+            a_o = tl.load(a_ptr + rows[:, None] * K + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
+        else:
+            sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
+            if EVEN:
+                a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
+            a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
+        if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): no weight masks
             byte = tl.load(w_base + rn[:, None] * KH + kh[None, :])
             sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :])
         else:
-            a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
             byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH),
                            other=0)
             sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
-        a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
         if SCALE_E8M0:
             sw = e8m0_f32(sw)
         if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
@@ -338,8 +383,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
             acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
             acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
         else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
-            acc = tl.dot(lo.to(tl.float32), tl.trans(a_e), acc, input_precision="ieee")
-            acc = tl.dot(hi.to(tl.float32), tl.trans(a_o), acc, input_precision="ieee")
+            acc = tl.dot(lo.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(hi.to(tl.float32), tl.trans(a_o.to(tl.float32)), acc, input_precision="ieee")
     msk = mn[:, None] & mr[None, :]
     c_ptrs = c_ptr + rows[None, :] * N + rn[:, None]
     if SPLIT:  # fp32 partial of this K split at the rows' original positions; the tile's last split sums
@@ -372,24 +417,39 @@ def _asm_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _fp4_config(nb: int, N: int, K: int, BM: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweep,
-    2026-11-29, a standalone script: decode sizes timed as CUDA graphs, prefill sizes with do_bench;
+def _fp4_config(nb: int, N: int, K: int, BM: int, a_bf16: bool, device: torch.device
+                ) -> tuple[int, int, int, int, int]:
+    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweeps,
+    2026-11-29, standalone scripts: decode sizes timed as CUDA graphs, prefill sizes with do_bench;
     fastest within ~5 %):
 
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
     splits). Targets of 2, 4 and 8 programs per SM were within 5 %; 8 warps 10 % slower.
-    BM 64: 64 x 64 tiles, 4 warps. BM 128 (long prompts, ~100 rows per expert): 128 x 128, 8 warps.
+    a_bf16 (BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages. Each MMA waits
+    for its result (the decoded weight tile is a register operand), so the weight decode of one program
+    overlaps the MMAs of others only: small programs with small shared-memory footprints, several per
+    SM, won. Flash w1|w3 [256 x 4096, 4096] at 4096 prompt tokens (BM 128): 2869 us against 3878 for
+    128 x 128 / 8 warps / 3 stages and 5118 for 64 x 64 with 4 stages; w2: 1583 against 2110; at 2048
+    tokens (BM 64) 2098 against 2066 for 128 x 128 / 8 warps / 3 stages (within 2 %).
+    Otherwise (K not a multiple of 128) BM 64: 64 x 64 tiles, 4 warps; BM 128: 128 x 128, 8 warps.
     """
     nkb = triton.cdiv(K, 128)
     if BM <= 32:
         BN = 64 if N <= 64 else 128
         per, splits = split_k(nkb, nb * triton.cdiv(N, BN), 2 * _sms(device))
         return BN, splits, per, 4, 3
+    if a_bf16:
+        return 64, 1, nkb, 4, 2
     if BM <= 64:
         return 64, 1, nkb, 4, 3
     return 128, 1, nkb, 8, 3
+
+
+A_BF16_MIN_BM = 64
+"""Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
+pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every
+(block, N tile) program."""
 
 
 @triton.jit
@@ -456,12 +516,16 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a.device)
+        a_bf16 = BM >= A_BF16_MIN_BM and K % 128 == 0 and not ident  # prefill-sized blocks: never split
+        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a_bf16, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
-        _gg_fp4_kernel[(nb, triton.cdiv(N, BN), splits)](
+        if a_bf16:
+            a = a_bf16_split(a, a_s)
+        grid = (triton.cdiv(N, BN), nb, 1) if a_bf16 else (nb, triton.cdiv(N, BN), splits)
+        _gg_fp4_kernel[grid](
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
-            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, num_warps=nw, num_stages=ns)
+            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, num_warps=nw, num_stages=ns)
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
