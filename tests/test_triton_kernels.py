@@ -165,6 +165,23 @@ def test_act_quant(seed, dtype):
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("wide", [False, True])
+def test_quant_kernels_many_blocks(seed, wide, monkeypatch):
+    """201, 150 and 231 blocks: one block a program (decode-sized grids), and (wide) several programs of
+    BLOCKS_PER_PROGRAM blocks, the last one partial (prefill-sized)."""
+    if wide:
+        _one_sm(monkeypatch, "quant")
+    g = gen(seed)
+    x = _quant_input(g, 67, 384, torch.bfloat16, 128)
+    (q, s), (rq, rs) = run_both("act_quant", x, 128)
+    check("act_quant", (q.float(), s), (rq.float(), rs))
+    check("fp8_fake_quant", *run_both("fp8_fake_quant", _quant_input(g, 50, 192, torch.float32, 64), 64))
+    x4 = torch.randn(33, 224, generator=g) * torch.exp2(torch.randint(-20, 20, (33, 7), generator=g).float()
+                                                         ).repeat_interleave(32, dim=1)  # a scale per block
+    check("fp4_fake_quant", *run_both("fp4_fake_quant", x4.to(DEV), 32))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128)])
 def test_fp8_fake_quant(seed, dtype, block):
@@ -273,10 +290,18 @@ def test_fp4_gemm(seed, M, N, K, out_dtype):
 
 
 # --------------------------------------------------------------------------------------------- RoPE
+def _one_sm(monkeypatch, module: str) -> None:
+    """Tile choices that depend on the SM count take their prefill (many-token) form at test sizes."""
+    monkeypatch.setattr(importlib.import_module(f"deepinfer_kernels.triton.{module}"), "sms", lambda device: 1)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("heads", [None, 3, 20])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope(seed, heads, inverse):
+@pytest.mark.parametrize("wide", [False, True])  # 16-head programs (decode) / 64-head ones (prefill)
+def test_rope(seed, heads, inverse, wide, monkeypatch):
+    if wide:
+        _one_sm(monkeypatch, "rope")
     g = gen(seed)
     B, S, R = 2, 3, 12
     x = randn(g, B, S, R) if heads is None else randn(g, B, S, heads, R, dtype=torch.bfloat16)
@@ -290,9 +315,12 @@ def test_rope(seed, heads, inverse):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("heads", [None, 5])
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope_in_place_on_the_tail_view(seed, heads, inverse):
+@pytest.mark.parametrize("wide", [False, True])
+def test_rope_in_place_on_the_tail_view(seed, heads, inverse, wide, monkeypatch):
     """`rope_tail_`'s form: out = x = the last R dims of a wider activation (strided view, B and S > 1),
     rotated where they lie: the tail equals the reference, the other dims keep their bits."""
+    if wide:
+        _one_sm(monkeypatch, "rope")
     g = gen(seed)
     B, S, D, R = 3, 2, 20, 8
     full = randn(g, B, S, D) if heads is None else randn(g, B, S, heads, D, dtype=torch.bfloat16)
@@ -470,9 +498,11 @@ def _hc_inputs(g, hc, D, dtype, n_mix, S=3):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 3), (3, 20, torch.float32, 3),
-                                          (4, 64, torch.bfloat16, 3), (4, 40, torch.float32, 45)])
+                                          (4, 64, torch.bfloat16, 3), (4, 40, torch.float32, 45),
+                                          (4, 64, torch.bfloat16, 40)])
 def test_hc_pre(seed, hc, D, dtype, S):
-    """S 45: 90 tokens, the token-tiled prefill mix (TILE_TOKENS), with a partial last tile."""
+    """S 45 / 40: 90 / 80 tokens, the token-tiled prefill mix (TILE_TOKENS) with a partial last tile, fp32
+    (3xTF32 dot) and bf16 x (fn split in two tf32 dots; post and comb are fp32, checked at fp32 tolerance)."""
     g = gen(seed)
     x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
     scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
@@ -504,10 +534,11 @@ def test_hc_post(seed, hc, D, dtype):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("mode", ["bias", "nobias", "hash"])
-def test_moe_route(seed, score_func, mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the model's x is bf16 (dot_f32's split)
+def test_moe_route(seed, score_func, mode, dtype):
     g = gen(seed)
     T, D, E, k, V = 19, 40, 20, 3, 10
-    x = randn(g, T, D)
+    x = randn(g, T, D, dtype=dtype)
     gate = torch.randn(E, D, generator=g) * 0.3
     gate[7] = gate[3]  # identical experts: exact score ties, the lower id must win
     gate[12] = gate[3]

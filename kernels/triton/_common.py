@@ -57,6 +57,24 @@ def dot_ieee(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
+def tf32_hi(x):
+    """float32 x with its low 13 mantissa bits cleared: the top 10 (tf32-exact); x - tf32_hi(x) is the rest."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_f32(x, w, acc, X_TF32: tl.constexpr):
+    """acc + x . w for float32 operands, fp32-accurate on tensor cores. X_TF32 (every x value exact in tf32:
+    bf16 / fp16 inputs): w = hi + lo, two tf32 dots -- x . hi exact, lo rounded to tf32 (~2^-21 |w|) -- with
+    no split of x; else Triton's 3xTF32 (x and w split, three dots)."""
+    if X_TF32:
+        w_hi = tf32_hi(w)
+        acc = tl.dot(x, w_hi, acc, input_precision="tf32")
+        return tl.dot(x, w - w_hi, acc, input_precision="tf32")
+    return tl.dot(x, w, acc, input_precision="tf32x3")
+
+
+@triton.jit
 def pow2_ceil(x):
     """2^ceil(log2 x) for positive *normal* float32 x, exactly, from the float bits.
 
@@ -143,14 +161,6 @@ def quant_e4m3_rows(v):
     s = pow2_ceil(tl.math.div_rn(amax, 448.0))
     q = round_e4m3(tl.minimum(tl.maximum(v / s[:, None], -448.0), 448.0)).to(tl.float8e4nv)
     return q, s
-
-
-@triton.jit
-def quant_e4m3_block(v):
-    """`quant_e4m3_rows` of one block v [B]: (q [B], scalar s)."""
-    B: tl.constexpr = v.shape[0]
-    q, s = quant_e4m3_rows(tl.reshape(v, [1, B]))
-    return tl.reshape(q, [B]), tl.max(s, 0)
 
 
 @triton.jit

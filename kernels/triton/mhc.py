@@ -26,7 +26,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, sms, split_k
+from ._common import dot_f32, p2, sms, split_k
 
 
 @triton.jit
@@ -53,9 +53,12 @@ def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: 
 
 @triton.jit
 def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.constexpr, BR: tl.constexpr,
-                         BK: tl.constexpr):
-    """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 ("ieee") dot
-    [BT, BK] x [BK, BR], so fn is read once per BT tokens instead of once per token."""
+                         BK: tl.constexpr, X_TF32: tl.constexpr):
+    """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 dot [BT, BK] x [BK, BR], so
+    fn is read once per BT tokens instead of once per token. The dot is fp32-accurate on tensor cores
+    (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product): the "ieee" form was an FMA loop
+    (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile) and took 650 us per call at 4096 tokens on
+    the H200 (2026-11-29 prefill profile; hc 4, D 4096: 268 MB of x, ~56 us of bytes)."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     mt = t < T
     sp = tl.program_id(1)
@@ -69,8 +72,8 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
         mk = kk < KD
         x = tl.load(x_ptr + t[:, None] * KD + kk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         ss += tl.sum(x * x, 1)
-        f = tl.load(fn_ptr + r[None, :] * KD + kk[:, None], mask=mr[None, :] & mk[:, None], other=0.0)
-        acc = tl.dot(x, f.to(tl.float32), acc, input_precision="ieee")
+        f = tl.load(fn_ptr + r[None, :] * KD + kk[:, None], mask=mr[None, :] & mk[:, None], other=0.0).to(tl.float32)
+        acc = dot_f32(x, f, acc, X_TF32)
     base = (t * NS + sp) * (R + 1)
     tl.store(ws_ptr + base[:, None] + r[None, :], acc, mask=mt[:, None] & mr[None, :])
     tl.store(ws_ptr + base + R, ss, mask=mt)
@@ -153,13 +156,14 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     R = (2 + HC) * HC if full else HC
     KD = HC * D
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
-    BT = 32 if tiled else 1
+    BT = 64 if tiled else 1
     BR = max(16, p2(R)) if tiled else p2(R)
     BK = 64 if tiled else max(16, min(p2(KD), 4096 // BR))
     per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
-        _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK)
+        _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
+                                                       X_TF32=xc.dtype in (torch.bfloat16, torch.float16))
     else:
         _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)

@@ -7,8 +7,9 @@ moe_route runs as two kernels (grids from shapes only: CUDA-graph capturable, no
    with tl.sum (exact fp32 products), BT = p2(T) >= 2, BD = 128, BE so that BT x BE x BD <= 8192, and
    nsplit so that the tiles x splits ~ 2 x SMs (256 experts x 4096 at T = 1: 8 expert tiles x 32
    splits = 256 programs instead of the single program that streamed the whole 2 MB gate). At T > 16
-   it is a tl.dot GEMM on 32/64 x 64 x 32 tiles in 3xTF32 ("tf32x3", fp32 operands: fp32-accurate;
-   bf16 inputs split exactly), split over D only while the tile grid is short of 2 x SMs.
+   it is a tl.dot GEMM on 32/64 x 64 x 32 tiles, fp32-accurate on tensor cores (`dot_f32`: for bf16 x,
+   exact in tf32, the gate split in two tf32 dots; fp32 x 3xTF32), split over D only while the tile grid
+   is short of 2 x SMs.
 2. `_moe_select_kernel`, one program per BT tokens with all E experts in registers: sums the splits in
    a fixed order ([BS, BT, E] tiles + tl.sum: deterministic, no atomics), applies the score function,
    stores `scores`, then biased top-k / hash routing and the weights exactly as before: top-k is k
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import key_index, p2, rows_2d, sms, sort_key, split_k, unit_last_stride
+from ._common import dot_f32, key_index, p2, rows_2d, sms, sort_key, split_k, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -41,7 +42,7 @@ def _softplus(x):
 
 @triton.jit
 def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE: tl.constexpr,
-                       BD: tl.constexpr, DOT: tl.constexpr):
+                       BD: tl.constexpr, DOT: tl.constexpr, X_TF32: tl.constexpr):
     """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate. The FMA form keeps the
     products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
     is a cross-thread shuffle tree every step; H200 2026-11-29, E 256, D 4096, graph-timed moe_route:
@@ -65,7 +66,7 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE:
         x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=mt[:, None] & md[None, :], other=0.0).to(tl.float32)
         if DOT:
             g = tl.load(g_ptr + e[None, :] * D + d[:, None], mask=me[None, :] & md[:, None], other=0.0)
-            acc += tl.dot(x, g.to(tl.float32), input_precision="tf32x3")
+            acc = dot_f32(x, g.to(tl.float32), acc, X_TF32)
         else:
             g = tl.load(g_ptr + e[:, None] * D + d[None, :], mask=me[:, None] & md[None, :], other=0.0)
             acc3 += x[:, None, :] * g.to(tl.float32)[None, :, :]
@@ -158,7 +159,8 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     per, ns = split_k(triton.cdiv(D, BD), tiles, 2 * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
-        x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot)
+        x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot,
+        X_TF32=x.dtype in (torch.bfloat16, torch.float16))
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))
     BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))

@@ -39,7 +39,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import key_index, p2, sort_key
+from ._common import key_index, p2, sort_key, tf32_hi
 
 MASK32 = 0xFFFFFFFF
 CAND = 256  # candidates of the boundary sub-bin resolved in registers (more: binary-search fallback)
@@ -74,11 +74,6 @@ def _qbin(s, m):
 
 
 @triton.jit
-def _tf32_hi(x):
-    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # keep 10 mantissa bits
-
-
-@triton.jit
 def _hist256(l_ptr, row, V, t, m, Z, b_sel, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Count and fp32 mass of the 256 bins (q >> SHIFT) & 255 over tokens with q >> 8 == b_sel
     (b_sel < 0: every token). Returns ([256] int32 counts, [256] float32 masses)."""
@@ -96,9 +91,9 @@ def _hist256(l_ptr, row, V, t, m, Z, b_sel, SHIFT: tl.constexpr, BLOCK: tl.const
         b = (q >> SHIFT) & 255
         p = tl.where(valid, tl.exp(s - m) / Z, 0.0)
         # p = w1 + w2 + w3 exactly, each exact in tf32: the dot's products are exact
-        w1 = _tf32_hi(p)
+        w1 = tf32_hi(p)
         rest = p - w1
-        w2 = _tf32_hi(rest)
+        w2 = tf32_hi(rest)
         w3 = rest - w2
         hi = tl.where(valid, b >> 4, -1)
         a = (hi[None, :] == c16[:, None]).to(tl.float32)  # [16, BLOCK]
