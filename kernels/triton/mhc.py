@@ -56,9 +56,9 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
                          BK: tl.constexpr, X_TF32: tl.constexpr):
     """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 dot [BT, BK] x [BK, BR], so
     fn is read once per BT tokens instead of once per token. The dot is fp32-accurate on tensor cores
-    (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product): the "ieee" form was an FMA loop
-    (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile) and took 650 us per call at 4096 tokens on
-    the H200 (2026-11-29 prefill profile; hc 4, D 4096: 268 MB of x, ~56 us of bytes)."""
+    (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product). The "ieee" form was
+    an FMA loop (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile): 650 us per call at 4096 tokens
+    on the H200, 159 us now (2026-11-29 prefill profiles; hc 4, D 4096)."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     mt = t < T
     sp = tl.program_id(1)
@@ -72,8 +72,8 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
         mk = kk < KD
         x = tl.load(x_ptr + t[:, None] * KD + kk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         ss += tl.sum(x * x, 1)
-        f = tl.load(fn_ptr + r[None, :] * KD + kk[:, None], mask=mr[None, :] & mk[:, None], other=0.0).to(tl.float32)
-        acc = dot_f32(x, f, acc, X_TF32)
+        f = tl.load(fn_ptr + r[None, :] * KD + kk[:, None], mask=mr[None, :] & mk[:, None], other=0.0)
+        acc = dot_f32(x, f.to(tl.float32), acc, X_TF32)
     base = (t * NS + sp) * (R + 1)
     tl.store(ws_ptr + base[:, None] + r[None, :], acc, mask=mt[:, None] & mr[None, :])
     tl.store(ws_ptr + base + R, ss, mask=mt)

@@ -40,7 +40,13 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         GEMM) was built and measured on the H200 (2026-11-29, flash w1|w3, [256 x 4096, 4096]):
         7.0 ms against 4.85 ms for this kernel at 4096 prompt tokens, 5.7 ms against 2.2 ms at 1024 --
         the scratch round trip (write 1 B, read 1 B per weight element after reading 0.5 B) costs more
-        than the FP8 MMA saves at ~25-100 rows per expert. So it was removed.
+        than the FP8 MMA saves at ~25-100 rows per expert. So it was removed. An in-kernel FP8-MMA form
+        (nibbles -> e4m3 by bit placement, exact for every scale; one k32 e4m3 dot per scale group,
+        promoted in fp32) was also built and measured (2026-11-29): 341-377 SASS per decode step against
+        546, yet 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per 128-K step), its
+        per-group accumulators spill at prefill tiles, and its sums inside the tensor core are not exact
+        (docs/performance.md). Not kept.
+        Prefill-sized blocks (BM >= 64) take A pre-converted (`a_bf16_split`, A_BF16 below).
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
 FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits) at
@@ -311,9 +317,9 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # A_BF16 (prefill-sized blocks): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`),
     # so its tiles go from global straight into shared memory as the dots' operand -- no per-program
     # fp8 -> fp32 -> x scale -> bf16 conversion and register-to-shared re-layout of the same A tile for
-    # every N tile (that was as many instructions per step as the weight decode: 516 -> see
-    # `_fp4_config`). Its grid has the N tiles varying fastest, so the programs of one block, which read
-    # the same A rows, run together and find them in L2.
+    # every N tile (about as many instructions per step as the weight decode: 516 -> 314 SASS per step at
+    # prefill tiles, offline sm_90). Its grid has the N tiles varying fastest, so the programs of one
+    # block, which read the same A rows, run together and find them in L2.
     tl.static_assert(not (A_BF16 and (SPLIT or IDENT)))
     if A_BF16:
         pid_n = tl.program_id(0)

@@ -1,8 +1,9 @@
 """Block quantisation kernels: FP8 act_quant / fp8_fake_quant, FP4 fake quant, Walsh-Hadamard.
 
-A program per 64 consecutive blocks of the last dim (`BLOCKS_PER_PROGRAM`); the scale is the reference's power-of-two ceiling of
-amax / fmax computed from the float bits (exact), the division by a power of two is exact, and the
-float32 -> e4m3 cast rounds to nearest even with the clamp applied first (as torch's cast).
+A program per up to 64 consecutive blocks of the last dim (`BLOCKS_PER_PROGRAM`, fewer at decode sizes); the
+scale is the reference's power-of-two ceiling of amax / fmax computed from the float bits (exact), the division
+by a power of two is exact, and the float32 -> e4m3 cast rounds to nearest even with the clamp applied first
+(as torch's cast).
 
 hadamard: a tensor-core dot of a BM-row tile with the ±1 Sylvester matrix (built in registers once per
 program, reused over ITERS row blocks so the build is amortised), then one multiply by N^-0.5.
