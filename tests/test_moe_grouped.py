@@ -396,8 +396,9 @@ def test_stacked_experts_are_views_not_copies(tiny_dir):
 
 @pytest.mark.parametrize("numerics", ["official", "exact"])
 def test_engine_end_to_end_matches_the_per_expert_loop(tiny_dir, numerics, monkeypatch):
-    """The whole tiny model (prefill + decode, torch backend) through the stacked path and through the
-    old loop: identical logits (bitwise on CPU)."""
+    """The whole tiny model (prefill + decode, torch backend) through the stacked path -- official numerics:
+    the routed w1|w3 input is the shared expert's act_quant rows, repeated -- and through the old loop on
+    the repeated rows: identical logits (bitwise on CPU)."""
     from deepinfer.model.moe import MoE
 
     net = _model(tiny_dir, numerics).model
@@ -411,7 +412,11 @@ def test_engine_end_to_end_matches_the_per_expert_loop(tiny_dir, numerics, monke
         return logits, step
 
     new = run()
+    # the old path: every pair's row quantised on its own (no reuse of the shared expert's act_quant), then
+    # the per-expert loop
     monkeypatch.setattr(MoE, "compute_experts", lambda self, x, w, e: _old_compute_experts(self, x, w, e))
+    for moe in [b.ffn for b in net.layers] + [m.block.ffn for m in net.mtp]:
+        monkeypatch.setattr(moe, "dispatch", lambda xt, w, i, xq=None, moe=moe: MoE.dispatch_local(moe, xt, w, i))
     old = run()
     for a, b in zip(new, old):
         if DEV == "cpu":

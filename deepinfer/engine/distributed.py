@@ -143,8 +143,10 @@ class EPDispatch:
         if self.n_local * state.world != moe.n_experts:
             raise ValueError(f"{moe.name}: {self.n_local} local experts x {state.world} ranks != {moe.n_experts}")
 
-    def __call__(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """xt [T, D], weights [T, k] f32, idx [T, k] global expert ids -> [T, k, D] in xt's dtype."""
+    def __call__(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 xq: tuple | None = None) -> torch.Tensor:
+        """xt [T, D], weights [T, k] f32, idx [T, k] global expert ids -> [T, k, D] in xt's dtype. xq (xt's
+        act_quant) is not used: the exchange carries the rows in xt's dtype and the receiving rank quantises."""
         T, st = idx.size(0), self.state
         if st.tokens is not None:  # decode: the agreed static capacity
             if T > st.tokens:

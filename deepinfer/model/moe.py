@@ -159,12 +159,21 @@ class RoutedExperts:
         Per row exactly `Expert.__call__`: act_quant once for w1 and w3 (both quantise the same input),
         clamped SwiGLU in f32, the routing weight applied before w2, cast to x's dtype, w2 (out: x's dtype).
         """
-        dt = x_rows.dtype
+        return self.run(self.w13.quantize_input(x_rows) if self.fused else self.w1.quantize_input(x_rows),
+                        w, e, x_rows.dtype)
+
+    @property
+    def quantised_input(self) -> bool:
+        """w1 / w3 take act_quant(x, 128) (FP8 / FP4 experts), so a caller holding it can pass it to `run`."""
+        return (self.w13 if self.fused else self.w1).fmt != "float"
+
+    def run(self, a: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, e: torch.Tensor,
+            dt: torch.dtype) -> torch.Tensor:
+        """`__call__` from the rows' w1 / w3 input as `quantize_input` gives it (a [P, D] [+ scales]) -> [P, D] dt."""
         if self.fused:
-            h13 = self.w13(self.w13.quantize_input(x_rows), e, dt)
+            h13 = self.w13(a, e, dt)
             h1, h3 = h13[:, :self.inter], h13[:, self.inter:]
         else:
-            a = self.w1.quantize_input(x_rows)
             h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
         h = ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt)  # weighted before w2, as the official code
         return self.w2(self.w2.quantize_input(h), e, dt)
@@ -201,16 +210,24 @@ class MoE:
         tap(self.name + ".router.scores", scores)
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
-        routed = self.dispatch(xt, weights, idx)  # [T, k, D] (or [T, 1, D] summed)
+        routed = self.dispatch(xt, weights, idx, xq)  # [T, k, D] (or [T, 1, D] summed)
         return ops.moe_combine(routed, self.shared(xt, xq=xq), x.dtype).view(shape)
 
-    def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                       xq: tuple | None = None) -> torch.Tensor:
         """All experts are local: pairs = every token's top-k. -> [T, k, D] in xt's dtype (summed later, with
-        the shared expert, by `moe_combine`)."""
+        the shared expert, by `moe_combine`). xq (xt's act_quant, the shared expert's input): the pairs' w1 /
+        w3 input is its rows repeated -- the same bytes as quantising the repeated rows, without the
+        [T*k, D] copy of xt in its dtype and the k-fold act_quant (flash prefill: 200 MB bf16 per layer)."""
         T, k = idx.shape
-        rows = xt.repeat_interleave(k, dim=0)
         e = idx.reshape(-1)
-        out = self.compute_experts(rows, weights.reshape(-1), e - self.expert_offset if self.expert_offset else e)
+        e = e - self.expert_offset if self.expert_offset else e
+        if xq is not None and self.experts.quantised_input:
+            q, s = xq
+            a = (q.reshape(T, -1).repeat_interleave(k, dim=0), s.reshape(T, -1).repeat_interleave(k, dim=0))
+            out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
+        else:
+            out = self.compute_experts(xt.repeat_interleave(k, dim=0), weights.reshape(-1), e)
         return out.view(T, k, -1)
 
     def compute_experts(self, x_rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
