@@ -6,7 +6,9 @@ row p through local expert e[p] (e = -1 marks a padding row, output 0). Locally 
 token's top-k; with expert parallelism (`deepinfer.engine.distributed`) `dispatch` is replaced by an
 all-to-all exchange that calls `compute_experts` on the rows a rank received for its own experts.
 Either way `dispatch` hands back each token's routed rows ([T, k, D], or [T, 1, D] already summed) and
-`ops.moe_combine` adds them and the shared expert's row in float32 (one launch).
+`ops.moe_combine` adds them and the shared expert's row in float32 (one launch). Locally, with FP8 / FP4
+experts and the shared expert's act_quant at hand (official numerics), the pairs' w1|w3 input is those
+quantised rows repeated (`RoutedExperts.run`), the same bytes as quantising the repeated rows.
 """
 
 from __future__ import annotations
