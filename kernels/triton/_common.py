@@ -56,6 +56,11 @@ def dot_ieee(*tensors: torch.Tensor) -> bool:
     return any(t.dtype == torch.float32 for t in tensors)
 
 
+def tf32_exact(t: torch.Tensor) -> bool:
+    """Every value of t is exact in tf32 (bf16 / fp16: <= 10 mantissa bits): `dot_f32`'s X_TF32."""
+    return t.dtype in (torch.bfloat16, torch.float16)
+
+
 @triton.jit
 def tf32_hi(x):
     """float32 x with its low 13 mantissa bits cleared: the top 10 (tf32-exact); x - tf32_hi(x) is the rest."""

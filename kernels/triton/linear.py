@@ -10,13 +10,14 @@ Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
   no tensor cores, no TF32). The program tile is BM x BN x BK <= 8192 (BM = p2(M) >= 2, BK = 128 so one
   fp32 weight row segment is 512 contiguous bytes); nsplit is chosen so that N tiles x splits ~ 4 x SMs
   (the [1024, 4096] fp32 weight at M = 1: 32 N tiles x 16 splits = 512 programs of 32 KB each instead
-  of 16 programs streaming 1 MB; `GEMV_PROGRAMS_PER_SM`). Partials go to a fp32 [nsplit, M, N] workspace (torch.empty) and the
-  tile's last split sums them in split order into y (`splitk_store`: deterministic, no second launch);
-  with a single split the GEMV kernel stores y directly.
+  of 16 programs streaming 1 MB; `GEMV_PROGRAMS_PER_SM`). Partials go to a fp32 [nsplit, M, N] workspace
+  (torch.empty) and the tile's last split sums them in split order into y (`splitk_store`: deterministic,
+  no second launch); with a single split the GEMV kernel stores y directly.
 * fp32 x, bf16 W (the LM head, kept in its checkpoint bf16): x split exactly into three bf16
   parts, three bf16 dots into one fp32 accumulator (`_linear_x3_kernel`): fp32-exact products at the
   bf16 MMA rate, half the bytes of an fp32 head and no per-call upcast copy.
-* M > 16: tiled tl.dot GEMM (BM x 64 x 32 tiles, K split as the GEMV's, fp32 accumulate); fp32 operands use 3xTF32
+* M > 16: tiled tl.dot GEMM (BM x 64 x 32 tiles, BM 32 / 64 / 128 by M: `_tile_config`; K split as the
+  GEMV's, fp32 accumulate); fp32 operands use 3xTF32
   ("tf32x3": ~2^-22 relative per product, fp32-accurate within the registry's float32 tolerance and far
   faster than "ieee" FMA dot emulation).
 """

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, p2, sms, split_k
+from ._common import dot_f32, p2, sms, split_k, tf32_exact
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
-                                                       X_TF32=xc.dtype in (torch.bfloat16, torch.float16))
+                                                       X_TF32=tf32_exact(xc))
     else:
         _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, key_index, p2, rows_2d, sms, sort_key, split_k, unit_last_stride
+from ._common import dot_f32, key_index, p2, rows_2d, sms, sort_key, split_k, tf32_exact, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -160,7 +160,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
         x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot,
-        X_TF32=x.dtype in (torch.bfloat16, torch.float16))
+        X_TF32=tf32_exact(x))
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))
     BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))

@@ -522,7 +522,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        a_bf16 = BM >= A_BF16_MIN_BM and K % 128 == 0 and not ident  # prefill-sized blocks: never split
+        a_bf16 = BM >= A_BF16_MIN_BM and K % 128 == 0  # prefill-sized blocks (never IDENT, never split)
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a_bf16, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
         if a_bf16:
