@@ -29,9 +29,9 @@ class Compressor:
         self.coff = 2 if overlap else 1
         # The official code keeps the compressor in float32 (the checkpoint stores bf16).
         self.ape = W.f32(prefix + "ape")  # [ratio, coff·d]
-        # wkv and wgate stacked: [2·coff·d, D], one projection (one GEMV launch at decode) for both series
-        self.wkv_gate = torch.cat([W.linear(prefix + name, force_float=True, dtype=torch.float32).weight
-                                   for name in ("wkv", "wgate")])
+        # wkv and wgate stacked: [2·coff·d, D], one projection (one GEMV launch at decode) for both series,
+        # held as stored (bf16): `_project` computes x.float() @ W.float() without either copy
+        self.wkv_gate = torch.cat([W.stored_float(prefix + name) for name in ("wkv", "wgate")])
         self.norm = W.f32(prefix + "norm.weight")
         self.cache: torch.Tensor | None = None
         self.kv_state = self.score_state = None
@@ -64,7 +64,7 @@ class Compressor:
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D] -> (wkv(x), wgate(x)) [B, S, coff·d] float32: the two halves of one projection."""
-        y = ops.linear(x.float(), self.wkv_gate)
+        y = ops.linear(x, self.wkv_gate, out_dtype=torch.float32)
         n = self.coff * self.d
         return y[..., :n], y[..., n:]
 

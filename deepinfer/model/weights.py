@@ -123,6 +123,15 @@ class WeightSource:
     def compute(self, name: str) -> torch.Tensor:
         return self.raw(name).to(self.numerics.dtype)
 
+    def stored_float(self, prefix: str) -> torch.Tensor:
+        """`prefix.weight` of a projection the model computes in float32 (the compressor's), at the precision
+        the checkpoint stores it: a float weight as stored (bf16 -> float32 is exact, so the kernels upcast
+        per tile instead of the engine holding an fp32 copy), a quantised one dequantised to float32."""
+        w = self.raw(prefix + ".weight")
+        if w.is_floating_point() and w.dtype != torch.float8_e4m3fn:
+            return w
+        return self.linear(prefix, force_float=True, dtype=torch.float32).weight
+
     def linear(self, prefix: str, force_float: bool = False, dtype: torch.dtype | None = None) -> Linear:
         """The Linear at `prefix` (`prefix.weight` and, when quantised, `prefix.scale`)."""
         w = self.raw(prefix + ".weight")

@@ -149,9 +149,12 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
 
 
 @defop("linear")
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Plain y = x Wᵀ in x's dtype (bf16/fp32 weights, no quantisation)."""
-    return F.linear(x, w.to(x.dtype))
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain y = x Wᵀ (bf16/fp32 weights, no quantisation), computed and returned in out_dtype (default
+    x's dtype): F.linear(x.to(out_dtype), w.to(out_dtype)). out_dtype float32 with bf16 x and W is the
+    official compressor's x.float() @ W.float() without either copy in the kernels."""
+    dt = out_dtype or x.dtype
+    return F.linear(x.to(dt), w.to(dt))
 
 
 # --------------------------------------------------------------------------------------------- RoPE

@@ -68,10 +68,17 @@ def tf32_hi(x):
 
 
 @triton.jit
-def dot_f32(x, w, acc, X_TF32: tl.constexpr):
+def dot_f32(x, w, acc, X_TF32: tl.constexpr, W_TF32: tl.constexpr = False):
     """acc + x . w for float32 operands, fp32-accurate on tensor cores. X_TF32 (every x value exact in tf32:
     bf16 / fp16 inputs): w = hi + lo, two tf32 dots -- x . hi exact, lo rounded to tf32 (~2^-21 |w|) -- with
-    no split of x; else Triton's 3xTF32 (x and w split, three dots)."""
+    no split of x; W_TF32 likewise with the roles swapped; both: one tf32 dot of exact products; neither:
+    Triton's 3xTF32 (x and w split, three dots)."""
+    if X_TF32 and W_TF32:
+        return tl.dot(x, w, acc, input_precision="tf32")
+    if W_TF32:
+        x_hi = tf32_hi(x)
+        acc = tl.dot(x_hi, w, acc, input_precision="tf32")
+        return tl.dot(x - x_hi, w, acc, input_precision="tf32")
     if X_TF32:
         w_hi = tf32_hi(w)
         acc = tl.dot(x, w_hi, acc, input_precision="tf32")

@@ -31,14 +31,17 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import dot_ieee, p2, sms, split_buffers, split_k, splitk_store
+from ._common import dot_f32, p2, sms, split_buffers, split_k, splitk_store, tf32_exact
 
 
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
-    """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: stores y (DIRECT) or a split-K partial."""
+                   BK: tl.constexpr, F32: tl.constexpr, X_TF32: tl.constexpr, W_TF32: tl.constexpr,
+                   DIRECT: tl.constexpr):
+    """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: stores y (DIRECT) or a split-K partial.
+    F32: float32 products of the operands' exact fp32 upcasts (`dot_f32`, X_TF32 / W_TF32 per operand
+    dtype); else a dot in x's dtype of x and w.to(x.dtype), products exact in the fp32 accumulator."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -51,11 +54,10 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.con
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
-        w = w.to(x_ptr.dtype.element_ty)  # the reference's w.to(x.dtype), per tile (no full-size copy)
-        if IEEE:
-            acc += tl.dot(x, w, input_precision="tf32x3")
-        else:
-            acc += tl.dot(x, w)
+        if F32:
+            acc = dot_f32(x.to(tl.float32), w.to(tl.float32), acc, X_TF32, W_TF32)
+        else:  # the reference's w.to(x.dtype), per tile (no full-size copy)
+            acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
     msk = (rm[:, None] < M) & (rn[None, :] < N)
     if DIRECT:
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=msk)
@@ -66,7 +68,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.con
 
 @triton.jit
 def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, DIRECT: tl.constexpr):
+                        BK: tl.constexpr, W_TO_X: tl.constexpr, DIRECT: tl.constexpr):
     """Partial over K split s: sum over its k of x[m, k] * w[n, k] (fp32 FMA), stored into y (DIRECT: one
     split) or through `splitk_store`. The products accumulate elementwise over the K steps and are reduced
     over BK once at the end: a reduction per step was a cross-thread shuffle tree every step (957 SASS
@@ -86,7 +88,9 @@ def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: t
         mk = k < K
         x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference's w.to(x.dtype), then exact fp32
+        if W_TO_X:  # the reference's w.to(x.dtype) (y in x's dtype); then exact fp32
+            w = w.to(x_ptr.dtype.element_ty)
+        w = w.to(tl.float32)
         acc3 += x[:, None, :] * w[None, :, :]
     acc = tl.sum(acc3, 2)
     msk = mm[:, None] & mn[None, :]
@@ -149,7 +153,8 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     n_tiles = triton.cdiv(N, BN)
     per, ns = split_k(triton.cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
     ws, cnt = split_buffers(y, ns, n_tiles)
-    _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, DIRECT=ns == 1)
+    _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK,
+                                       W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1)
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -162,9 +167,12 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     per, ns = split_k(triton.cdiv(K, BK), tiles, 2 * sms(x2.device))
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), ns)
-    ieee = dot_ieee(x2)
+    # fp32 y from 16-bit x and w of that dtype: a dot in their dtype forms the exact products (the
+    # interpreter's bf16 dot is wrong: fp32 there); y in x's dtype: w.to(x.dtype), fp32 x -> dot_f32
+    native = x2.dtype != torch.float32 and (y.dtype == x2.dtype or (w.dtype == x2.dtype and not _INTERPRET))
     ws, cnt = split_buffers(y, ns, tiles)
-    _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, IEEE=ieee, DIRECT=ns == 1,
+    _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, F32=not native,
+                         X_TF32=tf32_exact(x2), W_TF32=tf32_exact(w), DIRECT=ns == 1,
                          num_warps=nw, num_stages=stages)
 
 
@@ -178,14 +186,16 @@ def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 
 @implement("linear", "triton")
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype not in (None, x.dtype, torch.float32):
+        x = x.to(out_dtype)  # y = x.to(out) W.to(out)ᵀ; only fp32 y from 16-bit x skips the copy
     shape = x.shape
     K = shape[-1]
     N = w.size(0)
     x2 = x.reshape(-1, K).contiguous()
     w = w.contiguous()  # kept in its own dtype: each kernel casts tiles as the reference's w.to(x.dtype)
     M = x2.size(0)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
         # the LM head: the x3 kernel at every M (at M = 1 the FMA GEMV streamed V4's 1 GB head at ~1 TB/s on
         # the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it at the copy rate)
