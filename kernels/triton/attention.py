@@ -149,6 +149,37 @@ def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int
     return BH, BK, 8 if BH * BD >= 8192 else 4, 2 if tokens >= 256 else 3
 
 
+LATENCY_TILES = (16, 32, 4)
+"""(BH, BK, num_warps) for decode calls with few query tokens and slots (`_plan`)."""
+LATENCY_TOKENS = 16
+"""Query tokens (x 64-head blocks) below which decode runs the latency tiles ..."""
+LATENCY_MAX_SLOTS = 256
+"""... over at most this many slots: past it the [splits, tokens, H, D] fp32 partials that one-tile splits
+write outweigh the parallelism (H200, flash shapes, FP8 layout, batch 1 / 8, 640 slots: 27.5 / 27.7 us
+with the 64-head tiles against 30.2 / 35.6 with the latency tiles)."""
+
+
+def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
+    """(BH, BK, num_warps, num_stages, splits, slots per split) for `tokens` query tokens of H heads over
+    KSEL slots. Few tokens (decode at small batch): 64-head tiles would leave a handful of programs, each
+    walking its slots serially (batch 1: 2 programs, 18.5 us per call on the H200), so the latency tiles
+    take fewer heads and the slots split down to one kv tile per program. H200 (2026-11-29, flash shapes
+    64 x 512, FP8 layout, graph-timed, us, 64-head tiles -> latency tiles 16 x 32): batch 1, 128 slots (SWA
+    and HCA layers at a short context) 20.8 -> 14.0, 170 slots (CSA) 22.0 -> 16.6; batch 8 20.7 -> 14.2,
+    21.9 -> 18.6. 16 x 16 tiles: 15.5 / 18.6 at batch 1; 32 x 16: 25.5 / 29.4."""
+    BH, BK, nw, ns = _tiles(H, BD, tokens, fp32_dots)
+    min_tiles = 2
+    if tokens * triton.cdiv(H, 64) < LATENCY_TOKENS and KSEL <= LATENCY_MAX_SLOTS:
+        BH, BK, nw = max(1, min(BH, LATENCY_TILES[0])), min(BK, LATENCY_TILES[1]), LATENCY_TILES[2]
+        min_tiles = 1
+    progs = tokens * triton.cdiv(H, BH)
+    splits = 1
+    if progs < 2 * sms and KSEL > min_tiles * BK:
+        splits = min(triton.cdiv(2 * sms, progs), triton.cdiv(KSEL, min_tiles * BK))
+    chunk = triton.cdiv(triton.cdiv(KSEL, splits), BK) * BK if KSEL else BK
+    return BH, BK, nw, ns, max(1, triton.cdiv(KSEL, chunk)), chunk
+
+
 def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     """Both ops: kv [B, N, D] entries, or (packed) uint8 [B, N, W] FP8-layout rows with kvr the same storage
     viewed in q's dtype and packed = (W, W in q elements, rope offset in q elements, no-RoPE dims)."""
@@ -158,15 +189,8 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     if B * S * H == 0:
         return o
     BD = max(16, p2(D))
-    BH, BK, nw, ns = _tiles(H, BD, B * S, ieee and not _INTERPRET)
+    BH, BK, nw, ns, splits, chunk = _plan(B * S, H, BD, KSEL, ieee and not _INTERPRET, _sms(q.device))
     hbs = triton.cdiv(H, BH)
-    progs = B * S * hbs
-    target = 2 * _sms(q.device)
-    splits = 1
-    if progs < target and KSEL > 2 * BK:
-        splits = min(triton.cdiv(target, progs), triton.cdiv(KSEL, 2 * BK))
-    chunk = triton.cdiv(triton.cdiv(KSEL, splits), BK) * BK if KSEL else BK
-    splits = max(1, triton.cdiv(KSEL, chunk))
     meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, num_warps=nw,
                 num_stages=ns)
     kvr = kv if kvr is None else kvr
