@@ -144,11 +144,21 @@ TILE_TOKENS = 64
 ([24, 16384] fp32 = 1.5 MB for hc_pre) once per token (~0.2 ms per call at 1024 tokens on the H200)."""
 
 
-APPLY_WARPS_DECODE = 1
-"""Warps of a decode-sized `_hc_apply_kernel` program. Its time is the latency of the Sinkhorn iterations on
-a [hc, hc] tile (20 x two row/column sums); in one warp those reductions are shuffles, across four each
-also crosses shared memory behind a barrier. H200 (2026-11-29, hc_pre hc 4, D 4096, graph-timed): batch 32
-19.7 -> 14.9 us from 4 warps to 1; batch 1 8.8 -> 9.5 us (2 warps: 8.4)."""
+APPLY_WARPS_DECODE = 2
+"""Warps of a decode-sized `_hc_apply_kernel` program. Its time is the latency of the partial sums and the
+Sinkhorn iterations on a [hc, hc] tile (20 x two row/column sums); in one warp those reductions are
+shuffles, across warps each also crosses shared memory behind a barrier."""
+
+MIX_TILE = 8192
+"""fn elements (BR x BK) a decode-sized mix program reads per K step; with the token count it sets the
+number of split-K partials (ns) each apply program sums (64 at batch 1, hc 4, D 4096)."""
+MIX_WARPS_DECODE = 4
+APPLY_PARTIALS = 32
+"""Partials per thread in one load of the apply's [BS, BW] tile. It was 4096 / BW per program (128 per
+thread in one warp: the tile spilled to local memory, offline sm_90 compile), now <= 32 per thread.
+H200 (2026-11-29, hc_pre hc 4, D 4096, graph-timed, us) from (MIX_TILE 4096, 1 apply warp, 128 per
+thread) to (8192, 2 warps, 32): batch 1 9.5 -> 8.3, batch 8 12.0 -> 8.8, batch 32 14.9 -> 13.8. Only
+bounding the tile (a loop of four loads at batch 1) was 18.5 us; 4096 / 2 warps 9.1 / 9.3 / 16.2."""
 
 
 def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full):
@@ -158,23 +168,24 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
     BT = 64 if tiled else 1
     BR = max(16, p2(R)) if tiled else p2(R)
-    BK = 64 if tiled else max(16, min(p2(KD), 4096 // BR))
+    BK = 64 if tiled else max(16, min(p2(KD), MIX_TILE // BR))
     per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
                                                        X_TF32=tf32_exact(xc))
     else:
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, num_warps=MIX_WARPS_DECODE)
     BHC = p2(HC)
     BW = p2(R + 1)
-    BS = max(2, min(p2(ns), 4096 // BW))
+    nw = 4 if tiled else APPLY_WARPS_DECODE
+    BS = max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // BW))
     # one D tile per 256 columns at decode (parallelism); at prefill wider tiles, since every tile redoes
     # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
     BD = max(16, min(p2(D), 1024 if tiled else 256))
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
                                               float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD,
-                                              num_warps=4 if tiled else APPLY_WARPS_DECODE)
+                                              num_warps=nw)
 
 
 @implement("hc_pre", "triton")
