@@ -131,6 +131,22 @@ def test_rms_norm(seed, D, dtype, weighted):
     check("rms_norm", *run_both("rms_norm", x, w, 1e-6))
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_quant"])
+@pytest.mark.parametrize("lo,hi", [(0, 256), (128, 384)])
+def test_norms_read_column_slices_in_place(op, lo, hi):
+    """A column slice of a wider output (wq_a|wkv's stacked GEMM) is normalised where it lies: rows read at
+    the parent's stride, equal bit for bit to the norm of a contiguous copy (and to the reference)."""
+    g = gen(5)
+    parent = randn(g, 2, 3, 384 + 128, dtype=torch.bfloat16, scale=3.0)
+    x, w = parent[..., lo:hi], randn(g, hi - lo)
+    out, ref = run_both(op, x, w, 1e-6)
+    dense = REGISTRY[op].impls["triton"](x.contiguous(), w, 1e-6)
+    for a, b in zip(*((out, dense) if op == "rms_norm_quant" else ((out,), (dense,)))):
+        assert a.is_contiguous() and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                 b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    check(op, out, ref)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("D,dtype,weighted", [(256, torch.float32, True), (384, torch.bfloat16, True),
                                                (8192, torch.float32, True), (128, torch.float32, False)])
@@ -242,6 +258,25 @@ def test_linear(seed, shape, N, K, dtype):
     x = torch.randn(*shape, K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEV, dtype)
     check("linear", *run_both("linear", x, w))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("M,N,K,w_dtype", [(1, 96, 512, torch.bfloat16), (9, 70, 200, torch.bfloat16),
+                                           (40, 130, 192, torch.bfloat16), (300, 64, 256, torch.bfloat16),
+                                           (40, 70, 96, torch.float32)])
+def test_linear_f32_out_from_bf16(seed, M, N, K, w_dtype):
+    """The compressor's projection: bf16 x and bf16 W (as stored), y = x.float() W.float()ᵀ in fp32 with no
+    copy of either (GEMV at M <= 16, tiles above; fp32 W: the products split in two tf32 dots). Checked
+    at the fp32 tolerance relative to sum |x_k w_k|: a bf16-rounded y or a tf32 product misses it."""
+    g = gen(seed)
+    x = (torch.randn(M, K, generator=g) * 3).to(DEV, torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(DEV, w_dtype)
+    out, ref = run_both("linear", x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    exact = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()
+    err = (out.double() - exact).abs() / mag
+    assert err.max() < 1e-5, f"{err.max():.2e}: not fp32-accurate (or NaN)"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -427,12 +462,20 @@ def test_topk_indices_multi_round(seed, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- attention
+def _attn_tiles(monkeypatch, latency: bool) -> None:
+    """Force the decode latency tiles (16 heads, one kv tile per split) on or off for every call size."""
+    mod = importlib.import_module("deepinfer_kernels.triton.attention")
+    monkeypatch.setattr(mod, "LATENCY_TOKENS", 10 ** 9 if latency else 0)
+
+
+@pytest.mark.parametrize("latency", [False, True])
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("S,H,D,K,dtype", [(3, 5, 24, 13, torch.float32), (1, 4, 16, 40, torch.float32),
                                            (2, 20, 32, 9, torch.float16), (1, 64, 64, 70, torch.float16),
                                            (2, 40, 512, 20, torch.float32)]  # V4 head dim: 64-head tiles
                          + ([(2, 16, 64, 40, torch.bfloat16)] if COMPILED else []))  # bf16 dot: GPU only
-def test_sparse_attn(seed, S, H, D, K, dtype):
+def test_sparse_attn(seed, S, H, D, K, dtype, latency, monkeypatch):
+    _attn_tiles(monkeypatch, latency)
     g = gen(seed)
     B, N = 2, 11
     q = randn(g, B, S, H, D, dtype=dtype)
@@ -448,10 +491,12 @@ def test_sparse_attn(seed, S, H, D, K, dtype):
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+@pytest.mark.parametrize("latency", [False, True])
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("B,S,H,D,K,dtype", [(2, 1, 20, 48, 300, torch.float32), (3, 1, 64, 64, 200, torch.float16)])
-def test_sparse_attn_split(seed, B, S, H, D, K, dtype):
+def test_sparse_attn_split(seed, B, S, H, D, K, dtype, latency, monkeypatch):
     """Decode-sized calls split the slots over programs (flash-decoding) and combine with the sink."""
+    _attn_tiles(monkeypatch, latency)
     g = gen(seed)
     N = 50
     q = randn(g, B, S, H, D, dtype=dtype)
@@ -465,16 +510,18 @@ def test_sparse_attn_split(seed, B, S, H, D, K, dtype):
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+@pytest.mark.parametrize("latency", [False, True])
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 3, 5, 128, 64, 13, torch.float32),  # prefill-like
                                                 (2, 1, 20, 192, 64, 300, torch.float32),  # split (decode)
                                                 (3, 1, 16, 160, 32, 200, torch.float16),
                                                 (1, 2, 40, 512, 64, 40, torch.float32)]  # 64-head tiles, masked
                          + ([(2, 2, 64, 512, 64, 90, torch.bfloat16)] if COMPILED else []))  # V4 dims: GPU
-def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype):
+def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype, latency, monkeypatch):
     """Attention over FP8-layout rows (codes, e8m0 scales, rope dims in q's dtype) equals the reference on
     the unpacked entries; per-row magnitudes 2^-8..1 exercise the scales (larger ones sharpen the softmax past
     fp32 tolerances in any implementation), -1 holes the masking."""
+    _attn_tiles(monkeypatch, latency)
     g = gen(seed)
     N = 50
     q = randn(g, B, S, H, D, dtype=dtype)

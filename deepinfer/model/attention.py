@@ -23,7 +23,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import is_active, tap
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
-from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.model.weights import Linear, Numerics, WeightSource
 from deepinfer.ops import ops
 from deepinfer.ops.reference import kv_packed_width
 
@@ -131,6 +131,12 @@ class Attention:
         self.q_norm = W.f32(prefix + "q_norm.weight")
         self.wq_b = W.linear(prefix + "wq_b")
         self.wkv = W.linear(prefix + "wkv")
+        # wq_a|wkv stacked: both read the normed x (and its act_quant), one GEMM for the two; the norms
+        # take the output's column slices in place; wq_a / wkv stay as views of its rows
+        self.wq_a_kv = Linear.stacked([self.wq_a, self.wkv])
+        if self.wq_a_kv is not None:
+            n = self.wq_a.out_features
+            self.wq_a, self.wkv = self.wq_a_kv.rows(0, n), self.wq_a_kv.rows(n, n + self.wkv.out_features)
         self.kv_norm = W.f32(prefix + "kv_norm.weight")
         # The official convert.py dequantises wo_a to bf16: the grouped projection is a plain einsum.
         wo_a = W.linear(prefix + "wo_a", force_float=True).weight
@@ -168,14 +174,20 @@ class Attention:
         B, S, _ = x.shape
         rd, n = self.rd, self.name
         cos, sin = ctx.rope_at_positions(self.rope_kind)
+        if self.wq_a_kv is not None:
+            qa_kv = self.wq_a_kv(x, xq)
+            nq = self.wq_a.out_features
+            qa, kva = qa_kv[..., :nq], qa_kv[..., nq:]
+        else:
+            qa, kva = self.wq_a(x, xq), self.wkv(x, xq)
         qrq = None
         if self.wq_b.fmt != "float":  # q_norm's output feeds two FP8 projections: quantise it once
-            qr, *qrq = ops.rms_norm_quant(self.wq_a(x, xq), self.q_norm, self.eps)
+            qr, *qrq = ops.rms_norm_quant(qa, self.q_norm, self.eps)
         else:
-            qr = ops.rms_norm(self.wq_a(x, xq), self.q_norm, self.eps)
+            qr = ops.rms_norm(qa, self.q_norm, self.eps)
         q = ops.rms_norm(self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
         q = rope_tail_(q, rd, cos, sin)
-        kv = ops.rms_norm(self.wkv(x, xq), self.kv_norm, self.eps)
+        kv = ops.rms_norm(kva, self.kv_norm, self.eps)
         kv = rope_tail_(kv, rd, cos, sin)
         if self.fp8_kv:  # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant)
             kv = ops.kv_pack(kv, rd)

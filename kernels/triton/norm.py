@@ -1,4 +1,7 @@
-"""RMSNorm: one program per row, two passes over the row in BLOCK chunks (any width), fp32 math."""
+"""RMSNorm: one program per row, two passes over the row in BLOCK chunks (any width), fp32 math.
+
+Rows may be strided (`_rows`): a column slice of a wider output -- wq_a|wkv's stacked GEMM -- is read in
+place, without a contiguous copy; the outputs are contiguous."""
 
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ def _row_rsqrt(x_row, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, XS, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
+    x_row = x_ptr + row * XS
     y_row = y_ptr + row * N
     r = _row_rsqrt(x_row, N, eps, BLOCK)
     for n0 in range(0, N, BLOCK):
@@ -38,21 +41,29 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, HAS_W: tl.constexpr, BLOCK: tl
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, N] with unit column stride: a view where the rows have one stride (a column slice of a
+    contiguous tensor), else a contiguous copy."""
+    N = x.size(-1)
+    x2 = x.reshape(-1, N) if x.numel() else x.reshape(0, N)
+    return x2 if x2.stride(-1) == 1 or N == 1 else x2.contiguous()
+
+
 @implement("rms_norm", "triton")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     N = x.size(-1)
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    rows = xc.numel() // max(N, 1)
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x2.size(0)
     if rows == 0:
         return y
-    _rms_norm_kernel[(rows,)](xc, weight if weight is not None else xc, y, N, float(eps),
+    _rms_norm_kernel[(rows,)](x2, weight if weight is not None else x2, y, N, x2.stride(0), float(eps),
                               HAS_W=weight is not None, BLOCK=min(p2(N), 4096))
     return y
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, NB, eps, HAS_W: tl.constexpr,
+def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, XS, NB, eps, HAS_W: tl.constexpr,
                            BLOCK: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr):
     """One row: `_row_rsqrt` as `_rms_norm_kernel` (so the same y), then RB quantisation blocks of QB columns
     at a time as an [RB, QB] tile: y, its cast to y's dtype, and the act_quant of that cast value
@@ -60,7 +71,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, NB, eps, HAS_W:
     of one 128 block at a time was a chain of 32 dependent load-reduce-store rounds (17 us per row on
     the H200 at batch 1, more than the two kernels it replaced)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
+    x_row = x_ptr + row * XS
     r = _row_rsqrt(x_row, N, eps, BLOCK)
     for b0 in range(0, NB, RB):
         blk = b0 + tl.arange(0, RB)
@@ -81,13 +92,14 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = x.size(-1)
     assert N % block == 0 and block == p2(block), f"rms_norm_quant: last dim {N} is not a multiple of {block}"
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], N // block, dtype=torch.float32, device=x.device)
-    rows = xc.numel() // max(N, 1)
+    rows = x2.size(0)
     if rows:
-        _rms_norm_quant_kernel[(rows,)](xc, weight if weight is not None else xc, y, q, s, N, N // block, float(eps),
+        _rms_norm_quant_kernel[(rows,)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0), N // block,
+                                        float(eps),
                                         HAS_W=weight is not None, BLOCK=min(p2(N), 4096), QB=block,
                                         RB=min(p2(N // block), max(1, 4096 // block)))
     return y, q, s
