@@ -493,7 +493,8 @@ def test_sparse_attn(seed, S, H, D, K, dtype, latency, monkeypatch):
 
 @pytest.mark.parametrize("latency", [False, True])
 @pytest.mark.parametrize("seed", SEEDS[:2])
-@pytest.mark.parametrize("B,S,H,D,K,dtype", [(2, 1, 20, 48, 300, torch.float32), (3, 1, 64, 64, 200, torch.float16)])
+@pytest.mark.parametrize("B,S,H,D,K,dtype", [(2, 1, 20, 48, 300, torch.float32), (3, 1, 64, 64, 200, torch.float16),
+                                             (1, 1, 8, 32, 700, torch.float32)])  # > 8 splits: combine chunks
 def test_sparse_attn_split(seed, B, S, H, D, K, dtype, latency, monkeypatch):
     """Decode-sized calls split the slots over programs (flash-decoding) and combine with the sink."""
     _attn_tiles(monkeypatch, latency)

@@ -113,25 +113,43 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
 
 @triton.jit
 def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS,
-                                BH: tl.constexpr, BD: tl.constexpr):
+                                BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr):
+    """Merge the splits' (m, l, acc) of token bs, heads h, BSP splits per load: the few splits of a decode
+    call arrive in one round of loads instead of one dependent round per split (the loop form took
+    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0."""
     bs = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
+    sp = tl.arange(0, BSP)
     mh = h < H
-    msk = mh[:, None] & (d[None, :] < D)
+    md = d < D
     sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
     m = sink
-    for s in range(0, SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptr + 2 * ((s * BS + bs) * H + h), mask=mh, other=0.0))
+    for s0 in range(0, SPLITS, BSP):
+        ss = s0 + sp
+        ms = (ss[:, None] < SPLITS) & mh[None, :]
+        row = (ss[:, None] * BS + bs) * H + h[None, :]  # [BSP, BH]
+        m = tl.maximum(m, tl.max(tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf")), 0))
     l = tl.exp(sink - m)
     acc = tl.zeros([BH, BD], tl.float32)
-    for s in range(0, SPLITS):  # fixed order: deterministic
-        row = (s * BS + bs) * H + h
-        w = tl.exp(tl.load(ml_ptr + 2 * row, mask=mh, other=0.0) - m)
-        l += w * tl.load(ml_ptr + 2 * row + 1, mask=mh, other=0.0)
-        acc += w[:, None] * tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=msk, other=0.0)
+    for s0 in range(0, SPLITS, BSP):  # fixed shapes and order: deterministic
+        ss = s0 + sp
+        ms = (ss[:, None] < SPLITS) & mh[None, :]
+        row = (ss[:, None] * BS + bs) * H + h[None, :]
+        w = tl.exp(tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf")) - m[None, :])
+        l += tl.sum(w * tl.load(ml_ptr + 2 * row + 1, mask=ms, other=0.0), 0)
+        part = tl.load(acc_ptr + row[:, :, None] * D + d[None, None, :], mask=ms[:, :, None] & md[None, None, :],
+                       other=0.0)
+        acc += tl.sum(w[:, :, None] * part, 0)
     o = acc / l[:, None]
-    tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=msk)
+    tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mh[:, None] & md[None, :])
+
+
+def _combine_tiles(splits: int, H: int, BD: int) -> tuple[int, int]:
+    """(BH heads, BSP splits) per combine program and load: <= 8192 fp32 of partials (64 a thread)."""
+    BSP = min(p2(splits), 8)
+    return max(1, min(p2(H), 8192 // (BSP * BD))), BSP
 
 
 def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int, int]:
@@ -202,9 +220,9 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
                                               float(scale), *packed, **meta)
-    BHc = max(1, min(p2(H), 4096 // BD))
+    BHc, BSP = _combine_tiles(splits, H, BD)
     _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
-                                                              BH=BHc, BD=BD, num_warps=4)
+                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4)
     return o
 
 
