@@ -213,6 +213,29 @@ def test_grouped_gemm_fp4_every_code():
                                d.ref(*args, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("P", [6, 40])
+def test_fp4_decode_a_preconverted_is_bitwise_the_in_kernel_form(P, monkeypatch):
+    """Decode-sized FP4 blocks (one row per block at P <= 8, sorted 16-row blocks with K splits above) read A
+    pre-converted by `a_bf16_split` (A_BF16_DECODE): the same bits as converting A in every program, and
+    the reference within the op tolerance."""
+    _triton()
+    from deepinfer_kernels.triton import moe_grouped
+    g = torch.Generator().manual_seed(P)
+    E, N, K = 6, 64, 512
+    e = torch.randint(-1, E, (P,), generator=g)
+    a, a_s = act_quant(torch.randn(P, K, generator=g), 128)
+    w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+    w_s = float_to_e8m0(torch.exp2(torch.randint(-12, -4, (E, N, K // 32), generator=g).float()))
+    args = [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+    d = REGISTRY["grouped_gemm"]
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(moe_grouped, "A_BF16_DECODE", flag)
+        outs.append(d.impls["triton"](*args, out_dtype=torch.float32))
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], d.ref(*args, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("fmt,P,E,N,K,n_pad,busy,adt,odt", CASES)
 def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, adt, odt):

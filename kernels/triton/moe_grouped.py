@@ -46,7 +46,8 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         546, yet 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per 128-K step), its
         per-group accumulators spill at prefill tiles, and its sums inside the tensor core are not exact
         (docs/performance.md). Not kept.
-        Prefill-sized blocks (BM >= 64) take A pre-converted (`a_bf16_split`, A_BF16 below).
+        A comes pre-converted (`a_bf16_split`, A_BF16 below) when K % 128 == 0, at prefill-sized blocks
+        (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones.
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
 FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits) at
@@ -298,7 +299,7 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
-                   EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr):
+                   EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -314,14 +315,15 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # into it.
     # IDENT (a handful of rows, e.g. one token's top-k): block b is row b alone and bexp_ptr is e
     # itself -- no sort.
-    # A_BF16 (prefill-sized blocks): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`),
+    # A_BF16 (K % 128 == 0): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`),
     # so its tiles go from global straight into shared memory as the dots' operand -- no per-program
     # fp8 -> fp32 -> x scale -> bf16 conversion and register-to-shared re-layout of the same A tile for
     # every N tile (about as many instructions per step as the weight decode: 516 -> 314 SASS per step at
-    # prefill tiles, offline sm_90). Its grid has the N tiles varying fastest, so the programs of one
-    # block, which read the same A rows, run together and find them in L2.
-    tl.static_assert(not (A_BF16 and (SPLIT or IDENT)))
-    if A_BF16:
+    # prefill tiles, offline sm_90). N_FAST (prefill): the grid has the N tiles varying fastest, so the
+    # programs of one block, which read the same A rows, run together and find them in L2.
+    # N_FAST: the grid's first axis is the N tile (prefill), else the block.
+    tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
+    if N_FAST:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
     else:
@@ -452,6 +454,12 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, a_bf16: bool, device: torch.de
     return 128, 1, nkb, 8, 3
 
 
+A_BF16_DECODE = True
+"""Decode-sized blocks (BM <= 32, K % 128 == 0) take A pre-converted too: one more small launch, the A tile
+no longer converted (fp8 -> fp32 x scale -> bf16, split) in each of its 32-64 (N tile, K split)
+programs. Bitwise the same. H200 (2026-11-29, flash experts, graph-timed, us, in-kernel -> pre-converted):
+w1|w3 batch 1 / 8 / 32 / 64 29.4 / 207 / 570 / 852 -> 28.6 / 202 / 555 / 850; w2 16.1 / 103 / 269 / 403
+-> 16.2 / 101 / 259 / 391."""
 A_BF16_MIN_BM = 64
 """Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
 pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every
@@ -522,16 +530,18 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        a_bf16 = BM >= A_BF16_MIN_BM and K % 128 == 0  # prefill-sized blocks (never IDENT, never split)
-        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, a_bf16, a.device)
+        n_fast = BM >= A_BF16_MIN_BM and K % 128 == 0  # prefill-sized blocks (never IDENT, never split)
+        a_bf16 = n_fast or (A_BF16_DECODE and K % 128 == 0)
+        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
         if a_bf16:
             a = a_bf16_split(a, a_s)
-        grid = (triton.cdiv(N, BN), nb, 1) if a_bf16 else (nb, triton.cdiv(N, BN), splits)
+        grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
         _gg_fp4_kernel[grid](
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
-            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, num_warps=nw, num_stages=ns)
+            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast,
+            num_warps=nw, num_stages=ns)
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
