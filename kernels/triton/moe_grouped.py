@@ -6,9 +6,9 @@ expert's run to a multiple of BM rows, so every block of BM sorted rows belongs 
 kernel grid is (max blocks, cdiv(N, BN)[, K splits]) -- a function of (P, E, N, K) only, never of the
 routing -- and each program loads its block's expert id (unused blocks: -1, return at once), gathers
 its A rows, streams that expert's W tiles over K once for the whole block (fp32 accumulate) and
-scatters the results to the rows' original positions. Rows with e = -1 belong to no block and keep
-the zeros the output is allocated with (IDENT launches, below, store those rows as 0 themselves and
-allocate the output without a fill). Nothing calls .item()/.tolist()/nonzero/unique, so a decode
+scatters the results to the rows' original positions. Rows with e = -1 belong to no block; one small
+launch zeroes just those rows (`_zero_dead_rows`; IDENT launches, below, store them as 0 themselves), so
+the output is never zero-filled whole. Nothing calls .item()/.tolist()/nonzero/unique, so a decode
 step that routes through here can be captured in a CUDA graph. FP4 with at most `IDENT_MAX_P` rows (one
 token's top-k) skips the sort: block p is row p.
 
@@ -496,6 +496,29 @@ def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
     tl.store(c_ptr + rows[:, None] * N + rn[None, :], y, mask=mr[:, None] & mn[None, :])
 
 
+@triton.jit
+def _zero_rows_kernel(c_ptr, e_ptr, P, N, E, BR: tl.constexpr, BN: tl.constexpr):
+    """c[p, :] = 0 for the rows p of this program whose expert id is not local (outside [0, E)); the sorted
+    blocks never visit those rows. Rows with a local expert are left alone (the GEMM writes them)."""
+    p = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    ev = tl.load(e_ptr + p, mask=p < P, other=0)
+    dead = (p < P) & ((ev < 0) | (ev >= E))
+    if tl.max(dead.to(tl.int32), 0) > 0:
+        for n0 in range(0, N, BN):
+            n = n0 + tl.arange(0, BN)
+            tl.store(c_ptr + p[:, None] * N + n[None, :], tl.zeros([BR, BN], tl.float32).to(c_ptr.dtype.element_ty),
+                     mask=dead[:, None] & (n[None, :] < N))
+
+
+def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
+    """Zero the output rows with no local expert (expert parallelism, padding) without filling all of c:
+    at a 4096-token prefill the [P, N] zero fill was 0.48 ms of memset per forward (8 calls, H200)."""
+    P, N = c.shape
+    BR = 32
+    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=max(16, min(256, triton.next_power_of_2(N))),
+                                            num_warps=4)
+
+
 @implement("grouped_gemm", "triton")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -504,9 +527,14 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     fp4 = w.dtype in (torch.int8, torch.uint8)
     ident = fp4 and P <= IDENT_MAX_P and N > 0 and E > 0
     # rows with e = -1 (no local expert) are 0: IDENT programs store them, sorted blocks never see them
-    c = (torch.empty if ident else torch.zeros)(P, N, dtype=out_dtype, device=a.device)
-    if P == 0 or N == 0 or E == 0:
+    # (`_zero_dead_rows` does)
+    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    if P == 0 or N == 0:
         return c
+    if E == 0:
+        return c.zero_()
+    if not ident:
+        _zero_dead_rows(c, e, E)
     if ident:  # block p = row p: no sort, no align launch (one token's top-k hits distinct experts)
         BM, rows, bexp = 16, e, e.reshape(-1).long().contiguous()
     else:
