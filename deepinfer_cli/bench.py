@@ -117,6 +117,10 @@ def _print(report: dict, con: Console) -> None:
         for r in pops["ops"]:
             t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / pops['total_ms']:.1%}",
                       f"{r['tflops']:.0f}", f"{r['of_ceiling']:.0%} {r['ceiling']}" if r["of_ceiling"] else "-")
+            for x in r.get("shapes", []) if len(r.get("shapes", [])) > 1 else []:
+                t.add_row(f"[dim]  {x['shape']}[/dim]", str(x["calls"]), f"{x['ms']:.2f}",
+                          f"{x['ms'] / pops['total_ms']:.1%}", f"{x['tflops']:.0f}",
+                          f"{x['of_ceiling']:.0%}" if x["of_ceiling"] else "-")
         con.print(t)
     for d in report["decode"]:
         if d.get("graph_error"):

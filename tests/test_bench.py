@@ -188,7 +188,7 @@ def test_cli_bad_options():
 
 def test_op_flops_count_useful_work_only():
     """FLOPs per op call from its arguments: padding rows (e = -1) and empty index slots (-1) count 0."""
-    from deepinfer.engine.oprates import op_flops
+    from deepinfer.engine.oprates import op_flops, op_shape
 
     a = torch.zeros(6, 256)
     assert op_flops("fp8_gemm", (a, None, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
@@ -198,6 +198,9 @@ def test_op_flops_count_useful_work_only():
     q, idx = torch.zeros(1, 5, 8, 64), torch.tensor([[[0, 1, -1]] * 5])
     assert op_flops("sparse_attn", (q, None, None, idx, 1.0), {}) == 4 * 10 * 8 * 64
     assert op_flops("rms_norm", (a,), {}) == 0
+    assert op_shape("linear", (torch.zeros(2, 3, 256), torch.zeros(10, 256))) == "6x10x256"
+    assert op_shape("grouped_gemm", (a, None, e, torch.zeros(4, 32, 128), None)) == "6x32x256 E4"
+    assert op_shape("sparse_attn", (q, None, None, idx, 1.0)) == "5t 8h D64 K3"
 
 
 @pytest.mark.gpu
@@ -212,7 +215,9 @@ def test_op_rates_time_a_real_gemm():
     with op_rates(("linear",)) as calls:
         ops.linear(x, w)
         ops.linear(x, w)
+        ops.linear(x[:256], w)
     rows = summarize(calls, None, 1e15)
-    assert len(rows) == 1 and rows[0]["calls"] == 2 and rows[0]["flops"] == 2 * 2 * 512 * 1024 * 2048
+    assert len(rows) == 1 and rows[0]["calls"] == 3 and rows[0]["flops"] == 2.5 * 2 * 512 * 1024 * 2048
+    assert [(x["shape"], x["calls"]) for x in rows[0]["shapes"]] == [("512x2048x1024", 2), ("256x2048x1024", 1)]
     assert rows[0]["ms"] > 0 and rows[0]["tflops"] > 0
     assert ops.linear is not None and ops._cache["linear"].__name__ != "timed", "wrappers removed on exit"

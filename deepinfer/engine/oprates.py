@@ -42,6 +42,24 @@ def op_flops(name: str, args: tuple, kwargs: dict) -> float:
     return 0.0
 
 
+def op_shape(name: str, args: tuple) -> str:
+    """The call's problem size as text: M x N x K for GEMMs (P rows x N x K over E experts for the grouped
+    one), tokens x heads x D over K slots for attention, tokens x heads x D over T keys for the indexer."""
+    if name in ("fp8_gemm", "fp4_gemm", "linear"):
+        a, w = args[0], args[2] if name != "linear" else args[1]
+        return f"{a.numel() // max(a.size(-1), 1)}x{w.size(0)}x{a.size(-1)}"
+    if name == "grouped_gemm":
+        a, w = args[0], args[3]
+        return f"{a.size(0)}x{w.size(1)}x{a.size(1)} E{w.size(0)}"
+    if name in ("sparse_attn", "sparse_attn_fp8"):
+        q, idx = args[0], args[3]
+        return f"{q.numel() // (q.size(-1) * q.size(-2))}t {q.size(-2)}h D{q.size(-1)} K{idx.size(-1)}"
+    if name == "indexer_scores":
+        q, k = args[0], args[1]
+        return f"{q.numel() // (q.size(-1) * q.size(-2))}t {q.size(-2)}h D{q.size(-1)} T{k.size(-2)}"
+    return ""
+
+
 OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "linear", "sparse_attn", "sparse_attn_fp8", "indexer_scores")
 
 FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm")
@@ -75,21 +93,28 @@ def op_rates(names: tuple[str, ...] = OPS):
 
 
 def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dict]:
-    """Per op: calls, ms, TFLOP/s and the ratio to the measured ceiling of its kind (`FP8_CEILING_OPS`)."""
+    """Per op: calls, ms, TFLOP/s and the ratio to the measured ceiling of its kind (`FP8_CEILING_OPS`), and
+    the same per problem size under "shapes" (which GEMM of a layer falls short)."""
     torch.cuda.synchronize()
     rows: dict[str, dict] = {}
     for name, s, e, args, kwargs in calls:
-        r = rows.setdefault(name, {"op": name, "calls": 0, "ms": 0.0, "flops": 0.0})
-        r["calls"] += 1
-        r["ms"] += s.elapsed_time(e)
-        r["flops"] += op_flops(name, args, kwargs)
+        ms, flops = s.elapsed_time(e), op_flops(name, args, kwargs)
+        r = rows.setdefault(name, {"op": name, "calls": 0, "ms": 0.0, "flops": 0.0, "shapes": {}})
+        sh = r["shapes"].setdefault(op_shape(name, args), {"shape": op_shape(name, args), "calls": 0, "ms": 0.0,
+                                                           "flops": 0.0})
+        for x in (r, sh):
+            x["calls"] += 1
+            x["ms"] += ms
+            x["flops"] += flops
     out = []
     for r in sorted(rows.values(), key=lambda r: -r["ms"]):
         fp8 = r["op"] in FP8_CEILING_OPS and fp8_rate
         ceiling = fp8_rate if fp8 else bf16_rate
-        r["tflops"] = r["flops"] / (r["ms"] * 1e-3) / 1e12 if r["ms"] > 0 else 0.0
+        r["shapes"] = sorted(r["shapes"].values(), key=lambda x: -x["ms"])
+        for x in [r] + r["shapes"]:
+            x["tflops"] = x["flops"] / (x["ms"] * 1e-3) / 1e12 if x["ms"] > 0 else 0.0
+            x["of_ceiling"] = x["tflops"] * 1e12 / ceiling if ceiling else None
         r["ceiling"] = "fp8" if fp8 else "bf16"
-        r["of_ceiling"] = r["tflops"] * 1e12 / ceiling if ceiling else None
         out.append(r)
     return out
 
