@@ -24,19 +24,19 @@ Tiling (heuristics by shape, deterministic; no autotune):
     counter, no second launch; the sum's order is fixed, so it is deterministic). E.g. flash wq_a
     (M 32, N 1024, K 4096) went from 16 programs to 16 x 8; expert_w1 from 32 programs of 32-K steps
     to 32 x 8 programs of 128-K steps.
-  * prefill (M > 64): 128x128 output tiles (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4
-    (fp8: 32 KB of operands per stage), 1-D grid with a group-M swizzle (GROUP_M = 8) so that
-    consecutive programs share weight tiles in L2.
+  * prefill (M > 64): the TMA kernel below on sm_90+ (`TMA_TILES`); elsewhere 128x128 output tiles
+    (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4 (fp8: 32 KB of operands per stage), 1-D grid
+    with a group-M swizzle (GROUP_M = 8) so that consecutive programs share weight tiles in L2.
 
 fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA tensor descriptors and the
 fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block
 accumulate in the tensor core, then the block's partial is scaled into the fp32 accumulator). This is
 DeepGEMM's and the official kernels' scheme (DeepSeek-V3 report: promotion interval 128). The decode
 kernel's promotion after every wgmma (max_num_imprecise_acc = 0) kept prefill at ~290 TFLOP/s whatever
-the tile; measured on the H200 (2026-11-29, M 4096): 865-930 TFLOP/s at K 4096-8192 and 660 at
-N 32768 K 1024, against 1210-1300 for the same kernel with no scales and 1146-1278 for
-torch._scaled_mm (tensor-wise scales). The price is the tensor core's accumulator precision within a
-block (about 2^-13 relative to the block's sum of |a w|), below the bf16 output's rounding (2^-9).
+the tile. Tiles: `TMA_TILES` (680-750 TFLOP/s at the flash prefill shapes, L2 flushed; an earlier
+865-930 at K 4096-8192 was timed with the weights warm in L2). The price is the tensor core's
+accumulator precision within a block (about 2^-13 relative to the block's sum of |a w|), below the bf16
+output's rounding (2^-9).
 """
 
 from __future__ import annotations
@@ -134,6 +134,17 @@ def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, K
     _store_out(acc, c_ptr, c_ptr, c_ptr, rm, rn, M, N, False)
 
 
+TMA_TILES = (64, 128, 16, 4, 3)
+"""(BM, BN, GROUP_M, num_warps, num_stages) of the prefill kernel: one warpgroup on 64 x 128 tiles, 3 stages
+(72 KB of shared memory: three programs per SM). Each 128-K block's wgmma must finish before its partial is
+scaled into the accumulator, so a program's tensor core idles during its own promotion; with three small
+programs per SM one's promotion overlaps another's MMAs. H200 (2026-11-29, M 4096, do_bench with L2
+flushed, TFLOP/s, flash shapes N x K): against 128 x 128 / 8 warps / 4 stages, wq_a|wkv 1536 x 4096
+593 -> 751, wq_b 32768 x 1024 529 -> 708, wo_b 4096 x 8192 654 -> 694, shared w1|w3 4096 x 4096 613 ->
+728, w2 4096 x 2048 580 -> 726, indexer wq_b 8192 x 1024 507 -> 677 (torch._scaled_mm with tensor-wise
+scales: ~1450). 128 x 64 / 4 warps: 548-613; 64 x 128 with 2 stages: 567-634; GROUP_M 32: 619-759."""
+
+
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
     """Prefill-sized M on a GPU with TMA (sm_90+) and operands a descriptor accepts (16-byte rows and bases);
     the interpreter runs the same kernel so that the CPU tests cover its indexing."""
@@ -152,11 +163,11 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     if M == 0 or N == 0:
         return c
     if _tma_prefill(a, w, M, K):
-        # 128x128 tiles, 8 warps, 4 stages: the best of the H200 sweep at every prefill shape
-        ad, wd = TensorDescriptor.from_tensor(a, [128, 128]), TensorDescriptor.from_tensor(w, [128, 128])
-        grid = (triton.cdiv(M, 128) * triton.cdiv(N, 128),)
+        BM, BN, GM, nw, ns = TMA_TILES
+        ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
-                                   BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4)
+                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns)
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:
