@@ -47,7 +47,8 @@ def _routing(g, P, E, n_pad, busy, busy_rows):
 # ------------------------------------------------------------------------------------------ moe_align
 ALIGN_CASES = [(1, 4, 16, 0), (37, 5, 16, 1), (200, 3, 64, 2), (64, 64, 16, 3), (100, 7, 32, 4), (16, 1, 16, 5),
                (5, 256, 16, 6), (150, 256, 16, 7),
-               (700, 256, 16, 8), (300, 1000, 16, 9)]  # many chunks (decode batch ~128); chunks of 16 rows
+               (700, 256, 16, 8), (300, 1000, 16, 9),  # many chunks (decode batch ~128); chunks of 16 rows
+               (3000, 256, 64, 10)]  # prefill-sized: the scatter walks the chunks' counts in several tiles
 
 
 def _align_input(P, E, seed):

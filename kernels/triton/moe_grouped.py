@@ -159,11 +159,13 @@ def _align_scatter_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, bexp_ptr, P, E, NB
     tl.store(bexp_ptr + b, tl.where(x < E, x, -1).to(tl.int64), mask=b < NB)
 
 
-ALIGN_KERNEL_MAX_P = 4096
-"""Up to this many rows (decode, short prompts) `align` runs the two chunk-parallel kernels; above
-(prefill) the torch form, whose ~35 launches are small next to the GEMMs there. The two kernels replaced
-one program that walked the chunks in turn: ~50 us at 384 rows and ~94 us at 768 on the H200, 8 calls
-per step or prompt."""
+ALIGN_KERNEL_MAX_P = 65536
+"""Up to this many rows `align` runs the two chunk-parallel kernels; above, the torch form (~35 launches).
+The kernels replaced one program that walked the chunks in turn (~50 us at 384 rows and ~94 us at 768 on the
+H200). They also run at prefill sizes: a 4096-token flash prefill (24576 rows) issued the torch form's ~35
+launches twice per layer, ~280 launches at ~40 us of host time each, and the prefill is host-bound (its
+Python side took 39 ms against 36 ms of kernels, H200 2026-11-29). Each scatter program reads every chunk's
+counts, O(chunks^2 x experts) in all: ~150 MB of L2 reads at 24576 rows, ~1 GB at the limit."""
 
 
 def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
