@@ -1,7 +1,9 @@
 """Plain y = x Wᵀ (bf16 / fp16 / fp32 weights, no quantisation) in Triton.
 
-The model calls it for the float weights of the official layout (indexer weights_proj [64, 4096],
-compressor wkv / wgate [1024, 4096], all fp32) and for every weight in `exact` numerics.
+The model calls it for the float weights of the official layout (indexer weights_proj [64, 4096]; the
+compressors' stacked wkv|wgate [2048, 4096] as stored in bf16 with out_dtype=float32, the official
+x.float() @ W.float() without either copy), for the fp32 LM head, and for every weight in `exact` numerics.
+y = x.to(out_dtype) @ w.to(out_dtype)ᵀ, out_dtype defaulting to x's dtype.
 
 Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
 
