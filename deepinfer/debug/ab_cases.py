@@ -222,7 +222,8 @@ def build_linear(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     x = _act(g, (B, S, d.dim), device)
     return [Variant("index_weights_proj", (x, _w(g, (d.index_heads, d.dim), device, dtype=torch.bfloat16)), {}),
-            Variant("compressor_wkv", (x, _w(g, (2 * d.head_dim, d.dim), device, dtype=torch.bfloat16)), {})]
+            Variant("compressor_wkv", (x, _w(g, (2 * d.head_dim, d.dim), device, dtype=torch.bfloat16)),
+                    {"out_dtype": torch.float32})]  # the model's call: x.float() @ W.float(), no copies
 
 
 def build_rope(d: Dims, phase: str, g, device):
