@@ -624,6 +624,24 @@ def test_swiglu_routed_form(seed, out_dtype):
     assert out.dtype == (out_dtype or torch.float32)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("P,I,weighted,out_dtype", [(7, 384, True, torch.bfloat16), (3, 128, False, torch.bfloat16),
+                                                    (5, 2560, True, torch.float32)])  # > 16 blocks: two tiles
+def test_swiglu_quant_is_swiglu_then_act_quant(seed, P, I, weighted, out_dtype):
+    """The fused activation + FP8 quantisation for w2 equals the two Triton kernels back to back bit for bit
+    (the same fp32 activation, rounded to out_dtype, then quantised), and the reference within the op
+    tolerance; gate / up are the halves of one [P, 2I] output read in place."""
+    g = gen(seed)
+    h13 = randn(g, P, 2 * I, dtype=torch.bfloat16, scale=5.0)
+    w = torch.rand(P, generator=g).to(DEV) if weighted else None
+    args, kw = (h13[:, :I], h13[:, I:], 7.0), {"weight": w, "out_dtype": out_dtype}
+    (q, s), ref = run_both("swiglu_quant", *args, **kw)
+    y = REGISTRY["swiglu"].impls["triton"](*args, **kw)
+    tq, ts = REGISTRY["act_quant"].impls["triton"](y, 128)
+    assert torch.equal(q.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(s, ts)
+    check("swiglu_quant", (q, s), ref)
+
+
 # ------------------------------------------------------------------------------------------- caches
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("T,k,D,dtype,out_dtype", [(3, 6, 130, torch.bfloat16, torch.bfloat16),

@@ -380,6 +380,10 @@ def build_moe_route(d: Dims, phase: str, g, device):
     ]
 
 
+def build_swiglu_quant(d: Dims, phase: str, g, device):
+    return [Variant(v.name, v.args, {**v.kwargs, "out_dtype": torch.bfloat16}) for v in build_swiglu(d, phase, g, device)]
+
+
 def build_swiglu(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     M = B * S * (d.topk if phase == "decode" else 1)

@@ -49,6 +49,9 @@ class Expert:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, xq: tuple | None = None) -> torch.Tensor:
         """x [T, D] (xq: its act_quant, if the caller has it) -> [T, D]."""
+        if weight is None and self.w2.fmt != "float":  # the activation and w2's act_quant in one kernel
+            return self.w2.quantised(*ops.swiglu_quant(*self._gate_up(x, xq), self.limit, out_dtype=x.dtype),
+                                     x.dtype)
         if weight is None:  # swiglu casts for w2 itself
             return self.w2(ops.swiglu(*self._gate_up(x, xq), self.limit, out_dtype=x.dtype))
         h = ops.swiglu(*self._gate_up(x, xq), self.limit)
@@ -177,8 +180,9 @@ class RoutedExperts:
             h1, h3 = h13[:, :self.inter], h13[:, self.inter:]
         else:
             h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
-        h = ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt)  # weighted before w2, as the official code
-        return self.w2(self.w2.quantize_input(h), e, dt)
+        if self.w2.fmt != "float":  # weighted before w2, as the official code; w2's act_quant in the same kernel
+            return self.w2(ops.swiglu_quant(h1, h3, self.limit, weight=w, out_dtype=dt), e, dt)
+        return self.w2((ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt), None), e, dt)
 
 
 class MoE:

@@ -58,14 +58,17 @@ class Linear:
         `rms_norm_quant`, shared by the projections of one input); float weights ignore it."""
         if self.fmt == "float":
             return ops.linear(x, self.weight)
-        shape = x.shape
-        if xq is not None:
-            q, s = xq[0].reshape(-1, shape[-1]), xq[1].reshape(-1, xq[1].size(-1))
-        else:
-            q, s = ops.act_quant(x.reshape(-1, shape[-1]), 128)
+        if xq is None:
+            xq = ops.act_quant(x.reshape(-1, x.size(-1)), 128)
+        return self.quantised(xq[0].reshape(x.shape), xq[1], x.dtype)
+
+    def quantised(self, q: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 / FP4 GEMM of an input already act_quant'ed: q [..., K] e4m3, s [..., K/128] -> [..., N]
+        out_dtype (e.g. from `swiglu_quant`, which never materialises the activation)."""
+        K = q.size(-1)
         gemm = ops.fp8_gemm if self.fmt == "fp8" else ops.fp4_gemm
-        y = gemm(q, s, self.weight, self.scale, out_dtype=x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        y = gemm(q.reshape(-1, K), s.reshape(-1, s.size(-1)), self.weight, self.scale, out_dtype=out_dtype)
+        return y.view(*q.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a [N, K] float tensor (exact for FP8/FP4: the scales are powers of two)."""

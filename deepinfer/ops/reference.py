@@ -446,6 +446,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     return y if out_dtype is None else y.to(out_dtype)
 
 
+@defop("swiglu_quant", tol={"float8_e4m3fn": (0.13, 2.0**-9), "float32": (1e-5, 1e-5)})
+def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clamped SwiGLU and the FP8 quantisation of its output for the FP8 / FP4 w2 it feeds, in one op:
+    act_quant(swiglu(gate, up, limit, weight, out_dtype), block) -> (q float8_e4m3fn [..., N], s float32
+    [..., N/block]). The activation is rounded to out_dtype first, as when w2's Linear quantises it.
+    Tolerance: q within one e4m3 step (a last-bit difference in the activation may flip a rounding): 1/8
+    relative for normal codes, 2^-9 absolute for the subnormal ones (the activation's many near-zero values
+    in a block scaled for its largest)."""
+    return act_quant(swiglu(gate, up, limit, weight, out_dtype), block)
+
+
 @defop("moe_combine")
 def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A MoE layer's output: the sum over k of each token's routed rows plus its shared-expert row, in

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, key_index, p2, rows_2d, sms, sort_key, split_k, tf32_exact, unit_last_stride
+from ._common import dot_f32, key_index, p2, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
+from ._common import unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -210,15 +211,42 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.co
     m = o < n
     r = o // N
     c = o % N
-    g = tl.load(g_ptr + r * SG + c, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r * SU + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * SG + c, mask=m, other=0.0)
+    u = tl.load(u_ptr + r * SU + c, mask=m, other=0.0)
+    y = _swiglu_f32(g, u, tl.load(w_ptr + r, mask=m, other=0.0), limit, CLAMP, WEIGHT)
+    tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
+    """silu(min(g, limit)) * clamp(u, -limit, limit) [* w] in float32 (both kernels: the same bits)."""
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     y = g / (1.0 + tl.exp(-g)) * u
     if WEIGHT:
-        y = tl.load(w_ptr + r, mask=m, other=0.0).to(tl.float32) * y
-    tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=m)
+        y = w.to(tl.float32) * y
+    return y
+
+
+@triton.jit
+def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, N, NB, SG, SU, limit, Y_DTYPE: tl.constexpr,
+                         CLAMP: tl.constexpr, WEIGHT: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr):
+    """Row r, quantisation blocks RB at a time as an [RB, QB] tile: the activation as `_swiglu_kernel`, its
+    cast to Y_DTYPE (the unfused op's output dtype), and the act_quant of that cast value
+    (`quant_e4m3_rows`, the act_quant kernel's rule). The activation itself is never stored."""
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * RB + tl.arange(0, RB)
+    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]
+    m = blk[:, None] < NB
+    g = tl.load(g_ptr + r * SG + cols, mask=m, other=0.0)
+    u = tl.load(u_ptr + r * SU + cols, mask=m, other=0.0)
+    y = _swiglu_f32(g, u, tl.load(w_ptr + r), limit, CLAMP, WEIGHT)
+    q, s = quant_e4m3_rows(y.to(Y_DTYPE).to(tl.float32))
+    tl.store(q_ptr + r * N + cols, q, mask=m)
+    tl.store(s_ptr + r * NB + blk, s, mask=blk < NB)
 
 
 @implement("swiglu", "triton")
@@ -235,3 +263,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
                                              CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK)
     return y
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@implement("swiglu_quant", "triton")
+def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    N = gate.size(-1)
+    assert N % block == 0 and block == triton.next_power_of_2(block), \
+        f"swiglu_quant: last dim {N} is not a multiple of {block}"
+    q = torch.empty(gate.shape, dtype=torch.float8_e4m3fn, device=gate.device)
+    s = torch.empty(*gate.shape[:-1], N // block, dtype=torch.float32, device=gate.device)
+    rows = gate.numel() // max(N, 1)
+    if rows == 0:
+        return q, s
+    g2, u2 = rows_2d(gate, N), rows_2d(up, N)
+    w = weight.reshape(-1).float().contiguous() if weight is not None else g2
+    NB = N // block
+    RB = min(triton.next_power_of_2(NB), max(1, 4096 // block))
+    _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, N, NB, g2.stride(0), u2.stride(0),
+                                                       float(limit), Y_DTYPE=_TL_DTYPE[out_dtype], CLAMP=limit > 0,
+                                                       WEIGHT=weight is not None, QB=block, RB=RB)
+    return q, s
