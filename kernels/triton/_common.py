@@ -51,11 +51,6 @@ def tma_ok(t: torch.Tensor) -> bool:
     return INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
-def dot_ieee(*tensors: torch.Tensor) -> bool:
-    """tl.dot needs input_precision="ieee" for fp32 operands (else TF32 on NVIDIA: ~1e-3 error)."""
-    return any(t.dtype == torch.float32 for t in tensors)
-
-
 def tf32_exact(t: torch.Tensor) -> bool:
     """Every value of t is exact in tf32 (bf16 / fp16: <= 10 mantissa bits): `dot_f32`'s X_TF32."""
     return t.dtype in (torch.bfloat16, torch.float16)

@@ -152,7 +152,6 @@ shuffles, across warps each also crosses shared memory behind a barrier."""
 MIX_TILE = 8192
 """fn elements (BR x BK) a decode-sized mix program reads per K step; with the token count it sets the
 number of split-K partials (ns) each apply program sums (64 at batch 1, hc 4, D 4096)."""
-MIX_WARPS_DECODE = 4
 APPLY_PARTIALS = 32
 """Partials per thread in one load of the apply's [BS, BW] tile. It was 4096 / BW per program (128 per
 thread in one warp: the tile spilled to local memory, offline sm_90 compile), now <= 32 per thread.
@@ -175,7 +174,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
                                                        X_TF32=tf32_exact(xc))
     else:
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, num_warps=MIX_WARPS_DECODE)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
     BHC = p2(HC)
     BW = p2(R + 1)
     nw = 4 if tiled else APPLY_WARPS_DECODE

@@ -427,7 +427,7 @@ def _asm_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _fp4_config(nb: int, N: int, K: int, BM: int, a_bf16: bool, device: torch.device
+def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.device
                 ) -> tuple[int, int, int, int, int]:
     """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweeps,
     2026-11-29, standalone scripts: decode sizes timed as CUDA graphs, prefill sizes with do_bench;
@@ -436,7 +436,7 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, a_bf16: bool, device: torch.de
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
     splits). Targets of 2, 4 and 8 programs per SM were within 5 %; 8 warps 10 % slower.
-    a_bf16 (BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages. Each MMA waits
+    n_fast (prefill-sized blocks, BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages. Each MMA waits
     for its result (the decoded weight tile is a register operand), so the weight decode of one program
     overlaps the MMAs of others only: small programs with small shared-memory footprints, several per
     SM, won. Flash w1|w3 [256 x 4096, 4096] at 4096 prompt tokens (BM 128): 2869 us against 3878 for
@@ -449,7 +449,7 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, a_bf16: bool, device: torch.de
         BN = 64 if N <= 64 else 128
         per, splits = split_k(nkb, nb * triton.cdiv(N, BN), 2 * _sms(device))
         return BN, splits, per, 4, 3
-    if a_bf16:
+    if n_fast:
         return 64, 1, nkb, 4, 2
     if BM <= 64:
         return 64, 1, nkb, 4, 3
@@ -517,8 +517,8 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     at a 4096-token prefill the [P, N] zero fill was 0.48 ms of memset per forward (8 calls, H200)."""
     P, N = c.shape
     BR = 32
-    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=max(16, min(256, triton.next_power_of_2(N))),
-                                            num_warps=4)
+    BN = max(16, min(256, triton.next_power_of_2(N)))
+    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4)
 
 
 @implement("grouped_gemm", "triton")
@@ -560,8 +560,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_s = a_s.float().contiguous()
-        n_fast = BM >= A_BF16_MIN_BM and K % 128 == 0  # prefill-sized blocks (never IDENT, never split)
-        a_bf16 = n_fast or (A_BF16_DECODE and K % 128 == 0)
+        a_bf16 = K % 128 == 0 and (A_BF16_DECODE or BM >= A_BF16_MIN_BM)
+        n_fast = a_bf16 and BM >= A_BF16_MIN_BM  # prefill-sized blocks (never IDENT, never split)
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
         if a_bf16:

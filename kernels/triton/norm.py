@@ -1,6 +1,6 @@
 """RMSNorm: one program per row, two passes over the row in BLOCK chunks (any width), fp32 math.
 
-Rows may be strided (`_rows`): a column slice of a wider output -- wq_a|wkv's stacked GEMM -- is read in
+Rows may be strided (`rows_2d`): a column slice of a wider output -- wq_a|wkv's stacked GEMM -- is read in
 place, without a contiguous copy; the outputs are contiguous."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, quant_e4m3_rows
+from ._common import p2, quant_e4m3_rows, rows_2d
 
 
 @triton.jit
@@ -41,23 +41,14 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, XS, eps, HAS_W: tl.constexpr, BLOCK
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, N] with unit column stride: a view where the rows have one stride (a column slice of a
-    contiguous tensor), else a contiguous copy."""
-    N = x.size(-1)
-    x2 = x.reshape(-1, N) if x.numel() else x.reshape(0, N)
-    return x2 if x2.stride(-1) == 1 or N == 1 else x2.contiguous()
-
-
 @implement("rms_norm", "triton")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     N = x.size(-1)
-    x2 = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x2.size(0)
-    if rows == 0:
+    if x.numel() == 0:
         return y
-    _rms_norm_kernel[(rows,)](x2, weight if weight is not None else x2, y, N, x2.stride(0), float(eps),
+    x2 = rows_2d(x, N)  # a column slice of a wider output is read in place, at its row stride
+    _rms_norm_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, N, x2.stride(0), float(eps),
                               HAS_W=weight is not None, BLOCK=min(p2(N), 4096))
     return y
 
@@ -92,14 +83,13 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = x.size(-1)
     assert N % block == 0 and block == p2(block), f"rms_norm_quant: last dim {N} is not a multiple of {block}"
-    x2 = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], N // block, dtype=torch.float32, device=x.device)
-    rows = x2.size(0)
-    if rows:
-        _rms_norm_quant_kernel[(rows,)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0), N // block,
-                                        float(eps),
-                                        HAS_W=weight is not None, BLOCK=min(p2(N), 4096), QB=block,
-                                        RB=min(p2(N // block), max(1, 4096 // block)))
+    if x.numel():
+        x2 = rows_2d(x, N)
+        _rms_norm_quant_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0),
+                                              N // block, float(eps), HAS_W=weight is not None,
+                                              BLOCK=min(p2(N), 4096), QB=block,
+                                              RB=min(p2(N // block), max(1, 4096 // block)))
     return y, q, s
