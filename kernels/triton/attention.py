@@ -37,7 +37,7 @@ from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, p2
+from ._common import e8m0_f32, p2, pdl, pdl_wait
 from ._common import sms as _sms
 
 
@@ -48,6 +48,7 @@ from ._common import sms as _sms
 def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL,
                         CHUNK, scale, W, WE, ROFF, NOPE, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                         IEEE: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr):
+    pdl_wait()
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -117,6 +118,7 @@ def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLI
     """Merge the splits' (m, l, acc) of token bs, heads h, BSP splits per load: the few splits of a decode
     call arrive in one round of loads instead of one dependent round per split (the loop form took
     ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0."""
+    pdl_wait()
     bs = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
@@ -214,15 +216,15 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     kvr = kv if kvr is None else kvr
     if splits == 1:
         _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
-                                             float(scale), *packed, **meta)
+                                             float(scale), *packed, **meta, launch_pdl=pdl())
         return o
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
-                                              float(scale), *packed, **meta)
+                                              float(scale), *packed, **meta, launch_pdl=pdl())
     BHc, BSP = _combine_tiles(splits, H, BD)
     _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
-                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4)
+                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4, launch_pdl=pdl())
     return o
 
 

@@ -11,11 +11,12 @@ from deepinfer.ops.registry import implement
 
 from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 
-from ._common import e8m0_f32, p2, quant_e4m3_rows
+from ._common import e8m0_f32, p2, pdl, pdl_wait, quant_e4m3_rows
 
 
 @triton.jit
 def _kv_store_kernel(cache_ptr, rows_ptr, slots_ptr, v_ptr, NSLOT, D, s_c0, s_c1, BD: tl.constexpr):
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     d = db * BD + tl.arange(0, BD)
@@ -35,7 +36,8 @@ def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, value
     values = values.reshape(M, D).contiguous()
     BD = min(p2(D), 1024)
     _kv_store_kernel[(M, triton.cdiv(D, BD))](cache, rows.contiguous(), slots.contiguous(), values,
-                                              cache.size(1), D, cache.stride(0), cache.stride(1), BD=BD)
+                                              cache.size(1), D, cache.stride(0), cache.stride(1), BD=BD,
+                                              launch_pdl=pdl())
     return None
 
 
@@ -45,6 +47,7 @@ def _kv_pack_kernel(kv_ptr, out_ptr, outr_ptr, D, NOPE, NB, W, WE, ROFF, RD,
     """One entry: its NOPE dims as an [NB, 64] tile quantised per row (act_quant's rule), codes and e8m0
     scale bytes stored, scale padding zeroed, the RD rope dims copied in their dtype (outr = out viewed
     as kv's dtype: WE elements a row, rope from element ROFF)."""
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64)
     blk = tl.arange(0, BNB)
     cols = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
@@ -75,7 +78,7 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     if M:
         roff = kv_rope_offset(D, rope_dim)
         _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, roff // es,
-                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=roff - nope)
+                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=roff - nope, launch_pdl=pdl())
     return out
 
 
@@ -83,6 +86,7 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
 def _kv_unpack_kernel(p_ptr, pr_ptr, out_ptr, D, NOPE, NB, W, WE, ROFF, RD, BNB: tl.constexpr, BR: tl.constexpr):
     """One entry: codes [NB, 64] times their e8m0 scale bytes, cast to out's dtype; rope dims copied
     (pr = the packed rows viewed in out's dtype: WE elements a row, rope from element ROFF)."""
+    pdl_wait()
     i = tl.program_id(0).to(tl.int64)
     blk = tl.arange(0, BNB)
     cols = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
@@ -107,5 +111,6 @@ def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.d
     if M:
         es = out.element_size()
         _kv_unpack_kernel[(M,)](pc, pc.view(dtype), out, head_dim, nope, nope // 64, W, W // es,
-                                kv_rope_offset(head_dim, rope_dim) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim))
+                                kv_rope_offset(head_dim, rope_dim) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim),
+                                launch_pdl=pdl())
     return out

@@ -9,11 +9,12 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, unit_last_stride
+from ._common import p2, pdl, pdl_wait, unit_last_stride
 
 
 @triton.jit
 def _compress_pool_kernel(kv_ptr, sc_ptr, y_ptr, SLOTS, D, BS: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
     w = tl.program_id(0).to(tl.int64)  # (b, window)
     db = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -38,7 +39,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         return y
     BS = p2(SL)
     BD = max(16, min(p2(D), 4096 // BS))
-    _compress_pool_kernel[(B * W, triton.cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD)
+    _compress_pool_kernel[(B * W, triton.cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD, launch_pdl=pdl())
     return y
 
 
@@ -48,6 +49,7 @@ def _compress_decode_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, skv_ptr,
     # Program (token b, channel block j): every slot of the channels it owns -- j, and with OVERLAP also
     # d + j (the other half of the same pooled channel) -- so no other program touches them and the
     # state update needs no barrier. The token's own slot is taken from registers, never re-read.
+    pdl_wait()
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BD + tl.arange(0, BD)
     mj = j < D
@@ -120,5 +122,5 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     BD = max(16, min(p2(D), 2048 // BS))
     _compress_decode_kernel[(B, triton.cdiv(D, BD))](
         kv, score, ape.float().contiguous(), pos.contiguous(), rows.contiguous(), kv_state, score_state, y,
-        coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD)
+        coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD, launch_pdl=pdl())
     return y

@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, split_buffers, splitk_store, tma_ok, weight_scale_arg
+from ._common import e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import sms as _sms
 
 
@@ -99,6 +99,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT: tl.constexpr):
     # BK == 128: one scale per K block for A (per row) and for W (per 128x128 block)
+    pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -121,6 +122,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
 def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, KS_W,
                          BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     # BK = 128; the descriptors zero-fill rows and K columns past the edges
+    pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -167,7 +169,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
         ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
-                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns)
+                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns, launch_pdl=pdl())
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:
@@ -175,7 +177,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
     part, cnt = split_buffers(c, splits, grid[0])
     _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
-                           BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns)
+                           BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns,
+                           launch_pdl=pdl())
     return c
 
 
@@ -195,6 +198,7 @@ def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
                      DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr):
     # K blocks of 128 = 64 packed bytes per weight row (byte i: element 2i low nibble, 2i+1 high nibble)
     # = 4 scale groups of 32. One A scale per 128 block.
+    pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -244,5 +248,5 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     part, cnt = split_buffers(c, splits, grid[0])
     _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
-                           num_warps=nw, num_stages=ns)
+                           num_warps=nw, num_stages=ns, launch_pdl=pdl())
     return c

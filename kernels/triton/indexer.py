@@ -20,13 +20,14 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import key_index, p2, sort_key
+from ._common import key_index, p2, pdl, pdl_wait, sort_key
 
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D,
                            BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
                            ROWS: tl.constexpr):
+    pdl_wait()
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     tb = tl.program_id(1)
     b = bs // S
@@ -65,13 +66,14 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torc
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
     _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, BH=BH, BT=BT, BD=BD,
-                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4)
+                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4, launch_pdl=pdl())
     return out
 
 
 @triton.jit
 def _topk_round_kernel(src_ptr, nv_ptr, dst_ptr, out_ptr, n_src, n_dst, k,
                        FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, C: tl.constexpr, KP: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     j = ch * C + tl.arange(0, C)
@@ -111,16 +113,20 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
         # sort only the T entries, not k slots: at decode the context often has fewer compressed entries
         # than the top-k (V4: k 512; 32 entries at 128 tokens): a 512-key sort was ~50 us on the H200
         Cf = max(p2(T), 16)
-        _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP)
+        _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP,
+                                      launch_pdl=pdl())
         return out
     nch = triton.cdiv(T, C)
     cand = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
-    _topk_round_kernel[(rows, nch)](sc, nv, cand, out, T, nch * KP, k, FROM_SCORES=True, FINAL=False, C=C, KP=KP)
+    _topk_round_kernel[(rows, nch)](sc, nv, cand, out, T, nch * KP, k, FROM_SCORES=True, FINAL=False, C=C, KP=KP,
+                                    launch_pdl=pdl())
     n = nch * KP
     while n > C:
         nch = triton.cdiv(n, C)
         nxt = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
-        _topk_round_kernel[(rows, nch)](cand, nv, nxt, out, n, nch * KP, k, FROM_SCORES=False, FINAL=False, C=C, KP=KP)
+        _topk_round_kernel[(rows, nch)](cand, nv, nxt, out, n, nch * KP, k, FROM_SCORES=False, FINAL=False, C=C, KP=KP,
+                                        launch_pdl=pdl())
         cand, n = nxt, nch * KP
-    _topk_round_kernel[(rows, 1)](cand, nv, out, out, n, 0, k, FROM_SCORES=False, FINAL=True, C=max(p2(n), KP), KP=KP)
+    _topk_round_kernel[(rows, 1)](cand, nv, out, out, n, 0, k, FROM_SCORES=False, FINAL=True, C=max(p2(n), KP), KP=KP,
+                                  launch_pdl=pdl())
     return out

@@ -33,7 +33,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import dot_f32, p2, sms, split_buffers, split_k, splitk_store, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_buffers, split_k, splitk_store, tf32_exact
 
 
 
@@ -44,6 +44,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: tl.con
     """Tile (pid_m, pid_n) over the K chunk pid_s * KCH ..: stores y (DIRECT) or a split-K partial.
     F32: float32 products of the operands' exact fp32 upcasts (`dot_f32`, X_TF32 / W_TF32 per operand
     dtype); else a dot in x's dtype of x and w.to(x.dtype), products exact in the fp32 accumulator."""
+    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -77,6 +78,7 @@ def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: t
     instructions per step, 324 of them shuffles; 154 deferred, offline sm_90 compile), and on the H200
     (2026-11-29, graph-timed, fp32 [N, 4096]) M 1 N 2048 went 25.7 -> 15.5 us, M 4 N 1024 23.6 -> 10.2,
     M 8 N 2048 85.1 -> 21.8 (M 1 N 512: 10.3 -> 11.4)."""
+    pdl_wait()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = tl.arange(0, BM).to(tl.int64)
@@ -113,6 +115,7 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
     form exact products in the fp32 accumulator: the sum of fp32 products, as the reference's
     F.linear(x, W.float()), with no fp32 copy of W (1 GB for V4's head) and at the bf16 MMA rate.
     """
+    pdl_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -156,7 +159,7 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     per, ns = split_k(triton.cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
     ws, cnt = split_buffers(y, ns, n_tiles)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK,
-                                       W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1)
+                                       W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1, launch_pdl=pdl())
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -175,7 +178,7 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     ws, cnt = split_buffers(y, ns, tiles)
     _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, F32=not native,
                          X_TF32=tf32_exact(x2), W_TF32=tf32_exact(w), DIRECT=ns == 1,
-                         num_warps=nw, num_stages=stages)
+                         num_warps=nw, num_stages=stages, launch_pdl=pdl())
 
 
 def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -205,7 +208,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
             BN, BK = 128, 64
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
-                x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET, num_warps=4, num_stages=3)
+                x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET, num_warps=4, num_stages=3,
+                launch_pdl=pdl())
         elif M <= GEMV_MAX_M:
             _gemv(x2, w, y)
         else:

@@ -26,12 +26,13 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, p2, sms, split_k, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 
 
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: tl.constexpr):
     """ws[t, s, r] = sum over k in split s of fn[r, k] * x[t, k] (r < R); ws[t, s, R] = sum x^2."""
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     r = tl.arange(0, BR)
@@ -59,6 +60,7 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
     (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product). The "ieee" form was
     an FMA loop (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile): 650 us per call at 4096 tokens
     on the H200, 159 us now (2026-11-29 prefill profiles; hc 4, D 4096)."""
+    pdl_wait()
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     mt = t < T
     sp = tl.program_id(1)
@@ -95,6 +97,7 @@ def _pick2(v, w, idx):
 def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, HC, D, NS,
                      norm_eps, hc_eps, iters, FULL: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
                      BS: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     if FULL:
@@ -172,9 +175,9 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
-                                                       X_TF32=tf32_exact(xc))
+                                                       X_TF32=tf32_exact(xc), launch_pdl=pdl())
     else:
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, launch_pdl=pdl())
     BHC = p2(HC)
     BW = p2(R + 1)
     nw = 4 if tiled else APPLY_WARPS_DECODE
@@ -184,7 +187,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     BD = max(16, min(p2(D), 1024 if tiled else 256))
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
                                               float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD,
-                                              num_warps=nw)
+                                              num_warps=nw, launch_pdl=pdl())
 
 
 @implement("hc_pre", "triton")
@@ -217,6 +220,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 @triton.jit
 def _hc_post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, HC, D, BHC: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     j = tl.arange(0, BHC)
@@ -244,5 +248,5 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
         return y
     BHC = p2(HC)
     BD = max(16, min(p2(D), 2048 // (BHC * BHC) if BHC > 1 else 1024))
-    _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD)
+    _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, launch_pdl=pdl())
     return y

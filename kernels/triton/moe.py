@@ -25,7 +25,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, key_index, p2, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
+from ._common import dot_f32, key_index, p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
 from ._common import unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -48,6 +48,7 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE:
     products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
     is a cross-thread shuffle tree every step; H200 2026-11-29, E 256, D 4096, graph-timed moe_route:
     8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2)."""
+    pdl_wait()
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -81,6 +82,7 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
                        route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                        BT: tl.constexpr, BE: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr,
                        ONE: tl.constexpr):
+    pdl_wait()
     pid = tl.program_id(0)
     t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     e = tl.arange(0, BE)
@@ -161,7 +163,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
         x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot,
-        X_TF32=tf32_exact(x))
+        X_TF32=tf32_exact(x), launch_pdl=pdl())
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))
     BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))
@@ -170,13 +172,14 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         tid2eid.contiguous() if tid2eid is not None else ws, input_ids.contiguous(),
         weights, indices, scores, T, E, ns, k, float(route_scale),
         FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None,
-        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1)
+        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1, launch_pdl=pdl())
     return weights, indices, scores
 
 
 @triton.jit
 def _moe_combine_kernel(r_ptr, s_ptr, y_ptr, K, D, RT, RK, ST, BD: tl.constexpr):
     # program (token t, channel block): Σ_j routed[t, j] in pair order, then + shared[t], in fp32
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
     m = c < D
@@ -198,7 +201,7 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
         return y
     BD = max(16, min(p2(D), 512))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, K, D, routed.stride(0), routed.stride(1),
-                                                 shared.stride(0), BD=BD)
+                                                 shared.stride(0), BD=BD, launch_pdl=pdl())
     return y
 
 
@@ -206,6 +209,7 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr,
                    BLOCK: tl.constexpr):
     # gate / up by row stride: the two halves of the w1|w3 GEMM's [P, 2I] output are read in place
+    pdl_wait()
     pid = tl.program_id(0)
     o = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     m = o < n
@@ -237,6 +241,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, N, NB, SG, SU, limit
     """Row r, quantisation blocks RB at a time as an [RB, QB] tile: the activation as `_swiglu_kernel`, its
     cast to Y_DTYPE (the unfused op's output dtype), and the act_quant of that cast value
     (`quant_e4m3_rows`, the act_quant kernel's rule). The activation itself is never stored."""
+    pdl_wait()
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * RB + tl.arange(0, RB)
     cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]
@@ -261,7 +266,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     BLOCK = 1024
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
-                                             CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK)
+                                             CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK, launch_pdl=pdl())
     return y
 
 
@@ -285,5 +290,5 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: tor
     RB = min(triton.next_power_of_2(NB), max(1, 4096 // block))
     _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, N, NB, g2.stride(0), u2.stride(0),
                                                        float(limit), Y_DTYPE=_TL_DTYPE[out_dtype], CLAMP=limit > 0,
-                                                       WEIGHT=weight is not None, QB=block, RB=RB)
+                                                       WEIGHT=weight is not None, QB=block, RB=RB, launch_pdl=pdl())
     return q, s

@@ -66,7 +66,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import moe_prefill
-from ._common import e2m1_x2p14, e8m0_f32, split_buffers, split_k, splitk_store, weight_scale_arg
+from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, split_buffers, split_k, splitk_store, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 
@@ -115,6 +115,7 @@ def _align_count_kernel(e_ptr, cnt_ptr, rank_ptr, P, E, BP: tl.constexpr, BE: tl
     """`moe_align` in two launches, parallel over chunks of BP rows (decode sizes). This one, chunk c:
     its per-expert row counts -> cnt[c, :], and each row's rank among the chunk's earlier rows of its
     expert (a BP x BP comparison) -> rank."""
+    pdl_wait()
     c = tl.program_id(0)
     i = tl.arange(0, BP)
     xs = tl.arange(0, BE)
@@ -133,6 +134,7 @@ def _align_scatter_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, bexp_ptr, P, E, NB
     ceil(count / BM)) and the rows of each expert in chunks before c; each row goes to its expert's
     start * BM + those earlier rows + its rank (rows_ptr comes prefilled with P). Blocks c*BP .. get
     their expert: #experts whose blocks end at or before the block (>= E: unused, -1)."""
+    pdl_wait()
     c = tl.program_id(0)
     xs = tl.arange(0, BE)
     cs = tl.arange(0, BC)
@@ -182,10 +184,10 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
     nc = triton.cdiv(P, BP)
     cnt = torch.empty(nc, BE, dtype=torch.int32, device=e.device)  # every chunk writes its whole row
     e = e.reshape(-1).long().contiguous()
-    _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4)
+    _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4, launch_pdl=pdl())
     BC = max(2, min(triton.next_power_of_2(nc), 8192 // BE))
     _align_scatter_kernel[(nc,)](e, cnt, rank, rows, bexp, P, E, nb, nc, BM=block_m, BP=BP, BE=BE, BC=BC,
-                                 num_warps=4)
+                                 num_warps=4, launch_pdl=pdl())
     return rows, bexp
 
 
@@ -206,6 +208,7 @@ def _block_m(P: int, E: int) -> int:
 def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # BK == 128 and BN divides 128: one A scale per (row, K block), one W scale per (N tile, K block)
+    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -274,6 +277,7 @@ def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, KS_A, BR: tl.constexpr):
     """Program (BR rows, one 128-K block): o[r, kb*128 + j] = a[r, kb*128 + 2j] x s[r, kb] for j < 64 and
     a[r, kb*128 + 2(j-64) + 1] x s[r, kb] for j >= 64, in bf16 (exact: e4m3 x 2^k). The FP4 GEMM's
     prefill form reads these even / odd halves as its two dot operands straight into shared memory."""
+    pdl_wait()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     kb = tl.program_id(1)
     mr = r < P
@@ -293,7 +297,8 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
     o = torch.empty(P, K, dtype=torch.bfloat16, device=a.device)
     if P:
         BR = 32
-        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a_s.size(1), BR=BR, num_warps=4)
+        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a_s.size(1), BR=BR, num_warps=4,
+                                                             launch_pdl=pdl())
     return o
 
 
@@ -324,6 +329,7 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # prefill tiles, offline sm_90). N_FAST (prefill): the grid has the N tiles varying fastest, so the
     # programs of one block, which read the same A rows, run together and find them in L2.
     # N_FAST: the grid's first axis is the N tile (prefill), else the block.
+    pdl_wait()
     tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
     if N_FAST:
         pid_n = tl.program_id(0)
@@ -471,6 +477,7 @@ pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of 
 @triton.jit
 def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -502,6 +509,7 @@ def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
 def _zero_rows_kernel(c_ptr, e_ptr, P, N, E, BR: tl.constexpr, BN: tl.constexpr):
     """c[p, :] = 0 for the rows p of this program whose expert id is not local (outside [0, E)); the sorted
     blocks never visit those rows. Rows with a local expert are left alone (the GEMM writes them)."""
+    pdl_wait()
     p = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     ev = tl.load(e_ptr + p, mask=p < P, other=0)
     dead = (p < P) & ((ev < 0) | (ev >= E))
@@ -518,7 +526,7 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     P, N = c.shape
     BR = 32
     BN = max(16, min(256, triton.next_power_of_2(N)))
-    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4)
+    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, launch_pdl=pdl())
 
 
 @implement("grouped_gemm", "triton")
@@ -552,7 +560,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM)
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
-            a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128)
+            a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128,
+            launch_pdl=pdl())
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
@@ -571,10 +580,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
             IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast,
-            num_warps=nw, num_stages=ns)
+            num_warps=nw, num_stages=ns, launch_pdl=pdl())
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
         _gg_float_kernel[(nb, triton.cdiv(N, BN))](
-            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32)
+            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, launch_pdl=pdl())
     return c

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import tma_ok
+from ._common import pdl, pdl_wait, tma_ok
 
 
 @triton.jit
@@ -25,6 +25,7 @@ def _gg_fp8_tma_kernel(a_ptr, as_ptr, w_desc, ws_ptr, c_ptr, rows_ptr, bexp_ptr,
                        BM: tl.constexpr, BN: tl.constexpr):
     """N tile pid0 x block pid1 (one expert's BM sorted rows), with the expert's [N, K] weights as rows
     e * N + n of the descriptor and its [N/128, K/128] block scales."""
+    pdl_wait()
     # N tiles vary fastest: consecutive programs reuse the block's gathered A rows from L2
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -67,5 +68,5 @@ def fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM):
     wd = TensorDescriptor.from_tensor(w.view(E * N, K), [128, 128])
     _gg_fp8_tma_kernel[(triton.cdiv(N, 128), bexp.numel())](
         a, a_s, wd, w_s, c, rows, bexp, a.size(0), N, K, a_s.size(1), w_s.size(2), w_s.size(1),
-        BM=BM, BN=128, num_warps=8, num_stages=4)
+        BM=BM, BN=128, num_warps=8, num_stages=4, launch_pdl=pdl())
     return c

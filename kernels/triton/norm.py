@@ -11,7 +11,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, quant_e4m3_rows, rows_2d
+from ._common import p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d
 
 
 @triton.jit
@@ -28,6 +28,7 @@ def _row_rsqrt(x_row, N, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, XS, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * XS
     y_row = y_ptr + row * N
@@ -49,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return y
     x2 = rows_2d(x, N)  # a column slice of a wider output is read in place, at its row stride
     _rms_norm_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, N, x2.stride(0), float(eps),
-                              HAS_W=weight is not None, BLOCK=min(p2(N), 4096))
+                              HAS_W=weight is not None, BLOCK=min(p2(N), 4096), launch_pdl=pdl())
     return y
 
 
@@ -61,6 +62,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, XS, NB, eps, HA
     (`quant_e4m3_rows`, the act_quant kernel's rule). All of a 4096 row's 32 blocks in one pass: a loop
     of one 128 block at a time was a chain of 32 dependent load-reduce-store rounds (17 us per row on
     the H200 at batch 1, more than the two kernels it replaced)."""
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * XS
     r = _row_rsqrt(x_row, N, eps, BLOCK)
@@ -91,5 +93,5 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
         _rms_norm_quant_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0),
                                               N // block, float(eps), HAS_W=weight is not None,
                                               BLOCK=min(p2(N), 4096), QB=block,
-                                              RB=min(p2(N // block), max(1, 4096 // block)))
+                                              RB=min(p2(N // block), max(1, 4096 // block)), launch_pdl=pdl())
     return y, q, s

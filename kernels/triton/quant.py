@@ -23,7 +23,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import p2, pow2_ceil, quant_e4m3_rows, sms, tf32_hi
+from ._common import p2, pdl, pdl_wait, pow2_ceil, quant_e4m3_rows, sms, tf32_hi
 
 
 
@@ -37,6 +37,7 @@ prompt tokens ([24576, 4096]): ~230 us per call on the H200 (2026-11-29 profile)
 @triton.jit
 def _fp8_block_kernel(x_ptr, q_ptr, s_ptr, y_ptr, NBLK, block, FAKE: tl.constexpr, BLOCK: tl.constexpr,
                       BR: tl.constexpr):
+    pdl_wait()
     i = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # block index = row * NB + block of the row
     j = tl.arange(0, BLOCK)
     m = (i[:, None] < NBLK) & (j[None, :] < block)
@@ -70,7 +71,8 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, q, s, q, nblk, block, FAKE=False, BLOCK=p2(block), BR=BR)
+        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, q, s, q, nblk, block, FAKE=False, BLOCK=p2(block), BR=BR,
+                                                    launch_pdl=pdl())
     return q, s
 
 
@@ -83,7 +85,8 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, y, y, y, nblk, block, FAKE=True, BLOCK=p2(block), BR=BR)
+        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, y, y, y, nblk, block, FAKE=True, BLOCK=p2(block), BR=BR,
+                                                    launch_pdl=pdl())
     return y
 
 
@@ -103,6 +106,7 @@ def fp4_round(v):
 
 @triton.jit
 def _fp4_fake_kernel(x_ptr, y_ptr, NBLK, block, BLOCK: tl.constexpr, BR: tl.constexpr):
+    pdl_wait()
     i = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # BR consecutive blocks, as _fp8_block_kernel
     j = tl.arange(0, BLOCK)
     m = (i[:, None] < NBLK) & (j[None, :] < block)
@@ -123,7 +127,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp4_fake_kernel[(triton.cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR)
+        _fp4_fake_kernel[(triton.cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR, launch_pdl=pdl())
     return y
 
 
@@ -134,6 +138,7 @@ def _hadamard_kernel(x_ptr, y_ptr, M, scale, N: tl.constexpr, LOGN: tl.constexpr
     # program in registers and reused for ITERS row blocks. NATIVE: bf16/fp16 x ±1 in the input dtype
     # (exact products, fp32 accumulate). Otherwise tf32 dots, exact too: bf16/fp16 values are exact in
     # tf32, and an fp32 input is first split into three tf32-exact pieces (SPLIT).
+    pdl_wait()
     pid = tl.program_id(0)
     i = tl.arange(0, N)
     a = i[:, None] & i[None, :]
@@ -179,12 +184,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         yp = torch.empty_like(xp)
         # H_16 restricted to the first N rows/cols is H_N (Sylvester); rescale 1/sqrt(N).
         _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, ITERS=1, SPLIT=split,
-                                                NATIVE=native)
+                                                NATIVE=native, launch_pdl=pdl())
         return yp[:, :N].reshape(x.shape).to(x.dtype)
     BM = 64 if N <= 128 else (32 if N <= 256 else 16)
     nblk = triton.cdiv(M, BM)
     iters = 8 if nblk >= 8 * 264 else (4 if nblk >= 4 * 264 else 1)  # amortise building S_N per program
     _hadamard_kernel[(triton.cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
                                                     ITERS=iters, SPLIT=split, NATIVE=native,
-                                                    num_warps=8 if N >= 128 else 4)
+                                                    num_warps=8 if N >= 128 else 4, launch_pdl=pdl())
     return y

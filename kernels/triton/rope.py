@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, rows_2d, sms, unit_last_stride
+from ._common import p2, pdl, pdl_wait, rows_2d, sms, unit_last_stride
 
 
 @triton.jit
@@ -17,6 +17,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, CS, SS, XB, XS, XH,
     # x and y by strides (last dim contiguous): the RoPE tail of a [.., head_dim] activation is rotated
     # where it lies, and y may be x (in place: each pair is read and written by the same thread). cos / sin
     # rows by stride too (CS, SS): the two halves of one gathered [T, 2, HALF] table row.
+    pdl_wait()
     t = tl.program_id(0).to(tl.int64)  # token (b, s)
     b = t // S
     sq = t % S
@@ -65,5 +66,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     BH = min(p2(H), 64 if T * triton.cdiv(H, 64) >= 2 * sms(x.device) else 16)
     _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, cos.stride(0), sin.stride(0),
                                           *_strides(x), *_strides(out),
-                                          INVERSE=bool(inverse), BH=BH, BR=p2(R // 2))
+                                          INVERSE=bool(inverse), BH=BH, BR=p2(R // 2), launch_pdl=pdl())
     return out

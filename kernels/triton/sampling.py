@@ -39,7 +39,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import key_index, p2, sort_key, tf32_hi
+from ._common import key_index, p2, pdl, pdl_wait, sort_key, tf32_hi
 
 MASK32 = 0xFFFFFFFF
 CAND = 256  # candidates of the boundary sub-bin resolved in registers (more: binary-search fallback)
@@ -125,6 +125,7 @@ def _cut(cnt, mass, c0, m0, k_eff, top_p):
 @triton.jit
 def _sample_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, ws_ptr, out_ptr, V,
                    BLOCK: tl.constexpr, HBLOCK: tl.constexpr, CB: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     temp = tl.load(temp_ptr + row).to(tl.float32)
     r = tl.arange(0, BLOCK)
@@ -254,12 +255,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     _sample_kernel[(B,)](logits.contiguous(), temperature.float().contiguous(), top_k.contiguous(),
                          top_p.float().contiguous(), seeds.contiguous(), positions.contiguous(), ws, out, V,
                          BLOCK=min(p2(V), 2048), HBLOCK=min(p2(V), 1024 if _INTERPRET else 128), CB=CAND,
-                         num_warps=8)
+                         num_warps=8, launch_pdl=pdl())
     return out
 
 
 @triton.jit
 def _logprobs_kernel(x_ptr, y_ptr, V, BLOCK: tl.constexpr):
+    pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK)
     mv = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -286,5 +288,5 @@ def logprobs(logits: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     rows = x.numel() // max(V, 1)
     if rows:
-        _logprobs_kernel[(rows,)](x, y, V, BLOCK=min(p2(V), 4096))
+        _logprobs_kernel[(rows,)](x, y, V, BLOCK=min(p2(V), 4096), launch_pdl=pdl())
     return y
