@@ -437,9 +437,17 @@ def _tied_scores(g, B, S, T):
     return s.to(DEV)
 
 
+def _topk_path(monkeypatch, path: str) -> None:
+    """Force topk_indices' rank selection (decode sizes) or its sort rounds for every problem size."""
+    mod = importlib.import_module("deepinfer_kernels.triton.indexer")
+    monkeypatch.setattr(mod, "RANK_MAX_COMPARES", 10 ** 18 if path == "rank" else -1)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("T,k", [(37, 8), (7, 10), (64, 64), (20, 5), (33, 512)])
-def test_topk_indices(seed, T, k):
+@pytest.mark.parametrize("path", ["rank", "sort"])
+@pytest.mark.parametrize("T,k", [(37, 8), (7, 10), (64, 64), (20, 5), (33, 512), (300, 40)])
+def test_topk_indices(seed, T, k, path, monkeypatch):
+    _topk_path(monkeypatch, path)
     g = gen(seed)
     B, S = 2, 3
     scores = _tied_scores(g, B, S, T)
@@ -454,6 +462,7 @@ def test_topk_indices_multi_round(seed, monkeypatch):
     import deepinfer_kernels.triton.indexer as ix
 
     monkeypatch.setattr(ix, "CHUNK", 16)
+    _topk_path(monkeypatch, "sort")
     g = gen(seed)
     T, k = 300, 5  # KP 8, chunk 16: 300 -> 152 -> 80 -> 40 -> 24 -> 16 -> final
     scores = _tied_scores(g, 2, 2, T)
@@ -773,6 +782,9 @@ def test_v4_shapes_compiled():
     check("sparse_attn", *run_both("sparse_attn", q, kv, randn(g, H), idx, D ** -0.5))
     scores = _tied_scores(g, 2, 3, 20000)
     n_valid = torch.tensor([[20000, 15000, 100], [0, 513, 19999]], device=DEV)
+    check("topk_indices", *run_both("topk_indices", scores, 512, n_valid))
+    scores = _tied_scores(g, 64, 1, 1024)  # decode: batch 64, 4096 tokens of context (rank selection)
+    n_valid = torch.randint(0, 1025, (64, 1), generator=g).to(DEV)
     check("topk_indices", *run_both("topk_indices", scores, 512, n_valid))
     logits = randn(g, 4, 129280, scale=3.0)
     args = [logits, torch.tensor([0.0, 1.0, 0.6, 1.0]), torch.tensor([0, 0, 50, 20]),

@@ -10,6 +10,12 @@ descending order. Round 1 sorts chunks of CHUNK scores and keeps each chunk's be
 keys; further rounds merge candidate lists the same way until one chunk remains, whose first k keys
 decode to indices (-1 for padding / entries past n_valid). The number of rounds depends only on
 shapes, so nothing syncs with the host.
+
+Decode-sized problems (rows x T x T <= `RANK_MAX_COMPARES`) take `_topk_rank_kernel` instead: every key's
+rank in the descending order is the number of keys above it (all keys are distinct), counted by
+comparing it against all T keys, and the index is stored at out[rank] when rank < k -- the same output
+as the sort, from cdiv(T, 16) programs per row that each compare 16 keys against T, where the sort was
+one program per row sorting all T keys (a bitonic network of log2(T)^2/2 dependent stages).
 """
 
 from __future__ import annotations
@@ -95,6 +101,38 @@ def _topk_round_kernel(src_ptr, nv_ptr, dst_ptr, out_ptr, n_src, n_dst, k,
         tl.store(dst_ptr + row * n_dst + ch * KP + r, key, mask=r < KP)
 
 
+@triton.jit
+def _topk_rank_kernel(src_ptr, nv_ptr, out_ptr, T, k, BI: tl.constexpr, BJ: tl.constexpr):
+    """Program (row, block of BI entries): each valid entry i's rank = #{valid j: key_j > key_i} (keys are
+    distinct, invalid ones -1 and below every valid key); out[row, rank] = i for rank < k. Slots from the
+    number of valid entries up to k get -1, each program the slots of its own block."""
+    pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    nv = tl.minimum(tl.load(nv_ptr + row), T)
+    vi = (i < T) & (i < nv)
+    xi = tl.load(src_ptr + row * T + i, mask=vi, other=0.0).to(tl.float32)
+    ki = tl.where(vi, sort_key(xi, i), -1)
+    above = tl.zeros([BI, BJ], tl.int32)  # counts per lane, reduced once after the loop (no per-step shuffles)
+    for j0 in range(0, nv, BJ):
+        j = j0 + tl.arange(0, BJ)
+        vj = j < nv
+        xj = tl.load(src_ptr + row * T + j, mask=vj, other=0.0).to(tl.float32)
+        kj = tl.where(vj, sort_key(xj, j), -1)
+        above += (kj[None, :] > ki[:, None]).to(tl.int32)
+    rank = tl.sum(above, 1)
+    tl.store(out_ptr + row * k + rank, i.to(tl.int64), mask=vi & (rank < k))
+    tl.store(out_ptr + row * k + i, tl.full([BI], -1, tl.int64), mask=(i >= nv) & (i < k))
+
+
+RANK_MAX_COMPARES = 1 << 24
+"""Rows x T x T (key comparisons) up to which `topk_indices` ranks instead of sorting. H200 (2026-11-30,
+graph-timed, k 512, us, sort -> rank with 16 x 256 tiles): batch 1 at T 1024 10.9 -> 3.1, T 1030 (a
+flash cache sized for 4096 + a few tokens: the sort pads to 2048 keys) 32.7 -> 5.2, T 4096 42.6 -> 8.3;
+batch 8 at T 1030 32.5 -> 7.6; batch 16 at T 1024 (2^24 compares) 11.4 -> 9.4; past it the sort wins
+(batch 64 at T 1024 11.7 against 32; batch 1 at T 16384 both ~72)."""
+RANK_BI, RANK_BJ = 16, 256
+
 CHUNK = 2048  # keys sorted per program per round (tests lower it to exercise several rounds)
 
 
@@ -107,6 +145,10 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
         return out
     sc = scores.contiguous()
     nv = n_valid.to(torch.int64).contiguous()
+    if rows * T * T <= RANK_MAX_COMPARES:
+        _topk_rank_kernel[(rows, triton.cdiv(max(T, k), RANK_BI))](sc, nv, out, T, k, BI=RANK_BI, BJ=RANK_BJ,
+                                                                   launch_pdl=pdl())
+        return out
     KP = p2(k)
     C = max(2 * KP, p2(CHUNK))
     if T <= C:
