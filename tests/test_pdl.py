@@ -1,6 +1,6 @@
-"""Programmatic dependent launch: every Triton kernel of the package is launched with `launch_pdl=pdl()` (true
-on sm_90+) and waits (`pdl_wait()`, its first statement) for the previous kernel before reading or
-writing anything.
+"""Programmatic dependent launch: every Triton kernel of the package is launched with `**pdl()` (launch_pdl on
+sm_90+) and waits (`pdl_wait()`, its first statement) for the previous kernel before reading or writing
+anything.
 
 A kernel launched with the flag but without the wait would race with its predecessor; a kernel with the
 wait but launched without the flag only loses the overlap. Both sides are checked here from the source
@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import kernels.triton as kt
 from kernels.triton import _common
@@ -41,15 +42,16 @@ def _first_statement(fn) -> str:
 
 
 def _launches(mod):
-    """(kernel name, launch_pdl expression or None, line) of every `name[grid](...)` call in mod."""
+    """(kernel name, whether it unpacks **pdl(), line) of every `name[grid](...)` call in mod."""
     tree = ast.parse(inspect.getsource(mod))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
-            kw = {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
-            yield node.func.value.id, kw.get("launch_pdl"), node.lineno
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                and isinstance(node.func.value, ast.Name):
+            unpacks = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
+            yield node.func.value.id, "pdl()" in unpacks, node.lineno
 
 
-def test_every_launch_sets_launch_pdl_and_its_kernel_waits_first():
+def test_every_launch_takes_pdl_and_its_kernel_waits_first():
     n = 0
     for mod in _modules():
         for name, flag, line in _launches(mod):
@@ -57,7 +59,7 @@ def test_every_launch_sets_launch_pdl_and_its_kernel_waits_first():
             if not _is_jit(fn):
                 continue
             n += 1
-            assert flag == "pdl()", f"{mod.__name__}:{line}: {name} launched without launch_pdl=pdl()"
+            assert flag, f"{mod.__name__}:{line}: {name} launched without **pdl()"
             assert _first_statement(fn) == "pdl_wait()", f"{mod.__name__}.{name}: first statement is not pdl_wait()"
     assert n >= 40  # every launch site of the package was seen (46 at the time of writing)
 
@@ -69,12 +71,45 @@ def test_every_kernel_waits_first():
                 assert _first_statement(fn) == "pdl_wait()", f"{mod.__name__}.{name}"
 
 
-def test_pdl_off_under_the_interpreter_and_by_env(monkeypatch):
+def test_plain_launch_under_the_interpreter_by_env_and_without_triton_support(monkeypatch):
+    """{} (no launch_pdl keyword at all: Triton releases without PDL, and ROCm's, reject it even when false)."""
     monkeypatch.setattr(_common, "INTERPRET", True)
-    assert _common.pdl() is False
+    assert _common.pdl() == {}
     monkeypatch.setattr(_common, "INTERPRET", False)
     monkeypatch.setattr(_common, "_PDL_ON", False)
-    assert _common.pdl() is False
+    assert _common.pdl() == {}
+    monkeypatch.setattr(_common, "_PDL_ON", True)
+    monkeypatch.setattr(_common, "_PDL_TRITON", False)
+    assert _common.pdl() == {}
+
+
+def test_triton_without_pdl_support_launches_plainly(monkeypatch):
+    """_common loaded against a Triton without grid dependency control (the import fails, as on releases
+    before it or forks without it): pdl() launches plainly and pdl_wait is an empty function that kernels
+    still compile / run with."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton.language.target_info", None)  # import -> ImportError
+    spec = importlib.util.spec_from_file_location("_common_no_pdl", _common.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod._PDL_TRITON is False
+    monkeypatch.setattr(mod, "INTERPRET", False)  # even when compiled
+    assert mod.pdl() == {}
+    monkeypatch.setitem(globals(), "_fallback_wait", mod.pdl_wait)  # jit functions resolve module globals
+    x = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+    _probe_kernel[(1,)](x, **mod.pdl())
+    assert x.item() == 1.0
+
+
+_fallback_wait = None
+
+
+@triton.jit
+def _probe_kernel(x_ptr):
+    _fallback_wait()
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
 
 
 @pytest.mark.gpu
@@ -103,5 +138,5 @@ def test_pdl_chain_in_a_graph_matches_eager():
         out = chain(static)
     g.replay()
     torch.cuda.synchronize()
-    assert flags == [True] * 3  # eager and captured launches alike
+    assert flags == [{"launch_pdl": True}] * 3  # eager and captured launches alike
     assert torch.equal(out, ref)

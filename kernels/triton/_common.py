@@ -8,8 +8,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
-from triton.language.target_info import cuda_capability_geq
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -19,6 +17,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 PDL_ENV = "DEEPINFER_PDL"
 _PDL_ON = os.environ.get(PDL_ENV, "1") != "0"
+try:  # a Triton with grid dependency control (3.6 and 3.9 have it); releases or forks without it launch plainly
+    from triton.language.extra.cuda import gdc_wait
+    from triton.language.target_info import cuda_capability_geq
+    from triton.backends.nvidia.compiler import CUDAOptions
+    _PDL_TRITON = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:
+    _PDL_TRITON = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,13 +31,16 @@ def _pdl_capable(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def pdl() -> bool:
-    """`launch_pdl` for every launch of this package: programmatic dependent launch, the next kernel in the
-    stream or graph is launched while this one drains and waits in `pdl_wait` for its completion.
+def pdl() -> dict:
+    """Launch options for every launch of this package (`kernel[grid](..., **pdl())`): {"launch_pdl": True}
+    -- programmatic dependent launch: the next kernel in the stream or graph is launched while this one
+    drains, and waits in `pdl_wait` for its completion -- or {} (plain launch).
 
-    True on sm_90+ CUDA devices (the current one: Triton launches there) unless DEEPINFER_PDL=0; False
-    under the interpreter. Every kernel launched with it calls `pdl_wait()` before anything else, so no
-    read or write moves ahead of the previous kernel's (tests/test_pdl.py checks both sides).
+    PDL on sm_90+ CUDA devices (the current one: Triton launches there) with a Triton that has it, unless
+    DEEPINFER_PDL=0; plain under the interpreter, on ROCm and on older Triton, which reject the
+    `launch_pdl` keyword even when false (hence a dict, not a flag). Every kernel launched with it calls
+    `pdl_wait()` before anything else, so no read or write moves ahead of the previous kernel's
+    (tests/test_pdl.py checks both sides).
 
     H200 (2026-11-30, torch 2.11 / Triton 3.6, `.device/pdl60.py`, `pdl63.py`, `run64.sh`):
     * chains of 100-200 dependent kernels in a CUDA graph: 0.3-0.4 us less per kernel boundary
@@ -45,16 +53,27 @@ def pdl() -> bool:
       batch 1 1.212 ms against 1.165, and up to 1.3x on multi-block GEMV chains, whose waiting programs
       hold SM slots (triggering before the wait let the whole chain launch at once: up to 1.9x). No kernel
       triggers."""
-    return _PDL_ON and not INTERPRET and _pdl_capable(torch.cuda.current_device())
+    if _PDL_ON and _PDL_TRITON and not INTERPRET and _pdl_capable(torch.cuda.current_device()):
+        return _PDL_LAUNCH
+    return _PLAIN_LAUNCH
 
 
-@triton.jit
-def pdl_wait():
-    """The first statement of every kernel: under programmatic dependent launch, wait until the previous
-    kernel has completed and its writes are visible (a no-op when launched without it); sm_90+ only
-    (`griddepcontrol`), compiled out elsewhere and under the interpreter."""
-    if cuda_capability_geq(9, 0):
-        gdc_wait()
+_PDL_LAUNCH, _PLAIN_LAUNCH = {"launch_pdl": True}, {}
+
+
+if _PDL_TRITON:
+    @triton.jit
+    def pdl_wait():
+        """The first statement of every kernel: under programmatic dependent launch, wait until the previous
+        kernel has completed and its writes are visible (a no-op when launched without it); sm_90+ only
+        (`griddepcontrol`), compiled out elsewhere and under the interpreter."""
+        if cuda_capability_geq(9, 0):
+            gdc_wait()
+else:
+    @triton.jit
+    def pdl_wait():
+        """No PDL in this Triton (`pdl()` launches plainly): nothing to wait for."""
+        pass
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,15 +216,15 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     kvr = kv if kvr is None else kvr
     if splits == 1:
         _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
-                                             float(scale), *packed, **meta, launch_pdl=pdl())
+                                             float(scale), *packed, **meta, **pdl())
         return o
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
-                                              float(scale), *packed, **meta, launch_pdl=pdl())
+                                              float(scale), *packed, **meta, **pdl())
     BHc, BSP = _combine_tiles(splits, H, BD)
     _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
-                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4, launch_pdl=pdl())
+                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4, **pdl())
     return o
 
 

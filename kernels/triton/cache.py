@@ -37,7 +37,7 @@ def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, value
     BD = min(p2(D), 1024)
     _kv_store_kernel[(M, triton.cdiv(D, BD))](cache, rows.contiguous(), slots.contiguous(), values,
                                               cache.size(1), D, cache.stride(0), cache.stride(1), BD=BD,
-                                              launch_pdl=pdl())
+                                              **pdl())
     return None
 
 
@@ -78,7 +78,7 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     if M:
         roff = kv_rope_offset(D, rope_dim)
         _kv_pack_kernel[(M,)](kvc, out, out.view(kv.dtype), D, nope, nope // 64, W, W // es, roff // es,
-                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=roff - nope, launch_pdl=pdl())
+                              rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim), SB=roff - nope, **pdl())
     return out
 
 
@@ -112,5 +112,5 @@ def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.d
         es = out.element_size()
         _kv_unpack_kernel[(M,)](pc, pc.view(dtype), out, head_dim, nope, nope // 64, W, W // es,
                                 kv_rope_offset(head_dim, rope_dim) // es, rope_dim, BNB=p2(nope // 64), BR=p2(rope_dim),
-                                launch_pdl=pdl())
+                                **pdl())
     return out

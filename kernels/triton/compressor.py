@@ -39,7 +39,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         return y
     BS = p2(SL)
     BD = max(16, min(p2(D), 4096 // BS))
-    _compress_pool_kernel[(B * W, triton.cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD, launch_pdl=pdl())
+    _compress_pool_kernel[(B * W, triton.cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD, **pdl())
     return y
 
 
@@ -122,5 +122,5 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     BD = max(16, min(p2(D), 2048 // BS))
     _compress_decode_kernel[(B, triton.cdiv(D, BD))](
         kv, score, ape.float().contiguous(), pos.contiguous(), rows.contiguous(), kv_state, score_state, y,
-        coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD, launch_pdl=pdl())
+        coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD, **pdl())
     return y

@@ -169,7 +169,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
         ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
-                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns, launch_pdl=pdl())
+                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns, **pdl())
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:
@@ -178,7 +178,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     part, cnt = split_buffers(c, splits, grid[0])
     _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns,
-                           launch_pdl=pdl())
+                           **pdl())
     return c
 
 
@@ -248,5 +248,5 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     part, cnt = split_buffers(c, splits, grid[0])
     _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
-                           num_warps=nw, num_stages=ns, launch_pdl=pdl())
+                           num_warps=nw, num_stages=ns, **pdl())
     return c

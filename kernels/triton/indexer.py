@@ -72,7 +72,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torc
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
     _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, BH=BH, BT=BT, BD=BD,
-                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4, launch_pdl=pdl())
+                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4, **pdl())
     return out
 
 
@@ -147,7 +147,7 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
     nv = n_valid.to(torch.int64).contiguous()
     if rows * T * T <= RANK_MAX_COMPARES:
         _topk_rank_kernel[(rows, triton.cdiv(max(T, k), RANK_BI))](sc, nv, out, T, k, BI=RANK_BI, BJ=RANK_BJ,
-                                                                   launch_pdl=pdl())
+                                                                   **pdl())
         return out
     KP = p2(k)
     C = max(2 * KP, p2(CHUNK))
@@ -156,19 +156,19 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
         # than the top-k (V4: k 512; 32 entries at 128 tokens): a 512-key sort was ~50 us on the H200
         Cf = max(p2(T), 16)
         _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP,
-                                      launch_pdl=pdl())
+                                      **pdl())
         return out
     nch = triton.cdiv(T, C)
     cand = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
     _topk_round_kernel[(rows, nch)](sc, nv, cand, out, T, nch * KP, k, FROM_SCORES=True, FINAL=False, C=C, KP=KP,
-                                    launch_pdl=pdl())
+                                    **pdl())
     n = nch * KP
     while n > C:
         nch = triton.cdiv(n, C)
         nxt = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
         _topk_round_kernel[(rows, nch)](cand, nv, nxt, out, n, nch * KP, k, FROM_SCORES=False, FINAL=False, C=C, KP=KP,
-                                        launch_pdl=pdl())
+                                        **pdl())
         cand, n = nxt, nch * KP
     _topk_round_kernel[(rows, 1)](cand, nv, out, out, n, 0, k, FROM_SCORES=False, FINAL=True, C=max(p2(n), KP), KP=KP,
-                                  launch_pdl=pdl())
+                                  **pdl())
     return out

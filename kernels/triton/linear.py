@@ -159,7 +159,7 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     per, ns = split_k(triton.cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
     ws, cnt = split_buffers(y, ns, n_tiles)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK,
-                                       W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1, launch_pdl=pdl())
+                                       W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1, **pdl())
 
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -178,7 +178,7 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     ws, cnt = split_buffers(y, ns, tiles)
     _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, F32=not native,
                          X_TF32=tf32_exact(x2), W_TF32=tf32_exact(w), DIRECT=ns == 1,
-                         num_warps=nw, num_stages=stages, launch_pdl=pdl())
+                         num_warps=nw, num_stages=stages, **pdl())
 
 
 def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -209,7 +209,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
             BN, BK = 128, 64
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
                 x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET, num_warps=4, num_stages=3,
-                launch_pdl=pdl())
+                **pdl())
         elif M <= GEMV_MAX_M:
             _gemv(x2, w, y)
         else:

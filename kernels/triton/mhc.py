@@ -175,9 +175,9 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
-                                                       X_TF32=tf32_exact(xc), launch_pdl=pdl())
+                                                       X_TF32=tf32_exact(xc), **pdl())
     else:
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, launch_pdl=pdl())
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, **pdl())
     BHC = p2(HC)
     BW = p2(R + 1)
     nw = 4 if tiled else APPLY_WARPS_DECODE
@@ -187,7 +187,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     BD = max(16, min(p2(D), 1024 if tiled else 256))
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps),
                                               float(hc_eps), int(iters), FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD,
-                                              num_warps=nw, launch_pdl=pdl())
+                                              num_warps=nw, **pdl())
 
 
 @implement("hc_pre", "triton")
@@ -248,5 +248,5 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
         return y
     BHC = p2(HC)
     BD = max(16, min(p2(D), 2048 // (BHC * BHC) if BHC > 1 else 1024))
-    _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, launch_pdl=pdl())
+    _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, **pdl())
     return y

@@ -163,7 +163,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
         x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot,
-        X_TF32=tf32_exact(x), launch_pdl=pdl())
+        X_TF32=tf32_exact(x), **pdl())
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))
     BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))
@@ -172,7 +172,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         tid2eid.contiguous() if tid2eid is not None else ws, input_ids.contiguous(),
         weights, indices, scores, T, E, ns, k, float(route_scale),
         FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None,
-        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1, launch_pdl=pdl())
+        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1, **pdl())
     return weights, indices, scores
 
 
@@ -201,7 +201,7 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
         return y
     BD = max(16, min(p2(D), 512))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, K, D, routed.stride(0), routed.stride(1),
-                                                 shared.stride(0), BD=BD, launch_pdl=pdl())
+                                                 shared.stride(0), BD=BD, **pdl())
     return y
 
 
@@ -266,7 +266,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     BLOCK = 1024
     _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
-                                             CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK, launch_pdl=pdl())
+                                             CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK, **pdl())
     return y
 
 
@@ -290,5 +290,5 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: tor
     RB = min(triton.next_power_of_2(NB), max(1, 4096 // block))
     _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, N, NB, g2.stride(0), u2.stride(0),
                                                        float(limit), Y_DTYPE=_TL_DTYPE[out_dtype], CLAMP=limit > 0,
-                                                       WEIGHT=weight is not None, QB=block, RB=RB, launch_pdl=pdl())
+                                                       WEIGHT=weight is not None, QB=block, RB=RB, **pdl())
     return q, s

@@ -184,10 +184,10 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
     nc = triton.cdiv(P, BP)
     cnt = torch.empty(nc, BE, dtype=torch.int32, device=e.device)  # every chunk writes its whole row
     e = e.reshape(-1).long().contiguous()
-    _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4, launch_pdl=pdl())
+    _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4, **pdl())
     BC = max(2, min(triton.next_power_of_2(nc), 8192 // BE))
     _align_scatter_kernel[(nc,)](e, cnt, rank, rows, bexp, P, E, nb, nc, BM=block_m, BP=BP, BE=BE, BC=BC,
-                                 num_warps=4, launch_pdl=pdl())
+                                 num_warps=4, **pdl())
     return rows, bexp
 
 
@@ -298,7 +298,7 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
     if P:
         BR = 32
         _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a_s.size(1), BR=BR, num_warps=4,
-                                                             launch_pdl=pdl())
+                                                             **pdl())
     return o
 
 
@@ -526,7 +526,7 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     P, N = c.shape
     BR = 32
     BN = max(16, min(256, triton.next_power_of_2(N)))
-    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, launch_pdl=pdl())
+    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, **pdl())
 
 
 @implement("grouped_gemm", "triton")
@@ -561,7 +561,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
             a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128,
-            launch_pdl=pdl())
+            **pdl())
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
@@ -580,10 +580,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
             IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast,
-            num_warps=nw, num_stages=ns, launch_pdl=pdl())
+            num_warps=nw, num_stages=ns, **pdl())
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
         _gg_float_kernel[(nb, triton.cdiv(N, BN))](
-            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, launch_pdl=pdl())
+            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, **pdl())
     return c

@@ -68,5 +68,5 @@ def fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM):
     wd = TensorDescriptor.from_tensor(w.view(E * N, K), [128, 128])
     _gg_fp8_tma_kernel[(triton.cdiv(N, 128), bexp.numel())](
         a, a_s, wd, w_s, c, rows, bexp, a.size(0), N, K, a_s.size(1), w_s.size(2), w_s.size(1),
-        BM=BM, BN=128, num_warps=8, num_stages=4, launch_pdl=pdl())
+        BM=BM, BN=128, num_warps=8, num_stages=4, **pdl())
     return c

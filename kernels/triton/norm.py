@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return y
     x2 = rows_2d(x, N)  # a column slice of a wider output is read in place, at its row stride
     _rms_norm_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, N, x2.stride(0), float(eps),
-                              HAS_W=weight is not None, BLOCK=min(p2(N), 4096), launch_pdl=pdl())
+                              HAS_W=weight is not None, BLOCK=min(p2(N), 4096), **pdl())
     return y
 
 
@@ -93,5 +93,5 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
         _rms_norm_quant_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0),
                                               N // block, float(eps), HAS_W=weight is not None,
                                               BLOCK=min(p2(N), 4096), QB=block,
-                                              RB=min(p2(N // block), max(1, 4096 // block)), launch_pdl=pdl())
+                                              RB=min(p2(N // block), max(1, 4096 // block)), **pdl())
     return y, q, s

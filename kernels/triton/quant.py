@@ -72,7 +72,7 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     if nblk:
         BR = _per_program(nblk, x.device)
         _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, q, s, q, nblk, block, FAKE=False, BLOCK=p2(block), BR=BR,
-                                                    launch_pdl=pdl())
+                                                    **pdl())
     return q, s
 
 
@@ -86,7 +86,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     if nblk:
         BR = _per_program(nblk, x.device)
         _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, y, y, y, nblk, block, FAKE=True, BLOCK=p2(block), BR=BR,
-                                                    launch_pdl=pdl())
+                                                    **pdl())
     return y
 
 
@@ -127,7 +127,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp4_fake_kernel[(triton.cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR, launch_pdl=pdl())
+        _fp4_fake_kernel[(triton.cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR, **pdl())
     return y
 
 
@@ -184,12 +184,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         yp = torch.empty_like(xp)
         # H_16 restricted to the first N rows/cols is H_N (Sylvester); rescale 1/sqrt(N).
         _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, ITERS=1, SPLIT=split,
-                                                NATIVE=native, launch_pdl=pdl())
+                                                NATIVE=native, **pdl())
         return yp[:, :N].reshape(x.shape).to(x.dtype)
     BM = 64 if N <= 128 else (32 if N <= 256 else 16)
     nblk = triton.cdiv(M, BM)
     iters = 8 if nblk >= 8 * 264 else (4 if nblk >= 4 * 264 else 1)  # amortise building S_N per program
     _hadamard_kernel[(triton.cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
                                                     ITERS=iters, SPLIT=split, NATIVE=native,
-                                                    num_warps=8 if N >= 128 else 4, launch_pdl=pdl())
+                                                    num_warps=8 if N >= 128 else 4, **pdl())
     return y

@@ -66,5 +66,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     BH = min(p2(H), 64 if T * triton.cdiv(H, 64) >= 2 * sms(x.device) else 16)
     _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, cos.stride(0), sin.stride(0),
                                           *_strides(x), *_strides(out),
-                                          INVERSE=bool(inverse), BH=BH, BR=p2(R // 2), launch_pdl=pdl())
+                                          INVERSE=bool(inverse), BH=BH, BR=p2(R // 2), **pdl())
     return out

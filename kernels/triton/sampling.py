@@ -255,7 +255,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     _sample_kernel[(B,)](logits.contiguous(), temperature.float().contiguous(), top_k.contiguous(),
                          top_p.float().contiguous(), seeds.contiguous(), positions.contiguous(), ws, out, V,
                          BLOCK=min(p2(V), 2048), HBLOCK=min(p2(V), 1024 if _INTERPRET else 128), CB=CAND,
-                         num_warps=8, launch_pdl=pdl())
+                         num_warps=8, **pdl())
     return out
 
 
@@ -288,5 +288,5 @@ def logprobs(logits: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     rows = x.numel() // max(V, 1)
     if rows:
-        _logprobs_kernel[(rows,)](x, y, V, BLOCK=min(p2(V), 4096), launch_pdl=pdl())
+        _logprobs_kernel[(rows,)](x, y, V, BLOCK=min(p2(V), 4096), **pdl())
     return y
