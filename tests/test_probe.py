@@ -40,6 +40,8 @@ def test_probe_triton_json_compile_target_passes_without_gpu():
                  "fp8e4nv cast with block scale", "int64 comparison (CDF sampling)"):
         assert checks[name]["status"] in ("pass", "fail", "skip"), checks[name]
     assert checks["elementwise"]["status"] == "pass"
+    pdl = checks["programmatic dependent launch"]  # Triton 3.6+ has grid dependency control
+    assert pdl["status"] == "pass" and pdl["value"] is True, pdl
     assert p.returncode == (0 if d["ok"] else 1)
     import torch
 

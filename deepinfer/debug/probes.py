@@ -169,6 +169,29 @@ def _subprocess_checks(what: str, device: str, interpret: bool, timeout: float =
     return json.loads(line)["checks"], how
 
 
+def _pdl_check(cuda: bool) -> dict:
+    """Whether the Triton kernels launch with programmatic dependent launch here (`deepinfer_kernels.triton.
+    _common.pdl`): needs grid dependency control in this Triton, an sm_90+ CUDA device, DEEPINFER_PDL != 0."""
+    row = {"check": "programmatic dependent launch", "mode": "in process", "value": False}
+    try:
+        from deepinfer_kernels.triton import _common as kc
+    except Exception as e:  # noqa: BLE001 - reported as the row's failure
+        return {**row, "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"}
+    if not kc._PDL_TRITON:
+        return {**row, "status": "skip",
+                "detail": "this Triton has no grid dependency control (gdc_wait / launch_pdl): kernels launch plainly"}
+    if not kc._PDL_ON:
+        return {**row, "status": "skip", "detail": f"supported, turned off by {kc.PDL_ENV}=0"}
+    if cuda and kc._pdl_capable(torch.cuda.current_device()):
+        cap = "sm_%d%d" % torch.cuda.get_device_capability()
+        return {**row, "status": "pass", "value": True, "detail": f"every kernel launch on this {cap} device uses it"}
+    here = "no CUDA device"
+    if cuda:
+        here = "ROCm" if torch.version.hip else "sm_%d%d" % torch.cuda.get_device_capability()
+    return {**row, "status": "pass", "value": True,
+            "detail": f"supported by this Triton; used on sm_90+ CUDA devices (here: {here})"}
+
+
 def probe_triton() -> dict:
     inst = triton_install()
     out = {"probe": "triton", "install": inst, "checks": [], "ok": False}
@@ -209,6 +232,7 @@ def probe_triton() -> dict:
     for c in cc:
         c["mode"] = f"compile only ({how})"
     out["checks"] += cc
+    out["checks"].append(_pdl_check(cuda))
     out["interpreter"] = need_interp
     out["ok"] = all(c["status"] != "fail" for c in out["checks"])
     return out
