@@ -182,7 +182,7 @@ def _pdl_check(cuda: bool) -> dict:
                 "detail": "this Triton has no grid dependency control (gdc_wait / launch_pdl): kernels launch plainly"}
     if not kc._PDL_ON:
         return {**row, "status": "skip", "detail": f"supported, turned off by {kc.PDL_ENV}=0"}
-    if cuda and kc._pdl_capable(torch.cuda.current_device()):
+    if cuda and kc.pdl():
         cap = "sm_%d%d" % torch.cuda.get_device_capability()
         return {**row, "status": "pass", "value": True, "detail": f"every kernel launch on this {cap} device uses it"}
     here = "no CUDA device"

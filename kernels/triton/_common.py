@@ -27,8 +27,17 @@ except ImportError:
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
+def _sm90_nvidia_index(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def sm90_nvidia(device: torch.device | None = None) -> bool:
+    """An NVIDIA (not ROCm) CUDA device of compute capability 9.0+ (`device`, else the current one): what
+    PTX-level features need (griddepcontrol, mul.bf16x2). Cached per device index."""
+    if device is not None and device.type != "cuda":
+        return False
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _sm90_nvidia_index(index)
 
 
 def pdl() -> dict:
@@ -53,7 +62,7 @@ def pdl() -> dict:
       batch 1 1.212 ms against 1.165, and up to 1.3x on multi-block GEMV chains, whose waiting programs
       hold SM slots (triggering before the wait let the whole chain launch at once: up to 1.9x). No kernel
       triggers."""
-    if _PDL_ON and _PDL_TRITON and not INTERPRET and _pdl_capable(torch.cuda.current_device()):
+    if _PDL_ON and _PDL_TRITON and not INTERPRET and sm90_nvidia():
         return _PDL_LAUNCH
     return _PLAIN_LAUNCH
 
@@ -73,7 +82,6 @@ else:
     @triton.jit
     def pdl_wait():
         """No PDL in this Triton (`pdl()` launches plainly): nothing to wait for."""
-        pass
 
 
 @functools.lru_cache(maxsize=None)

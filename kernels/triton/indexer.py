@@ -110,7 +110,7 @@ def _topk_rank_kernel(src_ptr, nv_ptr, out_ptr, T, k, BI: tl.constexpr, BJ: tl.c
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BI + tl.arange(0, BI)
     nv = tl.minimum(tl.load(nv_ptr + row), T)
-    vi = (i < T) & (i < nv)
+    vi = i < nv  # nv <= T
     xi = tl.load(src_ptr + row * T + i, mask=vi, other=0.0).to(tl.float32)
     ki = tl.where(vi, sort_key(xi, i), -1)
     above = tl.zeros([BI, BJ], tl.int32)  # counts per lane, reduced once after the loop (no per-step shuffles)

@@ -66,7 +66,8 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import moe_prefill
-from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, split_buffers, split_k, splitk_store, weight_scale_arg
+from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
+from ._common import weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 
@@ -428,9 +429,7 @@ def _asm_ok(device: torch.device) -> bool:
     """The packed PTX FP4 decode: compiled (not the interpreter), NVIDIA (PTX: not a ROCm build), sm_90+
     (mul.rn.bf16x2), and not switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode
     runs: same values)."""
-    if _INTERPRET or device.type != "cuda" or torch.version.hip or os.environ.get("DEEPINFER_FP4_ASM", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return not _INTERPRET and os.environ.get("DEEPINFER_FP4_ASM", "1") != "0" and sm90_nvidia(device)
 
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.device
@@ -442,8 +441,8 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.de
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
     splits). Targets of 2, 4 and 8 programs per SM were within 5 %; 8 warps 10 % slower.
-    n_fast (prefill-sized blocks, BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages. Each MMA waits
-    for its result (the decoded weight tile is a register operand), so the weight decode of one program
+    n_fast (prefill-sized blocks, BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages.
+    Each MMA waits for its result (the decoded weight tile is a register operand), so the weight decode of one program
     overlaps the MMAs of others only: small programs with small shared-memory footprints, several per
     SM, won. Flash w1|w3 [256 x 4096, 4096] at 4096 prompt tokens (BM 128): 2869 us against 3878 for
     128 x 128 / 8 warps / 3 stages and 5118 for 64 x 64 with 4 stages; w2: 1583 against 2110; at 2048
