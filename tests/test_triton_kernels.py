@@ -251,6 +251,59 @@ def test_fp8_gemm(seed, M, N, K, out_dtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("B,win,n_entries,mode", [(3, 8, 0, "swa"), (4, 128, 40, "csa"), (2, 16, 1500, "hca"),
+                                                  (1, 8, 9, "csa")])
+def test_decode_slots(seed, B, win, n_entries, mode):
+    """Ring slots before and after the ring fills, CSA entries with -1 holes (taken from a strided [B, 1, k]
+    top-k view), HCA entries complete or not, rows permuted over a larger cache; 1500 entries: two blocks."""
+    g = gen(seed)
+    N = win + n_entries
+    pos = torch.randint(0, 3 * win + 4 * max(n_entries, 1), (B,), generator=g)
+    pos[0] = win // 2
+    rows = torch.randperm(B + 3, generator=g)[:B]
+    args, kw = (pos.to(DEV), rows.to(DEV), win, N), {}
+    if mode == "csa":
+        k = min(6, n_entries)
+        ent = torch.stack([torch.randperm(n_entries, generator=g)[:k] for _ in range(B)])
+        ent = torch.where(torch.rand(B, k, generator=g) < 0.3, -1, ent)
+        wide = torch.full((B, 1, 2 * k), 77)
+        wide[..., ::2] = ent.unsqueeze(1)
+        args += (wide[..., ::2].to(DEV),)  # strided: every other element
+    elif mode == "hca":
+        kw = {"n_entries": n_entries, "ratio": 4}
+    out, ref = run_both("decode_slots", *args, **kw)
+    assert out.shape == ref.shape == (1, B, win + (min(6, n_entries) if mode == "csa" else n_entries if mode == "hca" else 0))
+    assert ((ref >= 0).sum(-1) > 0).all(), "every row attends something (the test needs non-trivial rows)"
+    check("decode_slots", out, ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("T,G,R,K,dtype", [(1, 2, 128, 384, torch.float32), (3, 4, 64, 256, torch.float16),
+                                           (2, 2, 128, 256, torch.bfloat16), (70, 2, 64, 200, torch.float32),
+                                           (5, 3, 48, 128, torch.float32), (300, 2, 64, 128, torch.float16)])
+def test_fp8_grouped_linear(seed, T, G, R, K, dtype):
+    """wo_a: x a strided [T, G, K] view of [T, H, hd] (as the model passes it), the FP8 weight's products as
+    the reference's bmm on the dequantised weight. Covers split-K decode tiles (T 1-5; K 384: three K
+    blocks over two splits, a ragged K 200), 48-row groups (16-row tiles), tiles over T (70) and the
+    dequantise + bmm path (300). fp32 x: products of x and the tf32-exact weight, fp32-accurate."""
+    g = gen(seed)
+    H = 2 * G
+    x = (torch.randn(T, H, G * K // H, generator=g) * 3).to(DEV, dtype).view(T, G, K)
+    w = (torch.randn(G * R, K, generator=g) * 40).to(torch.float8_e4m3fn).to(DEV)
+    w_s = _pow2(g, -(-G * R // 128), -(-K // 128), lo=-10, hi=-4)
+    out, ref = run_both("fp8_grouped_linear", x, w, w_s)
+    assert out.shape == (T, G, R) and out.dtype == dtype
+    if dtype == torch.float32:
+        wd = w.double() * w_s.double().repeat_interleave(128, 0)[:G * R].repeat_interleave(128, 1)[:, :K]
+        exact = torch.einsum("tgk,grk->tgr", x.double(), wd.view(G, R, K))
+        mag = torch.einsum("tgk,grk->tgr", x.double().abs(), wd.abs().view(G, R, K))
+        err = (out.double() - exact).abs() / mag
+        assert err.max() < 1e-5, f"{err.max():.2e}: not fp32-accurate (or NaN)"
+    else:
+        check("fp8_grouped_linear", out, ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape,N,K,dtype", [((5,), 70, 96, torch.float32), ((2, 9), 64, 40, torch.float32),
                                              ((3,), 33, 64, torch.float16)])
 def test_linear(seed, shape, N, K, dtype):
@@ -262,6 +315,7 @@ def test_linear(seed, shape, N, K, dtype):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("M,N,K,w_dtype", [(1, 96, 512, torch.bfloat16), (9, 70, 200, torch.bfloat16),
+                                           (1, 34000, 64, torch.bfloat16),  # the LM head (wide N: x3 kernel)
                                            (40, 130, 192, torch.bfloat16), (300, 64, 256, torch.bfloat16),
                                            (40, 70, 96, torch.float32)])
 def test_linear_f32_out_from_bf16(seed, M, N, K, w_dtype):

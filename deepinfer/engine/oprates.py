@@ -30,6 +30,8 @@ def op_flops(name: str, args: tuple, kwargs: dict) -> float:
         return _gemm_flops(args[0], args[2].size(0))
     if name == "linear":
         return _gemm_flops(args[0], args[1].size(0))
+    if name == "fp8_grouped_linear":  # x [T, G, K], w [G·R, K]: each group T x R x K
+        return 2.0 * args[0].size(0) * args[1].size(0) * args[1].size(1)
     if name == "grouped_gemm":
         a, e, w = args[0], args[2], args[3]
         return 2.0 * float((e >= 0).sum()) * a.size(1) * w.size(1)
@@ -51,6 +53,9 @@ def op_shape(name: str, args: tuple) -> str:
     if name == "grouped_gemm":
         a, w = args[0], args[3]
         return f"{a.size(0)}x{w.size(1)}x{a.size(1)} E{w.size(0)}"
+    if name == "fp8_grouped_linear":
+        x, w = args[0], args[1]
+        return f"{x.size(0)}x{w.size(0) // x.size(1)}x{x.size(2)} G{x.size(1)}"
     if name in ("sparse_attn", "sparse_attn_fp8"):
         q, idx = args[0], args[3]
         return f"{q.numel() // (q.size(-1) * q.size(-2))}t {q.size(-2)}h D{q.size(-1)} K{idx.size(-1)}"
@@ -60,7 +65,8 @@ def op_shape(name: str, args: tuple) -> str:
     return ""
 
 
-OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "linear", "sparse_attn", "sparse_attn_fp8", "indexer_scores")
+OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "fp8_grouped_linear", "linear", "sparse_attn", "sparse_attn_fp8",
+       "indexer_scores")
 
 FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm")
 """Ops held against the measured FP8 matmul rate (the issue's yardstick, even where a kernel runs bf16

@@ -138,9 +138,10 @@ class Attention:
             n = self.wq_a.out_features
             self.wq_a, self.wkv = self.wq_a_kv.rows(0, n), self.wq_a_kv.rows(n, n + self.wkv.out_features)
         self.kv_norm = W.f32(prefix + "kv_norm.weight")
-        # The official convert.py dequantises wo_a to bf16: the grouped projection is a plain bmm (`_wo_a`).
-        wo_a = W.linear(prefix + "wo_a", force_float=True).weight
-        self.wo_a = wo_a.view(self.groups, cfg.o_lora_rank, -1)
+        # Grouped low-rank output projection. The official convert.py dequantises wo_a to bf16 for a bmm;
+        # held here as stored (FP8 + block scales, half the bytes a decode step streams) and run by
+        # `fp8_grouped_linear`, whose products equal the bmm's on the dequantised weight.
+        self.wo_a = W.linear(prefix + "wo_a")
         self.wo_b = W.linear(prefix + "wo_b")
         self.scale = self.hd ** -0.5
         self.compressor = self.indexer = None
@@ -210,16 +211,19 @@ class Attention:
     def _wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection, o [B, S, H, hd] -> [B, S, groups * o_lora] in o's dtype.
 
-        One batched GEMM over the groups with both operands and the output as strided views: group j reads
-        o's columns j*d .. (j+1)*d of every row in place (cuBLAS takes the row stride). The einsum form
-        ("bsgd,grd->bsgr") let bmm copy o to [groups, tokens, d] first -- a 268 MB copy per layer at 4096
-        prompt tokens on flash shapes -- and flatten copy the output back."""
+        Group j reads o's columns j*d .. (j+1)*d of every row in place (a strided [tokens, groups, d] view):
+        the einsum form ("bsgd,grd->bsgr") let bmm copy o to [groups, tokens, d] first -- a 268 MB copy per
+        layer at 4096 prompt tokens on flash shapes -- and flatten copy the output back."""
         B, S = o.shape[:2]
-        g, r = self.groups, self.wo_a.size(1)
-        og = torch.empty(B, S, g, r, dtype=o.dtype, device=o.device)
-        torch.bmm(o.reshape(B * S, g, -1).transpose(0, 1), self.wo_a.to(o.dtype).transpose(1, 2),
-                  out=og.view(B * S, g, r).transpose(0, 1))
-        return og.view(B, S, g * r)
+        g = self.groups
+        og = o.reshape(B * S, g, -1)
+        if self.wo_a.fmt == "fp8":
+            y = ops.fp8_grouped_linear(og, self.wo_a.weight, self.wo_a.scale)
+        else:  # float weight (exact numerics, float checkpoints): the same bmm in o's dtype
+            w = self.wo_a.weight.to(o.dtype).view(g, -1, og.size(-1))
+            y = torch.empty(B * S, g, w.size(1), dtype=o.dtype, device=o.device)
+            torch.bmm(og.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+        return y.view(B, S, -1)
 
     def _entries(self, kv: torch.Tensor, dtype) -> torch.Tensor:
         """Cache-form rows -> [..., head_dim] values (debug taps)."""
@@ -296,21 +300,20 @@ class Attention:
         # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
         # one batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
         # kv_cache[rows] first, without copying every row's whole cache each step.
-        pos, rows, dev = ctx.pos, ctx.rows, x.device
+        pos, rows = ctx.pos, ctx.rows
         B, _, H, D = q.shape
         win, N = self.win, self.kv_cache.size(1)
         ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0])
-
-        def window():  # ring slot w holds a position <= pos once the sequence reached it; -1 otherwise
-            w = torch.arange(win, device=dev)
-            return torch.where(w <= pos.unsqueeze(-1), w + (rows * N).unsqueeze(-1), -1).unsqueeze(1)
-
-        gidx = ctx.memo(("window", win, N), window)  # [B, 1, win], shared by every layer of this shape
+        # the slots (one launch): ring slots holding a position <= pos, then the compressed entries --
+        # CSA: the indexer's top-k (per layer), HCA: every complete entry (shared by layers of one shape)
         if self.compressor is not None:
             self.compressor.decode(x, ctx)
-            sel = self._select(x, qr, ctx, N - win)
-            base = ctx.memo(("entries", win, N), lambda: (rows * N + win).view(B, 1, 1))
-            gidx = torch.cat([gidx, torch.where(sel >= 0, sel + base, -1)], -1)
-        gidx = gidx.view(1, B, -1)
+        if self.indexer is not None:
+            gidx = ops.decode_slots(pos, rows, win, N, self.indexer(x, qr, ctx, self.name + ".indexer"))
+        elif self.compressor is not None:
+            gidx = ctx.memo(("slots", win, N, self.ratio),
+                            lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
+        else:
+            gidx = ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
         return o.view(B, 1, H, D)

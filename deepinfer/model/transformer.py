@@ -74,7 +74,7 @@ class Head:
         c = self.cfg
         x = ops.hc_head(h, self.hc.fn, self.hc.scale, self.hc.base, c.norm_eps, c.hc_eps)
         x = ops.rms_norm(x, self.norm, c.norm_eps)
-        return ops.linear(x.float(), self.weight)  # = F.linear(x.float(), W.float()): the fp32 head
+        return ops.linear(x, self.weight, out_dtype=torch.float32)  # = F.linear(x.float(), W.float())
 
 
 class MTPBlock:

@@ -148,6 +148,23 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     return (af @ wf.t()).to(out_dtype)
 
 
+@defop("fp8_grouped_linear")
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """Grouped projection with an FP8 weight, as the official code runs V4's `wo_a`: its convert step
+    dequantises the weight to the compute dtype, then y[t, g] = x[t, g] W_gᵀ per group (bmm, fp32 accumulate).
+
+    x [T, G, K] compute dtype (any strides), w [G·R, K] float8_e4m3fn (group g's rows g·R .. g·R+R-1),
+    w_s [ceil(G·R/128), ceil(K/128)] f32 (powers of two: the dequantised weight is exact in bf16)
+    -> [T, G, R] in x's dtype.
+    """
+    T, G, K = x.shape
+    N = w.size(0)
+    wd = (w.float() * _expand_block_scale(scale_f32(w_s), N, K)).to(x.dtype).view(G, N // G, K)
+    y = torch.empty(T, G, N // G, dtype=x.dtype, device=x.device)
+    torch.bmm(x.transpose(0, 1), wd.transpose(1, 2), out=y.transpose(0, 1))  # x read in place, y contiguous
+    return y
+
+
 @defop("linear")
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain y = x Wᵀ (bf16/fp32 weights, no quantisation), computed and returned in out_dtype (default
@@ -263,6 +280,29 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------------------------------- attention
+@defop("decode_slots", tol={"int64": (0.0, 0.0)})
+def decode_slots(pos: torch.Tensor, rows: torch.Tensor, win: int, n_slots: int, entries: torch.Tensor | None = None,
+                 n_entries: int = 0, ratio: int = 0) -> torch.Tensor:
+    """The cache slots each decode query attends, as rows of the layer's cache viewed as one flat sequence
+    [R x n_slots] (row r's slot i at r x n_slots + i; -1 = none).
+
+    pos [B] int64 query positions, rows [B] int64 cache rows; per row n_slots = win ring slots (position p
+    at slot p % win) then the compressed entries. -> [1, B, win + k] int64: ring slot w when it holds a
+    position <= pos (w <= pos), then the compressed entries: CSA `entries` [B, 1, k] or [B, k] (the top-k,
+    -1 = none), or HCA (`ratio`) entries j < n_entries complete at pos (j < (pos + 1) // ratio), or none.
+    """
+    base = (rows * n_slots).unsqueeze(-1)
+    w = torch.arange(win, device=pos.device)
+    idx = torch.where(w <= pos.unsqueeze(-1), w + base, -1)
+    if entries is not None:
+        e = entries.reshape(pos.size(0), -1)
+        idx = torch.cat([idx, torch.where(e >= 0, e + base + win, -1)], -1)
+    elif ratio:
+        j = torch.arange(n_entries, device=pos.device)
+        idx = torch.cat([idx, torch.where(j < ((pos + 1) // ratio).unsqueeze(-1), j + base + win, -1)], -1)
+    return idx.unsqueeze(0)
+
+
 @defop("sparse_attn", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                 scale: float) -> torch.Tensor:

@@ -249,3 +249,46 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     # fp32 dots under the interpreter too: its bf16 tl.dot is wrong, and the tile is dequantised here anyway
     ieee = q.dtype == torch.float32 or _INTERPRET
     return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed)
+
+
+@triton.jit
+def _decode_slots_kernel(pos_ptr, rows_ptr, ent_ptr, out_ptr, WIN, NSLOTS, K, L, ent_stride, ratio,
+                         MODE: tl.constexpr, BL: tl.constexpr):
+    """out[b, c] for c in one BL block of the row's L = WIN + K slots (`reference.decode_slots`); MODE 0: the
+    ring only, 1: CSA entries from ent_ptr [B, K] (row stride ent_stride), 2: HCA entries j < (pos+1)//ratio."""
+    pdl_wait()
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BL + tl.arange(0, BL)
+    p = tl.load(pos_ptr + b)
+    base = tl.load(rows_ptr + b) * NSLOTS
+    j = c - WIN
+    if MODE == 1:
+        e = tl.load(ent_ptr + b * ent_stride + j, mask=(c >= WIN) & (c < L), other=-1)
+    elif MODE == 2:
+        e = tl.where(j < (p + 1) // ratio, j, -1).to(tl.int64)
+    else:
+        e = tl.full([BL], -1, tl.int64)
+    v = tl.where(c < WIN, tl.where(c <= p, c + base, -1), tl.where(e >= 0, e + base + WIN, -1))
+    tl.store(out_ptr + b * L + c, v, mask=c < L)
+
+
+@implement("decode_slots", "triton")
+def decode_slots(pos: torch.Tensor, rows: torch.Tensor, win: int, n_slots: int, entries: torch.Tensor | None = None,
+                 n_entries: int = 0, ratio: int = 0) -> torch.Tensor:
+    B = pos.size(0)
+    pos, rows = pos.contiguous(), rows.contiguous()
+    if entries is not None:
+        entries = entries.reshape(B, -1)
+        if entries.stride(-1) != 1:
+            entries = entries.contiguous()
+        mode, K = 1, entries.size(1)
+    else:
+        mode, K = (2, n_entries) if ratio else (0, 0)
+    L = win + K
+    out = torch.empty(1, B, L, dtype=torch.int64, device=pos.device)
+    if B and L:
+        BL = min(1024, p2(L))
+        ent = entries if entries is not None else out
+        _decode_slots_kernel[(B, triton.cdiv(L, BL))](pos, rows, ent, out, win, n_slots, K, L, ent.stride(0),
+                                                      max(int(ratio), 1), MODE=mode, BL=BL, **pdl())
+    return out

@@ -49,11 +49,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
+from ._common import dot_f32, e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import sms as _sms
 
 
 
+
+
+DECODE_PROGRAMS_PER_SM = 2
+MIN_KB_PER_SPLIT = 2
+"""Decode-sized GEMMs split K until output tiles x splits ~ DECODE_PROGRAMS_PER_SM x SMs, each split at
+least MIN_KB_PER_SPLIT 128-K blocks."""
 
 
 def _config(M: int, N: int, K: int, device: torch.device):
@@ -62,7 +68,7 @@ def _config(M: int, N: int, K: int, device: torch.device):
     if M <= 64:
         BM, BN = max(16, triton.next_power_of_2(M)), 64
         tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-        splits = max(1, min(nkb // 2, triton.cdiv(2 * _sms(device), tiles)))
+        splits = max(1, min(nkb // MIN_KB_PER_SPLIT, triton.cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), tiles)))
         per = triton.cdiv(nkb, splits)
         return BM, BN, 1, triton.cdiv(nkb, per), per, 4, 3
     BM = 64 if M <= 128 else 128
@@ -250,3 +256,120 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
                            BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
                            num_warps=nw, num_stages=ns, **pdl())
     return c
+
+
+@triton.jit
+def _fp8w_group_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, R, sx_t, sx_g, KS_W, KB_PER_SPLIT,
+                       BM: tl.constexpr, BN: tl.constexpr, DOT_16: tl.constexpr, SPLIT: tl.constexpr,
+                       SWAP: tl.constexpr):
+    """C[t, n] = sum_k x[t, n // R, k] · w[n, k] · s[n // 128, k // 128] over one split of the K blocks.
+
+    One 128-K block at a time: the weight tile's e4m3 values are exact in x's 16-bit dtype (DOT_16: one dot
+    of exact products) or in tf32 (fp32 x: `dot_f32`), and the block's partial is multiplied by its
+    power-of-two scale (exact), so every product equals the reference's x · bf16(w · s). BN divides R and
+    128: a tile lies in one group and one scale row. C is [M, N] = [T, G·R], the reference's [T, G, R].
+
+    SWAP computes the tile transposed, acc[n, t] = W[n, :] · x[t, :] (as the FP4 expert GEMM): the converted
+    weight tile is the MMA's M side, which Hopper's warpgroup MMA takes from registers, instead of going
+    back through shared memory as the B operand. H200 (2026-11-30, flash wo_a, graph-timed, us, plain /
+    swapped): 1 token 15.2 / 16.3, 8: 15.5 / 16.8, 32: 17.7 / 18.3, 64: 32.7 / 22.3 -- swapped from 64 rows
+    on (`fp8_grouped_linear`)."""
+    pdl_wait()
+    pid_m, pid_n = _tile(M, N, BM, BN, 1)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, 128)
+    g = (pid_n * BN) // R
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+    kb0 = tl.program_id(1) * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, 128))
+    for kb in range(kb0, kb1):
+        k = kb * 128 + rk
+        sw = tl.load(ws_ptr + ((pid_n * BN) // 128) * KS_W + kb)
+        if SWAP:  # w [BN, 128] . x tile [128, BM]
+            w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+            a = tl.load(x_ptr + rm[None, :] * sx_t + g * sx_g + k[:, None],
+                        mask=(rm[None, :] < M) & (k[:, None] < K), other=0.0)
+            if DOT_16:
+                blk = tl.dot(w.to(a.dtype), a)
+            else:
+                blk = dot_f32(w.to(tl.float32), a.to(tl.float32), tl.zeros([BN, BM], tl.float32), True)
+        else:  # x tile [BM, 128] . w [128, BN]
+            a = tl.load(x_ptr + rm[:, None] * sx_t + g * sx_g + k[None, :],
+                        mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+            if DOT_16:
+                blk = tl.dot(a, w.to(a.dtype))
+            else:
+                blk = dot_f32(a.to(tl.float32), w.to(tl.float32), tl.zeros([BM, BN], tl.float32), False, True)
+        acc += blk * sw
+    if SWAP:
+        msk = (rn[:, None] < N) & (rm[None, :] < M)
+        off = rm[None, :] * N + rn[:, None]
+    else:
+        msk = (rm[:, None] < M) & (rn[None, :] < N)
+        off = rm[:, None] * N + rn[None, :]
+    if SPLIT:
+        splitk_store(acc, p_ptr + off, c_ptr + off, msk, tl.program_id(1), tl.num_programs(1), M * N,
+                     cnt_ptr + tl.program_id(0))
+    else:
+        tl.store(c_ptr + off, acc.to(c_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, y_ptr, N, K, KS_W, BN: tl.constexpr, BK: tl.constexpr):
+    """y[n, k] = w[n, k] · s[n // 128, k // 128] in y's dtype (BN, BK divide 128: one scale per tile)."""
+    pdl_wait()
+    rn = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = (tl.program_id(1) * BK + tl.arange(0, BK)).to(tl.int64)
+    m = (rn[:, None] < N) & (rk[None, :] < K)
+    s = tl.load(ws_ptr + ((tl.program_id(0) * BN) // 128) * KS_W + (tl.program_id(1) * BK) // 128)
+    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn[:, None] * K + rk[None, :], (w * s).to(y_ptr.dtype.element_ty), mask=m)
+
+
+W8_SWAP_MIN_BM = 64
+"""`_fp8w_group_kernel` tiles of this many tokens and more run transposed (its docstring has the timings)."""
+
+W8_TILED_MAX_M = 256
+"""Up to this many tokens `fp8_grouped_linear` runs `_fp8w_group_kernel` (decode: it streams the FP8 weight,
+half the bytes of the bf16 copy the official code holds); from here on (prefill) the weight is dequantised
+into a per-call bf16 scratch and multiplied by cuBLAS's bmm, whose bf16 rate the Triton tiles do not reach
+(the scratch costs one pass over 2x the FP8 bytes). The crossover was not measured."""
+
+
+@implement("fp8_grouped_linear", "triton")
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    T, G, K = x.shape
+    N = w.size(0)
+    R = N // G
+    assert R * G == N and w.size(1) == K, f"fp8_grouped_linear: w {tuple(w.shape)} is not [G·R, K] for x {tuple(x.shape)}"
+    w, w_s = w.contiguous(), w_s.float().contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if T > W8_TILED_MAX_M or R % 16:  # prefill (or groups no 16-row tile divides): dequantise once, cuBLAS bmm
+        wd = torch.empty(N, K, dtype=x.dtype, device=x.device)
+        _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, w_s, wd, N, K, w_s.size(1), BN=64, BK=128,
+                                                                       **pdl())
+        y = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
+        torch.bmm(x.transpose(0, 1), wd.view(G, R, K).transpose(1, 2), out=y.transpose(0, 1))
+        return y
+    y = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    BN = min(64, R & -R)  # divides R and 128: a tile in one group and one scale row
+    if T <= 64:  # decode: split K as the FP8 decode GEMM does (~2 programs per SM)
+        BM, _, _, splits, per, _, _ = _config(T, N, K, x.device)
+    else:
+        BM, splits, per = 64, 1, triton.cdiv(K, 128)
+    c = y.view(T, N)
+    grid = (triton.cdiv(T, BM) * triton.cdiv(N, BN), splits)
+    part, cnt = split_buffers(c, splits, grid[0])
+    dot16 = x.dtype in (torch.bfloat16, torch.float16) and not (_INTERPRET and x.dtype == torch.bfloat16)
+    _fp8w_group_kernel[grid](x, w, w_s, c, part, cnt, T, N, K, R, x.stride(0), x.stride(1), w_s.size(1), per,
+                             BM=BM, BN=BN, DOT_16=dot16, SPLIT=splits > 1, SWAP=BM >= W8_SWAP_MIN_BM, num_warps=4, num_stages=3,
+                             **pdl())
+    return y

@@ -7,7 +7,10 @@ y = x.to(out_dtype) @ w.to(out_dtype)ᵀ, out_dtype defaulting to x's dtype.
 
 Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
 
-* M <= 16 (decode): split-K GEMV. Grid (cdiv(N, BN), nsplit); a program owns BN weight rows and one
+* M <= 16 (decode) with 16-bit x: the tiled path below with 16-row tiles (`_native`: a tensor-core dot in
+  x's dtype forms the exact products). H200 (2026-11-30): the compressor projections ran 7-13 us in the
+  FMA GEMV, ~3x their bytes' floor.
+* M <= 16 otherwise (fp32 x): split-K GEMV. Grid (cdiv(N, BN), nsplit); a program owns BN weight rows and one
   K chunk of `per` x BK columns and does fp32 FMA products reduced with tl.sum (exact fp32 products,
   no tensor cores, no TF32). The program tile is BM x BN x BK <= 8192 (BM = p2(M) >= 2, BK = 128 so one
   fp32 weight row segment is 512 contiguous bytes); nsplit is chosen so that N tiles x splits ~ 4 x SMs
@@ -107,13 +110,14 @@ def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: t
 
 @triton.jit
 def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      DOT_BF16: tl.constexpr):
+                      DOT_BF16: tl.constexpr, X_BF16: tl.constexpr):
     """y = x Wᵀ for fp32 x and bf16 W (the LM head) at fp32 accuracy on bf16 tensor cores.
 
     x = x1 + x2 + x3 exactly, each a bf16 (round to nearest, take the exact fp32 remainder, twice:
     8 + 8 + 8 significant bits cover fp32's 24), and W is bf16 already, so the three bf16 x bf16 dots
     form exact products in the fp32 accumulator: the sum of fp32 products, as the reference's
     F.linear(x, W.float()), with no fp32 copy of W (1 GB for V4's head) and at the bf16 MMA rate.
+    X_BF16: x is bf16 already (y = x.float() Wᵀ): one dot, x1 = x.
     """
     pdl_wait()
     pid_n = tl.program_id(0)
@@ -127,7 +131,9 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
         x = tl.load(x_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
         wt = tl.trans(w)
-        if DOT_BF16:
+        if DOT_BF16 and X_BF16:
+            acc = tl.dot(x, wt, acc)
+        elif DOT_BF16:
             x1 = x.to(tl.bfloat16)
             r = x - x1.to(tl.float32)
             x2 = r.to(tl.bfloat16)
@@ -136,7 +142,7 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
             acc = tl.dot(x2, wt, acc)
             acc = tl.dot(x3, wt, acc)
         else:  # the interpreter's bf16 dot is wrong; an fp32 "ieee" dot forms the same exact products
-            acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -162,19 +168,26 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
                                        W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1, **pdl())
 
 
+def _native(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+    """The products are exact as a dot in x's 16-bit dtype: y in x's dtype (the reference's w.to(x.dtype)),
+    or fp32 y from x and w of one 16-bit dtype (16 x 16-bit products are exact in the fp32 accumulator; not
+    under the interpreter, whose bf16 dot is wrong). Otherwise fp32 operands (`dot_f32` / FMA)."""
+    return x2.dtype != torch.float32 and (y.dtype == x2.dtype or (w.dtype == x2.dtype and not _INTERPRET))
+
+
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-    """M > 16: BM x 64 tiles, K split over a third grid axis until ~2 programs per SM (the fp32
-    compressor projections at batch 64 -- [64, 4096] x [1024, 4096] -- were 16 programs streaming 1 MB
-    each: ~100 us; the same fixed-order partial reduction as the GEMV)."""
+    """BM x 64 tiles, K split over a third grid axis until ~2 programs per SM (the fp32 compressor
+    projections at batch 64 -- [64, 4096] x [1024, 4096] -- were 16 programs streaming 1 MB each: ~100 us;
+    the same fixed-order partial reduction as the GEMV). Every M > 16, and decode-sized M when the dot runs
+    in x's 16-bit dtype (`_native`): there the tensor-core dot streams the weight like the FP8 decode GEMM,
+    where the FMA GEMV's per-step reduction bound it at ~3x the bytes' floor."""
     M, K = x2.shape
     N = w.size(0)
     BM, BN, BK, nw, stages = _tile_config(M, N, K)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     per, ns = split_k(triton.cdiv(K, BK), tiles, 2 * sms(x2.device))
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), ns)
-    # fp32 y from 16-bit x and w of that dtype: a dot in their dtype forms the exact products (the
-    # interpreter's bf16 dot is wrong: fp32 there); y in x's dtype: w.to(x.dtype), fp32 x -> dot_f32
-    native = x2.dtype != torch.float32 and (y.dtype == x2.dtype or (w.dtype == x2.dtype and not _INTERPRET))
+    native = _native(x2, w, y)
     ws, cnt = split_buffers(y, ns, tiles)
     _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, F32=not native,
                          X_TF32=tf32_exact(x2), W_TF32=tf32_exact(w), DIRECT=ns == 1,
@@ -187,6 +200,8 @@ def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     532 -> 462, M 1024 N 2048 315 -> 241; 128 x 128 tiles, BK 64 or 8 warps were no better."""
     if M >= 1024:
         return 128, 64, 32, 4, 3
+    if M <= 16:  # decode: weight streaming, the FP8 decode GEMM's tile (BK 128: 256-byte bf16 row segments)
+        return 16, 64, 128, 4, 3
     return (32 if M <= 32 else 64), 64, 32, 4, 3
 
 
@@ -203,15 +218,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
         # the LM head: the x3 kernel at every M (at M = 1 the FMA GEMV streamed V4's 1 GB head at ~1 TB/s on
-        # the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it at the copy rate)
-        if x2.dtype == torch.float32 and w.dtype == torch.bfloat16:
+        # the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it at the copy rate); bf16 x into fp32 y
+        # (the head without the x.float() copy) takes it once its 128-row tiles fill the GPU
+        wide = triton.cdiv(N, 128) >= 2 * sms(x2.device)
+        if w.dtype == torch.bfloat16 and y.dtype == torch.float32 and (
+                x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and wide)):
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
             BN, BK = 128, 64
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
-                x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET, num_warps=4, num_stages=3,
+                x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET,
+                X_BF16=x2.dtype == torch.bfloat16, num_warps=4, num_stages=3,
                 **pdl())
-        elif M <= GEMV_MAX_M:
-            _gemv(x2, w, y)
+        elif M <= GEMV_MAX_M and (not _native(x2, w, y) or (_INTERPRET and x2.dtype == torch.bfloat16)):
+            _gemv(x2, w, y)  # (the interpreter's bf16 dot is wrong: bf16 decode rows take the FMA GEMV there)
         else:
             _tiled(x2, w, y)
     return y.view(*shape[:-1], N)
