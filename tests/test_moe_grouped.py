@@ -237,6 +237,34 @@ def test_fp4_decode_a_preconverted_is_bitwise_the_in_kernel_form(P, monkeypatch)
     torch.testing.assert_close(outs[1], d.ref(*args, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_grouped_gemm_one_token_rows_as_a_stride0_view(fmt):
+    """Batch-1 decode passes one token's k rows of A and its scales as an expanded (stride-0) view instead of
+    repeat_interleave copies (`MoE.dispatch_local`): the same bits as the copied rows, for the FP4 path
+    (read in place by `a_bf16_split`) and the FP8 one (copied by the op); -1 rows stay 0."""
+    _triton()
+    g = torch.Generator().manual_seed(3)
+    E, N, K, k = 8, 128, 512, 6
+    a1, s1 = act_quant(torch.randn(1, K, generator=g) * 3, 128)
+    e = torch.randperm(E, generator=g)[:k]
+    e[2] = -1
+    if fmt == "fp4":
+        w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+        w_s = float_to_e8m0(torch.exp2(torch.randint(-12, -4, (E, N, K // 32), generator=g).float()))
+    else:
+        w = (torch.randn(E, N, K, generator=g) * 40).to(torch.float8_e4m3fn)
+        w_s = torch.exp2(torch.randint(-12, -4, (E, N // 128, K // 128), generator=g).float())
+    a1, s1, e, w, w_s = (t.to(DEV) for t in (a1, s1, e, w, w_s))
+    d = REGISTRY["grouped_gemm"]
+    view = d.impls["triton"](a1.expand(k, -1), s1.expand(k, -1), e, w, w_s, out_dtype=torch.float32)
+    copied = d.impls["triton"](a1.repeat_interleave(k, 0), s1.repeat_interleave(k, 0), e, w, w_s,
+                               out_dtype=torch.float32)
+    assert torch.equal(view, copied), "the stride-0 rows were not read as the copied rows"
+    assert torch.equal(view[2], torch.zeros_like(view[2])) and (view[0] != 0).any()
+    torch.testing.assert_close(view, d.ref(a1.repeat_interleave(k, 0), s1.repeat_interleave(k, 0), e, w, w_s,
+                                           out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("fmt,P,E,N,K,n_pad,busy,adt,odt", CASES)
 def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, adt, odt):

@@ -57,9 +57,10 @@ class _Bucket:
 
     def __init__(self, size: int, spare_row: int, device):
         self.size = size
-        self.input_ids = torch.zeros(size, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.rows = torch.full((size,), spare_row, dtype=torch.long, device=device)
+        # one [3, size] buffer: a full bucket loads its inputs with one stack (one launch, not three copies)
+        self.io = torch.zeros(3, size, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.rows = self.io[0].view(size, 1), self.io[1], self.io[2]
+        self.rows.fill_(spare_row)
         self.spare_row = spare_row
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [size, V] static output of the graph
@@ -67,6 +68,10 @@ class _Bucket:
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Live rows first, padding (token 0, position 0, the spare row) after them."""
         n = input_ids.size(0)
+        parts = (input_ids.view(n), positions.view(n), rows.view(n))
+        if n == self.size and all(t.dtype == torch.long and t.device == self.io.device for t in parts):
+            torch.stack(parts, out=self.io)
+            return
         self.input_ids[:n].copy_(input_ids.view(n, 1))
         self.positions[:n].copy_(positions.view(n))
         self.rows[:n].copy_(rows.view(n))

@@ -229,8 +229,11 @@ class MoE:
         e = idx.reshape(-1)
         e = e - self.expert_offset if self.expert_offset else e
         if xq is not None and self.experts.quantised_input:
-            q, s = xq
-            a = (q.reshape(T, -1).repeat_interleave(k, dim=0), s.reshape(T, -1).repeat_interleave(k, dim=0))
+            q, s = (t.reshape(T, -1) for t in xq)
+            if T == 1:  # one token (batch-1 decode): its k rows as a stride-0 view, no copy kernels
+                a = (q.expand(k, -1), s.expand(k, -1))
+            else:
+                a = (q.repeat_interleave(k, dim=0), s.repeat_interleave(k, dim=0))
             out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
         else:
             out = self.compute_experts(xt.repeat_interleave(k, dim=0), weights.reshape(-1), e)

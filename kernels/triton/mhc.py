@@ -147,7 +147,7 @@ TILE_TOKENS = 64
 ([24, 16384] fp32 = 1.5 MB for hc_pre) once per token (~0.2 ms per call at 1024 tokens on the H200)."""
 
 
-APPLY_WARPS_DECODE = 2
+APPLY_WARPS_DECODE = 1
 """Warps of a decode-sized `_hc_apply_kernel` program. Its time is the latency of the partial sums and the
 Sinkhorn iterations on a [hc, hc] tile (20 x two row/column sums); in one warp those reductions are
 shuffles, across warps each also crosses shared memory behind a barrier."""
@@ -155,12 +155,15 @@ shuffles, across warps each also crosses shared memory behind a barrier."""
 MIX_TILE = 8192
 """fn elements (BR x BK) a decode-sized mix program reads per K step; with the token count it sets the
 number of split-K partials (ns) each apply program sums (64 at batch 1, hc 4, D 4096)."""
-APPLY_PARTIALS = 32
+APPLY_PARTIALS = 16
 """Partials per thread in one load of the apply's [BS, BW] tile. It was 4096 / BW per program (128 per
 thread in one warp: the tile spilled to local memory, offline sm_90 compile), now <= 32 per thread.
 H200 (2026-11-29, hc_pre hc 4, D 4096, graph-timed, us) from (MIX_TILE 4096, 1 apply warp, 128 per
 thread) to (8192, 2 warps, 32): batch 1 9.5 -> 8.3, batch 8 12.0 -> 8.8, batch 32 14.9 -> 13.8. Only
-bounding the tile (a loop of four loads at batch 1) was 18.5 us; 4096 / 2 warps 9.1 / 9.3 / 16.2."""
+bounding the tile (a loop of four loads at batch 1) was 18.5 us; 4096 / 2 warps 9.1 / 9.3 / 16.2.
+2026-11-30 (with PDL, `.device/hc68.py`, us at batch 1 / 8 / 64): 2 warps and 32 partials a thread 7.57 /
+8.27 / 11.43, 1 warp and 16 7.09 / 7.97 / 11.35 (1 warp and 32: 12.0 / 10.8: the tile spills; 4 warps 7.7 /
+8.6 / 11.3)."""
 
 
 def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full):

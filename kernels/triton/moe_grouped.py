@@ -67,7 +67,7 @@ from deepinfer.ops.registry import implement
 
 from . import moe_prefill
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
-from ._common import weight_scale_arg
+from ._common import unit_last_stride, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 
@@ -274,17 +274,18 @@ def _fp4_bf16(byte, scale, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, KS_A, BR: tl.constexpr):
+def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, sa_r, ss_r, BR: tl.constexpr):
     """Program (BR rows, one 128-K block): o[r, kb*128 + j] = a[r, kb*128 + 2j] x s[r, kb] for j < 64 and
     a[r, kb*128 + 2(j-64) + 1] x s[r, kb] for j >= 64, in bf16 (exact: e4m3 x 2^k). The FP4 GEMM's
-    prefill form reads these even / odd halves as its two dot operands straight into shared memory."""
+    prefill form reads these even / odd halves as its two dot operands straight into shared memory.
+    a and s are read through their row strides sa_r / ss_r: 0 for one token's rows repeated as a view."""
     pdl_wait()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     kb = tl.program_id(1)
     mr = r < P
     j = tl.arange(0, 128)
-    a = tl.load(a_ptr + r[:, None] * K + kb * 128 + j[None, :], mask=mr[:, None], other=0.0)
-    s = tl.load(as_ptr + r * KS_A + kb, mask=mr, other=0.0)
+    a = tl.load(a_ptr + r[:, None] * sa_r + kb * 128 + j[None, :], mask=mr[:, None], other=0.0)
+    s = tl.load(as_ptr + r * ss_r + kb, mask=mr, other=0.0)
     a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * s[:, None], [BR, 64, 2]))
     o = o_ptr + r[:, None] * K + kb * 128 + tl.arange(0, 64)[None, :]
     tl.store(o, a_e.to(tl.bfloat16), mask=mr[:, None])
@@ -293,13 +294,15 @@ def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, KS_A, BR: tl.constexpr):
 
 def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
     """a [P, K] e4m3 (K % 128 == 0) with its per-128 scales a_s [P, K/128] f32 -> [P, K] bf16, scaled,
-    each 128-K block as its 64 even then its 64 odd columns (`_a_bf16_split_kernel`)."""
+    each 128-K block as its 64 even then its 64 odd columns (`_a_bf16_split_kernel`). Any row strides (a
+    token's top-k rows as a stride-0 view are read in place); columns must be unit-stride."""
     P, K = a.shape
+    a, a_s = unit_last_stride(a), unit_last_stride(a_s.float())
     o = torch.empty(P, K, dtype=torch.bfloat16, device=a.device)
     if P:
         BR = 32
-        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a_s.size(1), BR=BR, num_warps=4,
-                                                             **pdl())
+        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a.stride(0), a_s.stride(0), BR=BR,
+                                                             num_warps=4, **pdl())
     return o
 
 
@@ -550,9 +553,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BM = _block_m(P, E)
         rows, bexp = align(e, E, BM)
     nb = bexp.numel()
-    a = a.contiguous()
     w = w.contiguous()
     if w.dtype == torch.float8_e4m3fn:
+        a = a.contiguous()
         assert a.dtype == torch.float8_e4m3fn and w.size(2) == K, "grouped_gemm fp8: a [P, K] fp8, w [E, N, K]"
         a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
         if moe_prefill.usable(a, w, BM):  # prefill: TMA weight tiles, promotion per 128-K block
@@ -567,13 +570,14 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         asm = _asm_ok(a.device)
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
-        a_s = a_s.float().contiguous()
         a_bf16 = K % 128 == 0 and (A_BF16_DECODE or BM >= A_BF16_MIN_BM)
+        if a_bf16:  # A and its scales converted once, read through their row strides (one token's k rows may
+            a = a_bf16_split(a, a_s)  # be a stride-0 view: no copy); the kernel reads no A scale then
+        else:
+            a, a_s = a.contiguous(), a_s.float().contiguous()
         n_fast = a_bf16 and BM >= A_BF16_MIN_BM  # prefill-sized blocks (never IDENT, never split)
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
-        if a_bf16:
-            a = a_bf16_split(a, a_s)
         grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
         _gg_fp4_kernel[grid](
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
@@ -582,6 +586,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             num_warps=nw, num_stages=ns, **pdl())
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
+        a = a.contiguous()
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
         _gg_float_kernel[(nb, triton.cdiv(N, BN))](
             a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, **pdl())
