@@ -18,14 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels.triton as kt
-from kernels.triton import _common
+# the backend under the name the registry imports it by: importing it as `kernels.triton` too would load a
+# second copy that re-registers every implementation (its own split-K tile counters, its own module state)
+kt = importlib.import_module("deepinfer_kernels.triton")
+_common = importlib.import_module("deepinfer_kernels.triton._common")
 
 
 def _modules():
     for m in pkgutil.iter_modules(kt.__path__):
         if not m.name.startswith("_"):
-            yield importlib.import_module(f"kernels.triton.{m.name}")
+            yield importlib.import_module(f"deepinfer_kernels.triton.{m.name}")
 
 
 def _is_jit(obj) -> bool:
@@ -117,7 +119,7 @@ def test_pdl_chain_in_a_graph_matches_eager():
     """A chain of dependent PDL launches (rms_norm feeding itself, weights ~U[0.5, 1.5)) gives the same
     result eagerly and replayed from a CUDA graph, bit for bit: each kernel reads its predecessor's output
     only after pdl_wait (a race would read a half-written row)."""
-    from kernels.triton.norm import rms_norm
+    from deepinfer_kernels.triton.norm import rms_norm
 
     x0 = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(4096, device="cuda") + 0.5

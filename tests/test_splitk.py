@@ -114,3 +114,36 @@ def test_grouped_fp4_split(seed, P, E):
     assert grouped._fp4_config(nb, N, K, BM, False, torch.device(DEV))[1] > 1, "shape must split K"
     out, _ = _check("grouped_gemm", (a, a_s, e, w, w_s, torch.float32))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _sum_splits_kernel(x_ptr, p_ptr, c_ptr, cnt_ptr, slab, BN: tl.constexpr):
+    """Split s contributes x[s]; the tile's last split sums them (`splitk_store`)."""
+    s = tl.program_id(0)
+    r = tl.arange(0, BN)
+    m = r < slab
+    v = tl.load(x_ptr + s * slab + r, mask=m, other=0.0)
+    common.splitk_store(v, p_ptr + r, c_ptr + r, m, s, tl.num_programs(0), slab, cnt_ptr)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4, 5, 8, 9, 11])
+def test_splitk_store_sums_in_split_order(splits):
+    """The last split's sum is ((x0 + x1) + x2) + ... in fp32, bit for bit, for split counts that do and do not
+    fill the reduction's rounds of four loads: values spread over 2^±20 so any other order rounds differently."""
+    g = torch.Generator().manual_seed(splits)
+    n = 50
+    x = (torch.randn(splits, n, generator=g) * torch.exp2(torch.randint(-20, 20, (splits, n), generator=g).float()))
+    expect = torch.zeros(n)
+    for s in range(splits):
+        expect = expect + x[s]
+    x = x.to(DEV)
+    part = torch.full((splits, n), float("nan"), device=DEV)
+    c = torch.full((n,), float("nan"), device=DEV)
+    cnt = common.tile_counters(torch.device(DEV), 1)
+    _sum_splits_kernel[(splits,)](x, part, c, cnt, n, BN=64)
+    assert torch.equal(c.cpu(), expect), f"{(c.cpu() != expect).sum().item()} of {n} sums not in split order"
+    assert int(cnt[0]) == 0, "the tile counter was not re-armed"
