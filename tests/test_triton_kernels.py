@@ -272,7 +272,8 @@ def test_decode_slots(seed, B, win, n_entries, mode):
     elif mode == "hca":
         kw = {"n_entries": n_entries, "ratio": 4}
     out, ref = run_both("decode_slots", *args, **kw)
-    assert out.shape == ref.shape == (1, B, win + (min(6, n_entries) if mode == "csa" else n_entries if mode == "hca" else 0))
+    k = {"csa": min(6, n_entries), "hca": n_entries}.get(mode, 0)
+    assert out.shape == ref.shape == (1, B, win + k)
     assert ((ref >= 0).sum(-1) > 0).all(), "every row attends something (the test needs non-trivial rows)"
     check("decode_slots", out, ref)
 

@@ -288,6 +288,7 @@ def build_decode_slots(d: Dims, phase: str, g, device):
     B = max(2, d.decode_batch)
     R = B + 2
     hca = 4 * d.ratio
+    n_hca = d.decode_ctx // hca + 1
     n_entries = d.decode_ctx // d.ratio + 1
     N = d.window + n_entries
     pos = torch.randint(0, d.decode_ctx, (B,), generator=g)
@@ -299,8 +300,7 @@ def build_decode_slots(d: Dims, phase: str, g, device):
     pos, rows, ent = pos.to(device), rows.to(device), ent.to(device)
     return [Variant("swa", (pos, rows, d.window, d.window), {}),
             Variant("csa", (pos, rows, d.window, N, ent), {}),
-            Variant("hca", (pos, rows, d.window, d.window + d.decode_ctx // hca + 1), {"n_entries": d.decode_ctx // hca + 1,
-                                                                                 "ratio": hca})]
+            Variant("hca", (pos, rows, d.window, d.window + n_hca), {"n_entries": n_hca, "ratio": hca})]
 
 
 def build_indexer_scores(d: Dims, phase: str, g, device):

@@ -1,4 +1,4 @@
-"""Block-scaled GEMMs: FP8 x FP8 (128-block scales) and FP8 x FP4 (e2m1 unpacked in-kernel).
+"""Block-scaled GEMMs: FP8 x FP8 (128-block scales), FP8 x FP4 (e2m1 unpacked in-kernel) and bf16 x FP8.
 
 C = A Wᵀ, fp32 accumulation, every product exact, so the result equals the reference's "scale first,
 then multiply" up to the fp32 summation order.
@@ -27,6 +27,11 @@ Tiling (heuristics by shape, deterministic; no autotune):
   * prefill (M > 64): the TMA kernel below on sm_90+ (`TMA_TILES`); elsewhere 128x128 output tiles
     (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4 (fp8: 32 KB of operands per stage), 1-D grid
     with a group-M swizzle (GROUP_M = 8) so that consecutive programs share weight tiles in L2.
+
+fp8_grouped_linear (V4's wo_a: bf16 activations into G groups of one FP8 weight, the official bmm on the
+dequantised weight): decode sizes stream the FP8 weight (`_fp8w_group_kernel`: e4m3 tiles converted to bf16
+in registers, exact, the block's partial times its power-of-two scale); prefill dequantises into a per-call
+bf16 scratch for cuBLAS's bmm.
 
 fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA tensor descriptors and the
 fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block
@@ -346,7 +351,8 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     T, G, K = x.shape
     N = w.size(0)
     R = N // G
-    assert R * G == N and w.size(1) == K, f"fp8_grouped_linear: w {tuple(w.shape)} is not [G·R, K] for x {tuple(x.shape)}"
+    assert R * G == N and w.size(1) == K, \
+        f"fp8_grouped_linear: w {tuple(w.shape)} is not [G·R, K] for x {tuple(x.shape)}"
     w, w_s = w.contiguous(), w_s.float().contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -370,6 +376,6 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     part, cnt = split_buffers(c, splits, grid[0])
     dot16 = x.dtype in (torch.bfloat16, torch.float16) and not (_INTERPRET and x.dtype == torch.bfloat16)
     _fp8w_group_kernel[grid](x, w, w_s, c, part, cnt, T, N, K, R, x.stride(0), x.stride(1), w_s.size(1), per,
-                             BM=BM, BN=BN, DOT_16=dot16, SPLIT=splits > 1, SWAP=BM >= W8_SWAP_MIN_BM, num_warps=4, num_stages=3,
-                             **pdl())
+                             BM=BM, BN=BN, DOT_16=dot16, SPLIT=splits > 1, SWAP=BM >= W8_SWAP_MIN_BM, num_warps=4,
+                             num_stages=3, **pdl())
     return y
