@@ -226,8 +226,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
             # bf16 x (the head as the model calls it): 128-deep K steps, 4 stages -- H200 (2026-11-30, V4's
             # 1.06 GB head, graph-timed, us): M 1 266.9 -> 240.8, M 8 268.8 -> 244.3, M 64 274.8 -> 262.2
-            # (4.4 TB/s at M 1); fp32 x keeps 64-deep steps, 3 stages (its x tile is twice the bytes: 4 stages
-            # of 64 x 128 would not fit in shared memory)
+            # (4.4 TB/s at M 1); fp32 x keeps 64-deep steps, 3 stages (its x tile is twice the bytes: at 64 rows
+            # a 128-deep stage is 64 KB, so 4 stages exceed the 228 KB of shared memory -- not measured)
             BN, BK, ns = (128, 128, 4) if x2.dtype == torch.bfloat16 else (128, 64, 3)
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
                 x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET,
