@@ -194,10 +194,15 @@ def build_hadamard(d: Dims, phase: str, g, device):
     return [Variant("index_q", (_act(g, (B, S, d.index_heads, d.index_head_dim), device),), {})]
 
 
+def _fp8_weight(g, N, K, device):
+    """A block-quantised FP8 weight [N, K] (rows spread over a decade) and its f32 power-of-two scales."""
+    w, w_sb = quant_fp8_block(torch.randn(N, K, generator=g) * 0.02 * (10 ** (torch.rand(N, 1, generator=g) - 0.5)))
+    return w.to(device), e8m0_to_float(w_sb).to(device)
+
+
 def _fp8_operands(g, M, N, K, device):
     a, a_s = act_quant(_act(g, (M, K), torch.device("cpu")), 128)
-    w, w_sb = quant_fp8_block(torch.randn(N, K, generator=g) * 0.02 * (10 ** (torch.rand(N, 1, generator=g) - 0.5)))
-    return a.to(device), a_s.to(device), w.to(device), e8m0_to_float(w_sb).to(device)
+    return (a.to(device), a_s.to(device)) + _fp8_weight(g, N, K, device)
 
 
 def build_fp8_gemm(d: Dims, phase: str, g, device):
@@ -216,7 +221,7 @@ def build_fp8_grouped_linear(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     K = d.n_heads * d.head_dim // d.o_groups
     o = _act(g, (B * S, d.n_heads, d.head_dim), device)
-    w, w_s = _fp8_operands(g, 1, d.o_groups * d.o_lora, K, device)[2:]
+    w, w_s = _fp8_weight(g, d.o_groups * d.o_lora, K, device)
     return [Variant("wo_a", (o.view(B * S, d.o_groups, K), w, w_s), {})]
 
 

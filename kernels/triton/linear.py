@@ -205,6 +205,18 @@ def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     return (32 if M <= 32 else 64), 64, 32, 4, 3
 
 
+def _head_form(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+    """The LM head's kernel (`_linear_x3_kernel`): bf16 W into fp32 y, from fp32 x at every M (at M = 1 the
+    FMA GEMV streamed V4's 1 GB head at ~1 TB/s on the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it
+    at the copy rate), or from bf16 x (the head without an x.float() copy) once its 128-row tiles fill the
+    GPU without a K split."""
+    if w.dtype != torch.bfloat16 or y.dtype != torch.float32:
+        return False
+    if x2.dtype == torch.float32:
+        return True
+    return x2.dtype == torch.bfloat16 and triton.cdiv(w.size(0), 128) >= 2 * sms(x2.device)
+
+
 @implement("linear", "triton")
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if out_dtype not in (None, x.dtype, torch.float32):
@@ -217,12 +229,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     M = x2.size(0)
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M and N:
-        # the LM head: the x3 kernel at every M (at M = 1 the FMA GEMV streamed V4's 1 GB head at ~1 TB/s on
-        # the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it at the copy rate); bf16 x into fp32 y
-        # (the head without the x.float() copy) takes it once its 128-row tiles fill the GPU
-        wide = triton.cdiv(N, 128) >= 2 * sms(x2.device)
-        if w.dtype == torch.bfloat16 and y.dtype == torch.float32 and (
-                x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and wide)):
+        if _head_form(x2, w, y):
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
             # bf16 x (the head as the model calls it): 128-deep K steps, 4 stages -- H200 (2026-11-30, V4's
             # 1.06 GB head, graph-timed, us): M 1 266.9 -> 240.8, M 8 268.8 -> 244.3, M 64 274.8 -> 262.2
