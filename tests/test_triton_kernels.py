@@ -163,6 +163,33 @@ def test_rms_norm_quant_is_norm_then_act_quant(seed, D, dtype, weighted):
     check("rms_norm_quant", *run_both("rms_norm_quant", x, w, 1e-6))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("D,R", [(20, 8), (64, 64), (48, 12)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rms_norm_rope_is_norm_then_rope(seed, heads, D, R, weighted):
+    """The fused norm + RoPE of the last R dims equals `rms_norm` then `rope` on its tail (the Triton kernels
+    back to back) bit for bit, and the reference within the op tolerance: bf16 [B, S, H, D] q heads or an
+    fp32 [B, S, D] column slice of a wider row, cos / sin as the halves of one gathered table row, R = D
+    (no unrotated dims) and R / 2 not a power of two included."""
+    g = gen(seed)
+    B, S = 2, 3
+    if heads is None:
+        x = randn(g, B, S, D + 16, scale=3.0)[..., 16:]  # strided rows, as kv in wq_a|wkv's output
+    else:
+        x = randn(g, B, S, heads, D, dtype=torch.bfloat16, scale=3.0)
+    w = randn(g, D) + 1.0 if weighted else None
+    ang = torch.rand(B, S, 2, R // 2, generator=g) * 6.28
+    cs = torch.stack([ang[:, :, 0].cos(), ang[:, :, 1].sin()], 2).to(DEV)
+    cos, sin = cs[..., 0, :], cs[..., 1, :]
+    out, ref = run_both("rms_norm_rope", x, w, 1e-6, cos, sin, R)
+    tk = REGISTRY["rms_norm"].impls["triton"](x, w, 1e-6)
+    tail = tk[..., -R:]
+    REGISTRY["rope"].impls["triton"](tail, cos, sin, out=tail)
+    assert out.is_contiguous() and torch.equal(out, tk)
+    check("rms_norm_rope", out, ref)
+
+
 # ------------------------------------------------------------------------------------- quantisation
 def _quant_input(g, rows, K, dtype, block):
     x = torch.randn(rows, K, generator=g) * torch.exp2(torch.randint(-12, 8, (rows, 1), generator=g).float())

@@ -254,6 +254,16 @@ def build_rope(d: Dims, phase: str, g, device):
             Variant("kv_3d", (kv, cos, sin), {})]
 
 
+def build_rms_norm_rope(d: Dims, phase: str, g, device):
+    B, S = _bs(d, phase)
+    cos, sin = _rope_tables(g, B, S, d.rope_dim, device)
+    q = _act(g, (B, S, d.n_heads, d.head_dim), device)
+    wide = _act(g, (B, S, d.q_lora + d.head_dim), device)  # kv: the column slice of wq_a|wkv's output
+    w = (1 + _w(g, (d.head_dim,), device, 0.1)).bfloat16()
+    return [Variant("q_head_unweighted", (q, None, 1e-6, cos, sin, d.rope_dim), {}),
+            Variant("kv_slice", (wide[..., d.q_lora:], w, 1e-6, cos, sin, d.rope_dim), {})]
+
+
 def build_compress_pool(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     W = 1 if phase == "decode" else max(1, S // d.ratio)

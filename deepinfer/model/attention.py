@@ -186,10 +186,10 @@ class Attention:
             qr, *qrq = ops.rms_norm_quant(qa, self.q_norm, self.eps)
         else:
             qr = ops.rms_norm(qa, self.q_norm, self.eps)
-        q = ops.rms_norm(self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd)), None, self.eps)
-        q = rope_tail_(q, rd, cos, sin)
-        kv = ops.rms_norm(kva, self.kv_norm, self.eps)
-        kv = rope_tail_(kv, rd, cos, sin)
+        # the q head norm and the kv norm, each with the RoPE of its last rd dims, in one launch
+        q = self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd))
+        q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
+        kv = ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd)
         if self.fp8_kv:  # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant)
             kv = ops.kv_pack(kv, rd)
         elif self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model.rope import rope_tail_
 from deepinfer.model.weights import Numerics, WeightSource
 from deepinfer.ops import ops
 
@@ -48,8 +47,7 @@ class Compressor:
     def _finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """pooled [B, W, d] (f32 or the compute dtype), cos/sin [B, W, rd/2] of the windows' first positions
         -> entries [B, W, d] in the compute dtype."""
-        kv = ops.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        kv = rope_tail_(kv, self.rd, cos, sin)
+        kv = ops.rms_norm_rope(pooled.to(self.numerics.dtype), self.norm, self.eps, cos, sin, self.rd)
         if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation
             kv = ops.hadamard(kv)
             if self.numerics.official:

@@ -198,6 +198,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return y.squeeze(2) if squeeze else y
 
 
+# bf16: one ulp of the norm's output (its rsqrt may differ from torch's in the last fp32 bits and flip a bf16
+# rounding) moves a rotated value by up to one ulp of the pair's larger input, ~2^-5 for normalised values < 4,
+# even where the rotated value itself is near 0
+@defop("rms_norm_rope", tol={"bfloat16": (2e-2, 2.0**-5)})
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  rd: int) -> torch.Tensor:
+    """`rms_norm`, then `rope` of the last `rd` dims of its output (V4 keeps the RoPE dims last): the q head
+    norm, the kv norm and the compressors' entry norm are each followed by this rotation.
+
+    x [B, S, H, d] or [B, S, d] (any strides), weight [d] or None, cos / sin [B, S, rd/2] -> x's shape and
+    dtype. The rotation reads the norm's output in x's dtype, as the two ops in turn do.
+    """
+    y = rms_norm(x, weight, eps)
+    tail = y[..., -rd:]
+    tail.copy_(rope(tail, cos, sin))
+    return y
+
+
 # ------------------------------------------------------------------------------ compressor, indexer
 @defop("compress_pool")
 def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

@@ -95,3 +95,55 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
                                               BLOCK=min(p2(N), 4096), QB=block,
                                               RB=min(p2(N // block), max(1, 4096 // block)), **pdl())
     return y, q, s
+
+
+@triton.jit
+def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, SS, eps, HALF, HAS_W: tl.constexpr,
+                          BLOCK: tl.constexpr, BR: tl.constexpr):
+    """Row `row` (token row // H): `_rms_norm_kernel`'s y for the first N - 2·HALF columns; the last 2·HALF
+    (the RoPE pairs) are y cast to y's dtype and rotated as `_rope_kernel` rotates them -- the two kernels'
+    bits in one launch. The pairs load as one contiguous [BR, 2] tile split in registers (stride-2 loads
+    were slow at prefill: `_rope_kernel`)."""
+    pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    x_row = x_ptr + row * XS
+    y_row = y_ptr + row * N
+    r = _row_rsqrt(x_row, N, eps, BLOCK)
+    nope = N - 2 * HALF
+    for n0 in range(0, nope, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        m = cols < nope
+        y = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) * r
+        if HAS_W:
+            y = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * y
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    i = tl.arange(0, BR)
+    mi = i < HALF
+    j = nope + tl.arange(0, 2 * BR)
+    mj = j < N
+    y = tl.load(x_row + j, mask=mj, other=0.0).to(tl.float32) * r
+    if HAS_W:
+        y = tl.load(w_ptr + j, mask=mj, other=0.0).to(tl.float32) * y
+    y0, y1 = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), [BR, 2]))
+    c = tl.load(cos_ptr + t * CS + i, mask=mi, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * SS + i, mask=mi, other=0.0).to(tl.float32)
+    rot = tl.reshape(tl.join(tl.fma(y0, c, -(y1 * s)), tl.fma(y0, s, y1 * c)), [2 * BR])  # as `_rope_kernel`
+    tl.store(y_row + j, rot.to(y_ptr.dtype.element_ty), mask=mj)
+
+
+@implement("rms_norm_rope", "triton")
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  rd: int) -> torch.Tensor:
+    N = x.size(-1)
+    assert rd % 2 == 0 and 0 < rd <= N, f"rms_norm_rope: rd {rd} must be even and within the last dim {N}"
+    H = x.size(2) if x.dim() == 4 else 1
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    x2 = rows_2d(x, N)  # q's heads, or kv as a column slice of wq_a|wkv's output, read in place
+    cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows: views of a gathered table
+    _rms_norm_rope_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, cos, sin, y, N, x2.stride(0), H,
+                                         cos.stride(0), sin.stride(0), float(eps), rd // 2,
+                                         HAS_W=weight is not None, BLOCK=min(p2(N), 4096), BR=p2(rd // 2), **pdl())
+    return y

@@ -37,8 +37,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, CS, SS, XB, XS, XH,
     xo = b * XB + sq * XS + h[:, None].to(tl.int64) * XH + j[None, :]
     yo = b * YB + sq * YS + h[:, None].to(tl.int64) * YH + j[None, :]
     x0, x1 = tl.split(tl.reshape(tl.load(x_ptr + xo, mask=m, other=0.0).to(tl.float32), [BH, BR, 2]))
-    y0 = x0 * c[None, :] - x1 * s[None, :]
-    y1 = x0 * s[None, :] + x1 * c[None, :]
+    # explicit FMAs: the compiler may contract a*b - c*d either way round, and `_rms_norm_rope_kernel`
+    # (whose inputs are products, not loads) must rotate with the same rounding
+    y0 = tl.fma(x0, c[None, :], -(x1 * s[None, :]))
+    y1 = tl.fma(x0, s[None, :], x1 * c[None, :])
     tl.store(y_ptr + yo, tl.reshape(tl.join(y0, y1), [BH, 2 * BR]).to(y_ptr.dtype.element_ty), mask=m)
 
 
