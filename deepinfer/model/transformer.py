@@ -150,8 +150,12 @@ class Transformer:
 
     def _body(self, input_ids, ctx) -> torch.Tensor:
         tap("input_ids", input_ids)
-        x = F.embedding(input_ids, self.embed)
-        h = x.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        # the hc_mult residual streams start as copies of the embedding: one gather from the table viewed as
+        # [V, hc, D] (stride 0 over hc) writes all of them, instead of an embedding then a repeat (two launches)
+        B, S = input_ids.shape
+        V, D = self.embed.shape
+        table = self.embed.unsqueeze(1).expand(V, self.cfg.hc_mult, D)
+        h = torch.index_select(table, 0, input_ids.reshape(-1)).view(B, S, self.cfg.hc_mult, D)
         for layer in self.layers:
             h = layer(h, ctx, input_ids)
         return h
