@@ -693,6 +693,31 @@ def test_moe_route(seed, score_func, mode, dtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("score_func,mode", [("sqrtsoftplus", "bias"), ("softmax", "nobias"), ("sigmoid", "hash")])
+def test_moe_route_fused_select(seed, T, score_func, mode, monkeypatch):
+    """Decode sizes select inside the logits launch (the last program of a token tile, after the others'
+    partials): the same bits as the two-launch form, the reference within tolerance, the tile counters
+    re-armed to 0 (a second call, as a graph replay, gives the same result)."""
+    g = gen(seed)
+    D, E, k, V = 1024, 64, 6, 10
+    x = randn(g, T, D, dtype=torch.bfloat16)
+    gate = (torch.randn(E, D, generator=g) * 0.05).to(DEV)
+    bias = (torch.rand(E, generator=g) * 0.1).to(DEV) if mode == "bias" else None
+    tid2eid = torch.randint(0, E, (V, k), generator=g).to(DEV) if mode == "hash" else None
+    ids = torch.randint(0, V, (T,), generator=g).to(DEV)
+    args = (x, gate, bias, tid2eid, ids, k, score_func, 2.5)
+    out, ref = run_both("moe_route", *args)
+    again = REGISTRY["moe_route"].impls["triton"](*args)
+    monkeypatch.setattr(TK.moe, "FUSED_SELECT", False)
+    two = REGISTRY["moe_route"].impls["triton"](*args)
+    for a, b, c in zip(out, again, two):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not TK._common.tile_counters(x.device, 1).any()
+    check("moe_route", out, ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("limit,dtype", [(0.0, torch.float32), (7.0, torch.float32), (1.5, torch.bfloat16)])
 def test_swiglu(seed, limit, dtype):
     g = gen(seed)

@@ -26,7 +26,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import dot_f32, key_index, p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
-from ._common import unit_last_stride
+from ._common import tile_counters, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -42,12 +42,18 @@ def _softplus(x):
 
 
 @triton.jit
-def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE: tl.constexpr,
-                       BD: tl.constexpr, DOT: tl.constexpr, X_TF32: tl.constexpr):
+def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, cnt_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr,
+                       TOPK, route_scale, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, DOT: tl.constexpr,
+                       X_TF32: tl.constexpr, SELECT: tl.constexpr, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       HASH: tl.constexpr, BE2: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr):
     """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate. The FMA form keeps the
     products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
     is a cross-thread shuffle tree every step; H200 2026-11-29, E 256, D 4096, graph-timed moe_route:
-    8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2)."""
+    8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2).
+
+    SELECT (decode sizes): the last program of a token tile to store its partial -- the one whose increment of
+    the tile's counter returns (E tiles x splits) - 1, after a barrier and a release/acquire atomic, as
+    `splitk_store` -- runs `_select` for the tile (one launch instead of two) and re-arms the counter."""
     pdl_wait()
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -75,29 +81,43 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, BT: tl.constexpr, BE:
     if not DOT:
         acc = tl.sum(acc3, 2)
     tl.store(ws_ptr + (pid_s * T + t[:, None]) * E + e[None, :], acc, mask=mt[:, None] & me[None, :])
+    if SELECT:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) * tl.num_programs(2) - 1:
+            _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, pid_t, T, E, tl.num_programs(2), TOPK,
+                    route_scale, FUNC, HAS_BIAS, HASH, BT, BE2, BKT, BS, ONE, True)
+            tl.atomic_xchg(cnt_ptr + pid_t, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, NS, TOPK,
-                       route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
-                       BT: tl.constexpr, BE: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr,
-                       ONE: tl.constexpr):
-    pdl_wait()
-    pid = tl.program_id(0)
+def _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, pid, T, E, NS, TOPK, route_scale,
+            FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+            BKT: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr, CG: tl.constexpr):
+    """Tokens pid * BT ..: sum the NS logit partials of ws [NS, T, E] in a fixed order, score, select the
+    top-k (or the hash table's experts) and their weights. CG: read the partials from L2 (`.cg`): they
+    were written by other programs of the same launch (`_moe_logits_kernel`'s fused select)."""
     t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     e = tl.arange(0, BE)
     mt = t < T
     me = e < E
     m2 = mt[:, None] & me[None, :]
     if ONE:
-        acc = tl.load(ws_ptr + t[:, None] * E + e[None, :], mask=m2, other=0.0)
+        if CG:
+            acc = tl.load(ws_ptr + t[:, None] * E + e[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+        else:
+            acc = tl.load(ws_ptr + t[:, None] * E + e[None, :], mask=m2, other=0.0)
     else:
         s = tl.arange(0, BS)
         acc3 = tl.zeros([BS, BT, BE], tl.float32)
         for s0 in range(0, NS, BS):
             ss = (s0 + s).to(tl.int64)
-            acc3 += tl.load(ws_ptr + (ss[:, None, None] * T + t[None, :, None]) * E + e[None, None, :],
-                            mask=(ss[:, None, None] < NS) & m2[None, :, :], other=0.0)
+            wp = ws_ptr + (ss[:, None, None] * T + t[None, :, None]) * E + e[None, None, :]
+            wm = (ss[:, None, None] < NS) & m2[None, :, :]
+            if CG:
+                acc3 += tl.load(wp, mask=wm, other=0.0, cache_modifier=".cg")
+            else:
+                acc3 += tl.load(wp, mask=wm, other=0.0)
         acc = tl.sum(acc3, 0)
     if FUNC == 0:
         lg = tl.where(me[None, :], acc, float("-inf"))
@@ -133,7 +153,22 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
     tl.store(i_ptr + t[:, None] * TOPK + kk[None, :], sel, mask=mo)
 
 
+
+
+@triton.jit
+def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, NS, TOPK,
+                       route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                       BT: tl.constexpr, BE: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr,
+                       ONE: tl.constexpr):
+    pdl_wait()
+    _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, tl.program_id(0), T, E, NS, TOPK, route_scale,
+            FUNC, HAS_BIAS, HASH, BT, BE, BKT, BS, ONE, False)
+
+
 GEMV_MAX_T = 16
+FUSED_SELECT = True
+"""On the GEMV path (decode sizes) the selection runs in the logits kernel's last program of each token tile
+(`_moe_logits_kernel` SELECT): one launch per routing instead of two, the same bits (`_select` either way)."""
 
 
 @implement("moe_route", "triton")
@@ -161,18 +196,20 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
     per, ns = split_k(triton.cdiv(D, BD), tiles, 2 * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
-    _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
-        x, gate_w, ws, T, E, D, per * BD, BT=BT, BE=BE, BD=BD, DOT=dot,
-        X_TF32=tf32_exact(x), **pdl())
     BE2 = max(16, p2(E))
-    BT2 = max(2, min(16, p2(T)))
-    BS = max(2, min(p2(ns), 8192 // (BT2 * BE2)))
-    _moe_select_kernel[(triton.cdiv(T, BT2),)](
-        ws, bias.contiguous() if bias is not None else ws,
-        tid2eid.contiguous() if tid2eid is not None else ws, input_ids.contiguous(),
-        weights, indices, scores, T, E, ns, k, float(route_scale),
-        FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None,
-        BT=BT2, BE=BE2, BKT=max(2, p2(k)), BS=BS, ONE=ns == 1, **pdl())
+    BT2 = max(2, min(16, p2(T)))  # == BT on the GEMV path: the fused select takes the logits' token tiles
+    sel = dict(FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None, BE2=BE2, BKT=max(2, p2(k)),
+               BS=max(2, min(p2(ns), 8192 // (BT2 * BE2))), ONE=ns == 1)
+    sel_args = (bias.contiguous() if bias is not None else ws, tid2eid.contiguous() if tid2eid is not None else ws,
+                input_ids.contiguous(), weights, indices, scores, k, float(route_scale))
+    fused = not dot and FUSED_SELECT
+    cnt = tile_counters(x.device, triton.cdiv(T, BT)) if fused else ws
+    _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
+        x, gate_w, ws, T, E, D, per * BD, cnt, *sel_args, BT=BT, BE=BE, BD=BD, DOT=dot, X_TF32=tf32_exact(x),
+        SELECT=fused, **sel, **pdl())
+    if not fused:
+        sel["BE"] = sel.pop("BE2")
+        _moe_select_kernel[(triton.cdiv(T, BT2),)](ws, *sel_args[:6], T, E, ns, *sel_args[6:], BT=BT2, **sel, **pdl())
     return weights, indices, scores
 
 
