@@ -130,7 +130,7 @@ class Compressor:
         pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
                                      self.overlap, out_dtype=self.numerics.dtype).unsqueeze(1)  # [B, 1, d]
         cos, sin = ctx.memo(("compress_first", r),
-                            lambda: ctx.rope.get("compress", (pos + 1 - r).clamp_min(0).unsqueeze(1)))
+                            lambda: ctx.rope.get("compress", (pos - (r - 1)).clamp_min_(0).unsqueeze(1)))
         entry = self._finish(pooled, cos, sin)[:, 0]
         # The window being filled owns slot pos // r (the +1 entry `allocate` adds), so its partial entry
         # is written every step and the complete one when the window completes; nothing reads an entry
