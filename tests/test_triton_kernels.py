@@ -509,6 +509,11 @@ def test_indexer_scores(seed, H, T, D, dtype):
     out, ref = run_both("indexer_scores", q, cache, w, rows)
     check("indexer_scores", out, ref)
     torch.testing.assert_close(ref, REGISTRY["indexer_scores"].ref(q, cache[rows], w))
+    # the model's form: weights_proj's bf16 output, scaled in the op as w.float() * scale
+    wb, sc = randn(g, B, S, H, dtype=torch.bfloat16), D ** -0.5 * H ** -0.5
+    out, ref = run_both("indexer_scores", q, cache, wb, rows, w_scale=sc)
+    check("indexer_scores", out, ref)
+    assert torch.equal(ref, REGISTRY["indexer_scores"].ref(q, cache, wb.float() * sc, rows))
 
 
 def _tied_scores(g, B, S, T):

@@ -323,12 +323,13 @@ def build_indexer_scores(d: Dims, phase: str, g, device):
     T = max(2, (d.decode_ctx if phase == "decode" else d.prefill_len) // d.ratio)
     q = fp4_fake_quant(torch.randn(B, S, d.index_heads, d.index_head_dim, generator=g).bfloat16(), 32)
     k = fp4_fake_quant(torch.randn(B, T, d.index_head_dim, generator=g).bfloat16(), 32)
-    w = torch.randn(B, S, d.index_heads, generator=g) * (d.index_head_dim ** -0.5 * d.index_heads ** -0.5)
-    out = [Variant("csa", (q.to(device), k.to(device), w.to(device)), {})]
+    w = torch.randn(B, S, d.index_heads, generator=g).bfloat16()  # weights_proj's output; the op scales it
+    ws = {"w_scale": d.index_head_dim ** -0.5 * d.index_heads ** -0.5}
+    out = [Variant("csa", (q.to(device), k.to(device), w.to(device)), ws)]
     if phase == "decode":  # the engine's decode form: a key cache of B + 3 rows read in place via rows
         cache = fp4_fake_quant(torch.randn(B + 3, T, d.index_head_dim, generator=g).bfloat16(), 32)
         rows = torch.randperm(B + 3, generator=g)[:B]
-        out.append(Variant("csa_cache_rows", (q.to(device), cache.to(device), w.to(device), rows.to(device)), {}))
+        out.append(Variant("csa_cache_rows", (q.to(device), cache.to(device), w.to(device), rows.to(device)), ws))
     return out
 
 

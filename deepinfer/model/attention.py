@@ -102,9 +102,9 @@ class Indexer:
         else:  # decode: score against the key cache in place (rows), no per-step gather of every row
             self.compressor.decode(x, ctx)
             keys = self.compressor.cache
-        w = self.weights_proj(x).float() * self.scale
         rows = None if ctx.prefill else ctx.rows
-        scores = ops.indexer_scores(q, keys, w, rows)  # [B, S, T]
+        # the head weights as projected; the op scales them (w.float() * scale) as it loads them
+        scores = ops.indexer_scores(q, keys, self.weights_proj(x), rows, w_scale=self.scale)  # [B, S, T]
         n_valid = ctx.memo(("n_valid", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)

@@ -264,18 +264,19 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
 
 
 @defop("indexer_scores", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)})
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """Lightning-indexer scores Σ_h w[b,s,h] · relu(q[b,s,h]·k[b,t]) in float32.
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None,
+                   w_scale: float = 1.0) -> torch.Tensor:
+    """Lightning-indexer scores Σ_h w'[b,s,h] · relu(q[b,s,h]·k[b,t]) in float32, w' = w.float() · w_scale.
 
-    q [B, S, H, D], k [B, T, D], w [B, S, H] (already scaled by D^-0.5 · H^-0.5) -> [B, S, T] f32.
+    q [B, S, H, D], k [B, T, D], w [B, S, H] (the head weights as projected; w_scale = D^-0.5 · H^-0.5, the
+    model's scale, applied in float32 as `w.float() * w_scale`) -> [B, S, T] f32.
     rows [B] int64: k is a key cache [R, T, D] and batch b scores against k[rows[b]] (decode reads the
     cache in place instead of gathering every row's keys first).
     """
     if rows is not None:
         k = k[rows]
     logits = torch.einsum("bshd,btd->bsht", q.float(), k.float())
-    return (logits.relu() * w.float().unsqueeze(-1)).sum(dim=2)
+    return (logits.relu() * (w.float() * w_scale).unsqueeze(-1)).sum(dim=2)
 
 
 @defop("topk_indices", tol={"int64": (0.0, 0.0)})

@@ -30,7 +30,7 @@ from ._common import key_index, p2, pdl, pdl_wait, sort_key
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D,
+def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D, w_scale,
                            BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
                            ROWS: tl.constexpr):
     pdl_wait()
@@ -50,14 +50,14 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D,
             acc += tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(q, k)
-    w = tl.load(w_ptr + bs * H + h, mask=h < H, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + bs * H + h, mask=h < H, other=0.0).to(tl.float32) * w_scale  # the model's w.float() * scale
     sc = tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0)
     tl.store(o_ptr + bs * T + t, sc, mask=t < T)
 
 
 @implement("indexer_scores", "triton")
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None,
+                   w_scale: float = 1.0) -> torch.Tensor:
     B, S, H, D = q.shape
     T = k.size(1)
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
@@ -71,8 +71,9 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torc
     # not T/32; the whole head dim (<= 128) per step
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
-    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, BH=BH, BT=BT, BD=BD,
-                                                        IEEE=ieee, ROWS=rows is not None, num_warps=4, **pdl())
+    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, float(w_scale), BH=BH,
+                                                        BT=BT, BD=BD, IEEE=ieee, ROWS=rows is not None, num_warps=4,
+                                                        **pdl())
     return out
 
 
