@@ -149,11 +149,11 @@ def test_dump_compare_round_trip_and_tamper(tmp_path):
                             "--ops", "^(rms_norm|act_quant|kv_store|topk_indices|moe_route|sample|fp4_gemm)$"])
     assert r.exit_code == 0, r.output
     files = sorted(os.listdir(d))
-    assert "rms_norm__tiny__decode__hidden.h5" in files and len(files) == 20
+    assert "rms_norm__tiny__decode__hidden.h5" in files and len(files) == 22
     r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(d), "--json"])
     assert r.exit_code == 0, r.output
     out = _json(r)
-    assert out["summary"]["passed"] == 20 and out["source"] == str(d)
+    assert out["summary"]["passed"] == 22 and out["source"] == str(d)
 
     import h5py
 

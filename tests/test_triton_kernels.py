@@ -802,6 +802,28 @@ def test_kv_store(seed, dtype, vdtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("D,rd,dtype", [(192, 64, torch.bfloat16), (128, 64, torch.float32), (576, 64, torch.float16)])
+def test_kv_store_packs_into_the_fp8_layout(seed, D, rd, dtype):
+    """rope_dim > 0: each entry is packed into its slot of a uint8 FP8-layout cache, byte for byte `kv_pack` then
+    the store (the reference, and the two Triton launches it replaces); other slots keep their bytes."""
+    g = gen(seed)
+    R, N, M = 3, 8, 7
+    W = REGISTRY["kv_pack"].ref(torch.zeros(1, D, dtype=dtype), rd).size(-1)
+    cache = torch.randint(0, 256, (R, N, W), generator=g, dtype=torch.uint8).to(DEV)
+    flat = torch.randperm(R * N, generator=g)[:M]
+    rows, slots = (flat // N).to(DEV), (flat % N).to(DEV)
+    values = (torch.randn(M, D, generator=g) * torch.exp2(torch.randint(-8, 4, (M, 1), generator=g).float()))
+    values = values.to(dtype).to(DEV)
+    ref_cache, tri_cache, two = cache.clone(), cache.clone(), cache.clone()
+    REGISTRY["kv_store"].ref(ref_cache, rows, slots, values, rope_dim=rd)
+    with poisoned():
+        assert REGISTRY["kv_store"].impls["triton"](tri_cache, rows, slots, values, rope_dim=rd) is None
+    REGISTRY["kv_store"].impls["triton"](two, rows, slots, REGISTRY["kv_pack"].impls["triton"](values, rd))
+    assert torch.equal(tri_cache, ref_cache) and torch.equal(tri_cache, two)
+    assert (tri_cache != cache).any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("D,rd,dtype", [(512, 64, torch.bfloat16), (128, 64, torch.float32), (1216, 64, torch.float16)])
 def test_kv_pack_bytes_and_round_trip(seed, D, rd, dtype):
     """The FP8 KV layout byte for byte (codes, scale bytes, zeroed padding, rope bytes) and its decode: the

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import tiny_config
-from deepinfer.ops.reference import act_quant, fp4_fake_quant, kv_pack, yarn_inv_freq
+from deepinfer.ops.reference import act_quant, fp4_fake_quant, kv_pack, kv_packed_width, yarn_inv_freq
 from deepinfer.quant.formats import e8m0_to_float, quant_fp4, quant_fp8_block
 
 
@@ -471,7 +471,11 @@ def build_kv_store(d: Dims, phase: str, g, device):
     rows = torch.arange(B).repeat_interleave(S)
     slots = torch.cat([torch.randperm(Nslots, generator=g)[:S] for _ in range(B)])
     values = torch.randn(M, d.head_dim, generator=g).bfloat16()
-    return [Variant("window", (cache.to(device), rows.to(device), slots.to(device), values.to(device)), {})]
+    # the FP8-layout cache (official decode): each entry packed on the way; unwritten slots keep 0xFF bytes
+    packed = torch.full((R, Nslots, kv_packed_width(d.head_dim, d.rope_dim, torch.bfloat16)), 0xFF, dtype=torch.uint8)
+    return [Variant("window", (cache.to(device), rows.to(device), slots.to(device), values.to(device)), {}),
+            Variant("window_fp8_layout", (packed.to(device), rows.to(device), slots.to(device), values.to(device)),
+                    {"rope_dim": d.rope_dim})]
 
 
 def build_sample(d: Dims, phase: str, g, device):

@@ -190,13 +190,17 @@ class Attention:
         q = self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd))
         q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
         kv = ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd)
-        if self.fp8_kv:  # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant)
-            kv = ops.kv_pack(kv, rd)
+        # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant). Decode packs in
+        # the cache write (`kv_store` with rope_dim: one launch), prefill here.
+        pack_on_store = self.fp8_kv and not ctx.prefill
+        if self.fp8_kv:
+            if not pack_on_store:
+                kv = ops.kv_pack(kv, rd)
         elif self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         tap(n + ".q", q)
         if is_active():
-            tap(n + ".kv", self._entries(kv, q.dtype))
+            tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if pack_on_store else kv, q.dtype))
         qr = (qr, qrq)
         if ctx.prefill and ctx.start:
             o = self._extend(x, q, kv, qr, ctx)
@@ -303,7 +307,8 @@ class Attention:
         pos, rows = ctx.pos, ctx.rows
         B, _, H, D = q.shape
         win, N = self.win, self.kv_cache.size(1)
-        ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0])
+        ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
+                     rope_dim=self.rd if self.fp8_kv else 0)  # FP8 layout: packed on the way
         # the slots (one launch): ring slots holding a position <= pos, then the compressed entries --
         # CSA: the indexer's top-k (per layer), HCA: every complete entry (shared by layers of one shape)
         if self.compressor is not None:

@@ -529,11 +529,16 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
 
 # ------------------------------------------------------------------------------------------- caches
 @defop("kv_store", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
-def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+             rope_dim: int = 0) -> None:
     """In-place cache write: cache[rows[i], slots[i]] = values[i].
 
     cache [R, N, D], rows [M] int64, slots [M] int64, values [M, D]. Host-sync free (graph safe).
+    rope_dim > 0: the cache is the FP8 layout (uint8 [R, N, W]) and each row is packed on the way,
+    `kv_pack(values, rope_dim)` (values [M, head_dim] in their float dtype).
     """
+    if rope_dim:
+        values = kv_pack(values, rope_dim)
     cache[rows, slots] = values.to(cache.dtype)
 
 
