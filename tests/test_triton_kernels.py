@@ -602,17 +602,9 @@ def test_sparse_attn_split(seed, B, S, H, D, K, dtype, latency, monkeypatch):
     idx[torch.rand(B, S, K, generator=g) < 0.3] = -1
     idx[0, 0] = -1
     idx[-1, -1, :150] = -1  # whole splits with nothing to attend to
-    sink = randn(g, H, scale=3.0)
-    out, ref = run_both("sparse_attn", q, kv, sink, idx.to(DEV), D ** -0.5)
+    out, ref = run_both("sparse_attn", q, kv, randn(g, H, scale=3.0), idx.to(DEV), D ** -0.5)
     check("sparse_attn", out, ref)
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
-    # the splits merge inside the attention launch (its last split per token and head block): the bits of
-    # the separate combine launch, and the tile counters re-armed (a second call, as a graph replay, agrees)
-    again = REGISTRY["sparse_attn"].impls["triton"](q, kv, sink, idx.to(DEV), D ** -0.5)
-    monkeypatch.setattr(TK.attention, "FUSED_COMBINE", False)
-    two = REGISTRY["sparse_attn"].impls["triton"](q, kv, sink, idx.to(DEV), D ** -0.5)
-    assert torch.equal(out, again) and torch.equal(out, two)
-    assert not TK._common.tile_counters(q.device, 1).any()
 
 
 @pytest.mark.parametrize("latency", [False, True])

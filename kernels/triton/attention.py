@@ -37,7 +37,7 @@ from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, p2, pdl, pdl_wait, tile_counters
+from ._common import e8m0_f32, p2, pdl, pdl_wait
 from ._common import sms as _sms
 
 
@@ -45,14 +45,9 @@ from ._common import sms as _sms
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, S, H, N, D, KSEL,
+def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL,
                         CHUNK, scale, W, WE, ROFF, NOPE, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr, COMBINE: tl.constexpr,
-                        BHC: tl.constexpr, BSP: tl.constexpr):
-    # COMBINE (split decode): the last split of each (token, head block) to store its partial -- the one whose
-    # increment of the block's counter returns splits - 1, after a barrier and a release/acquire atomic, as
-    # `splitk_store` -- merges the block's splits (`_combine`, BHC heads at a time) and re-arms the counter:
-    # no combine launch.
+                        IEEE: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr):
     pdl_wait()
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     hb = tl.program_id(1)
@@ -111,16 +106,6 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
         tl.store(ml_ptr + 2 * row, m_i, mask=mh)
         tl.store(ml_ptr + 2 * row + 1, l_i, mask=mh)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=mh[:, None] & md[None, :])
-        if COMBINE:
-            tl.debug_barrier()
-            cnt = cnt_ptr + bs * tl.num_programs(1) + hb
-            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(2) - 1:
-                for h0 in tl.static_range(0, BH, BHC):
-                    hc = hb * BH + h0 + tl.arange(0, BHC)
-                    _combine(ml_ptr, acc_ptr, sink_ptr, o_ptr, bs, hc, tl.num_programs(0), H, D,
-                             tl.num_programs(2), BHC, BD, BSP, True)
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     else:
         o = acc / l_i[:, None]
         tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -128,12 +113,14 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
 
 
 @triton.jit
-def _combine(ml_ptr, acc_ptr, sink_ptr, o_ptr, bs, h, BS, H, D, SPLITS, BH: tl.constexpr, BD: tl.constexpr,
-             BSP: tl.constexpr, CG: tl.constexpr):
-    """Merge the splits' (m, l, acc) of token bs, heads h [BH], BSP splits per load: the few splits of a
-    decode call arrive in one round of loads instead of one dependent round per split (a loop form took
-    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0. CG: the partials were
-    written by other programs of the same launch (the fused combine): read them from L2."""
+def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS,
+                                BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr):
+    """Merge the splits' (m, l, acc) of token bs, heads h, BSP splits per load: the few splits of a decode
+    call arrive in one round of loads instead of one dependent round per split (the loop form took
+    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0."""
+    pdl_wait()
+    bs = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
     sp = tl.arange(0, BSP)
     mh = h < H
@@ -144,42 +131,21 @@ def _combine(ml_ptr, acc_ptr, sink_ptr, o_ptr, bs, h, BS, H, D, SPLITS, BH: tl.c
         ss = s0 + sp
         ms = (ss[:, None] < SPLITS) & mh[None, :]
         row = (ss[:, None] * BS + bs) * H + h[None, :]  # [BSP, BH]
-        if CG:
-            mv = tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf"), cache_modifier=".cg")
-        else:
-            mv = tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf"))
-        m = tl.maximum(m, tl.max(mv, 0))
+        m = tl.maximum(m, tl.max(tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf")), 0))
     l = tl.exp(sink - m)
     acc = tl.zeros([BH, BD], tl.float32)
     for s0 in range(0, SPLITS, BSP):  # fixed shapes and order: deterministic
         ss = s0 + sp
         ms = (ss[:, None] < SPLITS) & mh[None, :]
         row = (ss[:, None] * BS + bs) * H + h[None, :]
-        pm = acc_ptr + row[:, :, None] * D + d[None, None, :]
-        mk = ms[:, :, None] & md[None, None, :]
-        if CG:
-            mv = tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf"), cache_modifier=".cg")
-            lv = tl.load(ml_ptr + 2 * row + 1, mask=ms, other=0.0, cache_modifier=".cg")
-            part = tl.load(pm, mask=mk, other=0.0, cache_modifier=".cg")
-        else:
-            mv = tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf"))
-            lv = tl.load(ml_ptr + 2 * row + 1, mask=ms, other=0.0)
-            part = tl.load(pm, mask=mk, other=0.0)
-        w = tl.exp(mv - m[None, :])
-        l += tl.sum(w * lv, 0)
+        w = tl.exp(tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf")) - m[None, :])
+        l += tl.sum(w * tl.load(ml_ptr + 2 * row + 1, mask=ms, other=0.0), 0)
+        part = tl.load(acc_ptr + row[:, :, None] * D + d[None, None, :], mask=ms[:, :, None] & md[None, None, :],
+                       other=0.0)
         acc += tl.sum(w[:, :, None] * part, 0)
     o = acc / l[:, None]
     tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=mh[:, None] & md[None, :])
-
-
-@triton.jit
-def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS,
-                                BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr):
-    """`_combine` of token program_id(0), heads program_id(1) * BH .. (the unfused form)."""
-    pdl_wait()
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    _combine(ml_ptr, acc_ptr, sink_ptr, o_ptr, tl.program_id(0).to(tl.int64), h, BS, H, D, SPLITS, BH, BD, BSP, False)
 
 
 def _combine_tiles(splits: int, H: int, BD: int) -> tuple[int, int]:
@@ -202,10 +168,6 @@ def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int
         BK = 32 if BD <= 512 else 16
     return BH, BK, 8 if BH * BD >= 8192 else 4, 2 if tokens >= 256 else 3
 
-
-FUSED_COMBINE = True
-"""Split decode merges its splits in the attention launch (`_sparse_attn_kernel` COMBINE) instead of a second
-launch; the same `_combine` either way, so the same bits."""
 
 LATENCY_TILES = (16, 32, 4)
 """(BH, BK, num_warps) for decode calls with few query tokens and slots (`_plan`)."""
@@ -249,25 +211,20 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     BD = max(16, p2(D))
     BH, BK, nw, ns, splits, chunk = _plan(B * S, H, BD, KSEL, ieee and not _INTERPRET, _sms(q.device))
     hbs = triton.cdiv(H, BH)
-    BHc, BSP = _combine_tiles(splits, H, BD)
-    fuse = splits > 1 and FUSED_COMBINE
-    if fuse:
-        BHc = min(BHc, BH)  # whole sub-blocks of the program's heads (both powers of two)
-    meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, COMBINE=fuse, BHC=BHc,
-                BSP=BSP, num_warps=nw, num_stages=ns)
+    meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, num_warps=nw,
+                num_stages=ns)
     kvr = kv if kvr is None else kvr
     if splits == 1:
-        _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
+        _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
                                              float(scale), *packed, **meta, **pdl())
         return o
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
-    cnt = tile_counters(q.device, B * S * hbs) if fuse else ml
-    _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, cnt, S, H, N, D, KSEL, chunk,
+    _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
                                               float(scale), *packed, **meta, **pdl())
-    if not fuse:
-        _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
-                                                                  BH=BHc, BD=BD, BSP=BSP, num_warps=4, **pdl())
+    BHc, BSP = _combine_tiles(splits, H, BD)
+    _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
+                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4, **pdl())
     return o
 
 
