@@ -27,19 +27,29 @@ def _row_rsqrt(x_row, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _normed(x_row, w_ptr, cols, m, r, HAS_W: tl.constexpr):
+    """x · r (· w) at cols in fp32, in the one product order every norm kernel here uses (so their y agree)."""
+    y = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) * r
+    if HAS_W:
+        y = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * y
+    return y
+
+
+@triton.jit
+def _store_normed(x_row, w_ptr, y_row, n, r, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """y_row[:n] = `_normed` in y's dtype, BLOCK columns at a time."""
+    for n0 in range(0, n, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        m = cols < n
+        tl.store(y_row + cols, _normed(x_row, w_ptr, cols, m, r, HAS_W).to(y_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, XS, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * XS
-    y_row = y_ptr + row * N
-    r = _row_rsqrt(x_row, N, eps, BLOCK)
-    for n0 in range(0, N, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)
-        m = cols < N
-        y = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) * r
-        if HAS_W:
-            y = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * y
-        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    _store_normed(x_row, w_ptr, y_ptr + row * N, N, _row_rsqrt(x_row, N, eps, BLOCK), HAS_W, BLOCK)
 
 
 @implement("rms_norm", "triton")
@@ -70,10 +80,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, XS, NB, eps, HA
         blk = b0 + tl.arange(0, RB)
         cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]
         m = blk[:, None] < NB
-        y = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) * r
-        if HAS_W:
-            y = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * y
-        yc = y.to(y_ptr.dtype.element_ty)
+        yc = _normed(x_row, w_ptr, cols, m, r, HAS_W).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * N + cols, yc, mask=m)
         q, s = quant_e4m3_rows(yc.to(tl.float32))
         tl.store(q_ptr + row * N + cols, q, mask=m)
@@ -111,25 +118,16 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, S
     y_row = y_ptr + row * N
     r = _row_rsqrt(x_row, N, eps, BLOCK)
     nope = N - 2 * HALF
-    for n0 in range(0, nope, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)
-        m = cols < nope
-        y = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32) * r
-        if HAS_W:
-            y = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32) * y
-        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    _store_normed(x_row, w_ptr, y_row, nope, r, HAS_W, BLOCK)
     i = tl.arange(0, BR)
     mi = i < HALF
     j = nope + tl.arange(0, 2 * BR)
-    mj = j < N
-    y = tl.load(x_row + j, mask=mj, other=0.0).to(tl.float32) * r
-    if HAS_W:
-        y = tl.load(w_ptr + j, mask=mj, other=0.0).to(tl.float32) * y
+    y = _normed(x_row, w_ptr, j, j < N, r, HAS_W)
     y0, y1 = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), [BR, 2]))
     c = tl.load(cos_ptr + t * CS + i, mask=mi, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * SS + i, mask=mi, other=0.0).to(tl.float32)
     rot = tl.reshape(tl.join(tl.fma(y0, c, -(y1 * s)), tl.fma(y0, s, y1 * c)), [2 * BR])  # as `_rope_kernel`
-    tl.store(y_row + j, rot.to(y_ptr.dtype.element_ty), mask=mj)
+    tl.store(y_row + j, rot.to(y_ptr.dtype.element_ty), mask=j < N)
 
 
 @implement("rms_norm_rope", "triton")
