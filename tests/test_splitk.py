@@ -132,8 +132,8 @@ def _sum_splits_kernel(x_ptr, p_ptr, c_ptr, cnt_ptr, slab, BN: tl.constexpr):
 
 @pytest.mark.parametrize("splits", [2, 3, 4, 5, 8, 9, 11])
 def test_splitk_store_sums_in_split_order(splits):
-    """The last split's sum is ((x0 + x1) + x2) + ... in fp32, bit for bit, for split counts that do and do not
-    fill the reduction's rounds of four loads: values spread over 2^±20 so any other order rounds differently."""
+    """The last split's sum is ((x0 + x1) + x2) + ... in fp32, bit for bit, for even and odd split counts: values
+    spread over 2^±20 so any other order rounds differently."""
     g = torch.Generator().manual_seed(splits)
     n = 50
     x = (torch.randn(splits, n, generator=g) * torch.exp2(torch.randint(-20, 20, (splits, n), generator=g).float()))

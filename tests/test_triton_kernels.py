@@ -800,7 +800,7 @@ def test_kv_store_packs_into_the_fp8_layout(seed, D, rd, dtype):
     the store (the reference, and the two Triton launches it replaces); other slots keep their bytes."""
     g = gen(seed)
     R, N, M = 3, 8, 7
-    W = REGISTRY["kv_pack"].ref(torch.zeros(1, D, dtype=dtype), rd).size(-1)
+    W = kv_packed_width(D, rd, dtype)
     cache = torch.randint(0, 256, (R, N, W), generator=g, dtype=torch.uint8).to(DEV)
     flat = torch.randperm(R * N, generator=g)[:M]
     rows, slots = (flat // N).to(DEV), (flat % N).to(DEV)

@@ -25,7 +25,7 @@ from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Linear, Numerics, WeightSource
 from deepinfer.ops import ops
-from deepinfer.ops.reference import kv_packed_width
+from deepinfer.ops.reference import grouped_bmm, kv_packed_width
 
 
 class StepContext:
@@ -192,15 +192,13 @@ class Attention:
         kv = ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd)
         # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant). Decode packs in
         # the cache write (`kv_store` with rope_dim: one launch), prefill here.
-        pack_on_store = self.fp8_kv and not ctx.prefill
-        if self.fp8_kv:
-            if not pack_on_store:
-                kv = ops.kv_pack(kv, rd)
-        elif self.numerics.official:  # QAT: the cache's no-RoPE dims live in FP8
+        if self.fp8_kv and ctx.prefill:
+            kv = ops.kv_pack(kv, rd)
+        elif self.numerics.official and not self.fp8_kv:  # QAT: the cache's no-RoPE dims live in FP8
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         tap(n + ".q", q)
         if is_active():
-            tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if pack_on_store else kv, q.dtype))
+            tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if self.fp8_kv and not ctx.prefill else kv, q.dtype))
         qr = (qr, qrq)
         if ctx.prefill and ctx.start:
             o = self._extend(x, q, kv, qr, ctx)
@@ -224,9 +222,7 @@ class Attention:
         if self.wo_a.fmt == "fp8":
             y = ops.fp8_grouped_linear(og, self.wo_a.weight, self.wo_a.scale)
         else:  # float weight (exact numerics, float checkpoints): the same bmm in o's dtype
-            w = self.wo_a.weight.to(o.dtype).view(g, -1, og.size(-1))
-            y = torch.empty(B * S, g, w.size(1), dtype=o.dtype, device=o.device)
-            torch.bmm(og.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+            y = grouped_bmm(og, self.wo_a.weight.to(o.dtype).view(g, -1, og.size(-1)))
         return y.view(B, S, -1)
 
     def _entries(self, kv: torch.Tensor, dtype) -> torch.Tensor:

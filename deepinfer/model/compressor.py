@@ -136,8 +136,6 @@ class Compressor:
         # is written every step and the complete one when the window completes; nothing reads an entry
         # before that (attention: j < (t + 1) // r; the indexer's top-k masks j >= n_valid). Saves the
         # read of the old entry and the select of the old per-row `where` form.
-        slot = ctx.memo(("entry_slot", r), lambda: pos // r)
-        if self.fp8_cache:  # packed on the way into the FP8-layout cache (one launch)
-            ops.kv_store(self.cache, rows, slot, entry, rope_dim=self.rd)
-        else:
-            ops.kv_store(self.cache, rows, slot, self._encode(entry))
+        # kv_store casts to the cache's dtype, or packs into its FP8 layout (rope_dim): `_encode` in the write
+        ops.kv_store(self.cache, rows, ctx.memo(("entry_slot", r), lambda: pos // r), entry,
+                     rope_dim=self.rd if self.fp8_cache else 0)

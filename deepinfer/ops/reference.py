@@ -148,6 +148,15 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     return (af @ wf.t()).to(out_dtype)
 
 
+def grouped_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y[t, g] = x[t, g] w[g]ᵀ: x [T, G, K] (any strides: read in place), w [G, R, K] in x's dtype -> [T, G, R]
+    contiguous, one bmm over the groups (fp32 accumulate). The float `wo_a`, and `fp8_grouped_linear` on its
+    dequantised weight."""
+    y = torch.empty(x.size(0), x.size(1), w.size(1), dtype=x.dtype, device=x.device)
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+    return y
+
+
 @defop("fp8_grouped_linear")
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """Grouped projection with an FP8 weight, as the official code runs V4's `wo_a`: its convert step
@@ -159,10 +168,7 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     """
     T, G, K = x.shape
     N = w.size(0)
-    wd = (w.float() * _expand_block_scale(scale_f32(w_s), N, K)).to(x.dtype).view(G, N // G, K)
-    y = torch.empty(T, G, N // G, dtype=x.dtype, device=x.device)
-    torch.bmm(x.transpose(0, 1), wd.transpose(1, 2), out=y.transpose(0, 1))  # x read in place, y contiguous
-    return y
+    return grouped_bmm(x, (w.float() * _expand_block_scale(scale_f32(w_s), N, K)).to(x.dtype).view(G, N // G, K))
 
 
 @defop("linear")

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from deepinfer.ops.reference import grouped_bmm
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
@@ -356,13 +357,12 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     w, w_s = w.contiguous(), w_s.float().contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
     if T > W8_TILED_MAX_M or R % 16:  # prefill (or groups no 16-row tile divides): dequantise once, cuBLAS bmm
         wd = torch.empty(N, K, dtype=x.dtype, device=x.device)
         _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, w_s, wd, N, K, w_s.size(1), BN=64, BK=128,
                                                                        **pdl())
-        torch.bmm(x.transpose(0, 1), wd.view(G, R, K).transpose(1, 2), out=y.transpose(0, 1))
-        return y
+        return grouped_bmm(x, wd.view(G, R, K))
+    y = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
     BN = min(64, R & -R)  # divides R and 128: a tile in one group and one scale row

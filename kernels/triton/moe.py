@@ -153,8 +153,6 @@ def _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, pid, T, E, 
     tl.store(i_ptr + t[:, None] * TOPK + kk[None, :], sel, mask=mo)
 
 
-
-
 @triton.jit
 def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, T, E, NS, TOPK,
                        route_scale, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
@@ -198,7 +196,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))  # == BT on the GEMV path: the fused select takes the logits' token tiles
-    sel = dict(FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None, BE2=BE2, BKT=max(2, p2(k)),
+    sel = dict(FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None, BKT=max(2, p2(k)),
                BS=max(2, min(p2(ns), 8192 // (BT2 * BE2))), ONE=ns == 1)
     sel_args = (bias.contiguous() if bias is not None else ws, tid2eid.contiguous() if tid2eid is not None else ws,
                 input_ids.contiguous(), weights, indices, scores, k, float(route_scale))
@@ -206,10 +204,10 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     cnt = tile_counters(x.device, triton.cdiv(T, BT)) if fused else ws
     _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
         x, gate_w, ws, T, E, D, per * BD, cnt, *sel_args, BT=BT, BE=BE, BD=BD, DOT=dot, X_TF32=tf32_exact(x),
-        SELECT=fused, **sel, **pdl())
+        SELECT=fused, BE2=BE2, **sel, **pdl())
     if not fused:
-        sel["BE"] = sel.pop("BE2")
-        _moe_select_kernel[(triton.cdiv(T, BT2),)](ws, *sel_args[:6], T, E, ns, *sel_args[6:], BT=BT2, **sel, **pdl())
+        _moe_select_kernel[(triton.cdiv(T, BT2),)](ws, *sel_args[:6], T, E, ns, *sel_args[6:], BT=BT2, BE=BE2, **sel,
+                                                   **pdl())
     return weights, indices, scores
 
 
