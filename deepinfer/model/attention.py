@@ -21,6 +21,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import is_active, tap
+from deepinfer.model.branch import Branch, fork, record
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Linear, Numerics, WeightSource
@@ -46,8 +47,8 @@ class StepContext:
     def memo(self, key, make):
         """`make()` once per step for `key`: tensors every layer of the same kind or shape would rebuild
         (cos/sin, decode's window slots, HCA's visible entries), a few small kernels each."""
-        if key not in self._memo:
-            self._memo[key] = make()
+        if key not in self._memo:  # made inside a branch: kept alive for the stream it forked from too
+            self._memo[key] = record(make())
         return self._memo[key]
 
     def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +176,12 @@ class Attention:
         B, S, _ = x.shape
         rd, n = self.rd, self.name
         cos, sin = ctx.rope_at_positions(self.rope_kind)
+        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on a
+        # second stream beside the q / kv projections (`branch`), joined before the attention reads the slots
+        br = fork(x, on=not ctx.prefill and self.compressor is not None)
+        if not ctx.prefill and self.compressor is not None:
+            with br:
+                self.compressor.decode(x, ctx)
         if self.wq_a_kv is not None:
             qa_kv = self.wq_a_kv(x, xq)
             nq = self.wq_a.out_features
@@ -186,8 +193,14 @@ class Attention:
             qr, *qrq = ops.rms_norm_quant(qa, self.q_norm, self.eps)
         else:
             qr = ops.rms_norm(qa, self.q_norm, self.eps)
+        qr = (qr, qrq)
+        slots = None
+        if not ctx.prefill and self.indexer is not None:
+            with br:  # the top-k entries as decode slots, on the branch
+                slots = ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1),
+                                         self.indexer(x, qr, ctx, n + ".indexer"))
         # the q head norm and the kv norm, each with the RoPE of its last rd dims, in one launch
-        q = self.wq_b(qr, qrq).unflatten(-1, (self.n_heads, self.hd))
+        q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
         kv = ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd)
         # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant). Decode packs in
@@ -199,13 +212,12 @@ class Attention:
         tap(n + ".q", q)
         if is_active():
             tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if self.fp8_kv and not ctx.prefill else kv, q.dtype))
-        qr = (qr, qrq)
         if ctx.prefill and ctx.start:
             o = self._extend(x, q, kv, qr, ctx)
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
-            o = self._decode(x, q, kv, qr, ctx)
+            o = self._decode(q, kv, ctx, br, slots)
         o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
@@ -296,10 +308,11 @@ class Attention:
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
         return o
 
-    def _decode(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
-        # Attend straight into the cache: its rows flattened into one sequence, each query a "token" of
-        # one batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
-        # kv_cache[rows] first, without copying every row's whole cache each step.
+    def _decode(self, q, kv, ctx: StepContext, br: Branch, slots: torch.Tensor | None) -> torch.Tensor:
+        """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
+        batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
+        kv_cache[rows] first, without copying every row's whole cache each step. The compressor's entry and
+        (CSA) the indexer's `slots` were issued on the branch `br` (`__call__`); joined here."""
         pos, rows = ctx.pos, ctx.rows
         B, _, H, D = q.shape
         win, N = self.win, self.kv_cache.size(1)
@@ -307,14 +320,13 @@ class Attention:
                      rope_dim=self.rd if self.fp8_kv else 0)  # FP8 layout: packed on the way
         # the slots (one launch): ring slots holding a position <= pos, then the compressed entries --
         # CSA: the indexer's top-k (per layer), HCA: every complete entry (shared by layers of one shape)
-        if self.compressor is not None:
-            self.compressor.decode(x, ctx)
-        if self.indexer is not None:
-            gidx = ops.decode_slots(pos, rows, win, N, self.indexer(x, qr, ctx, self.name + ".indexer"))
+        if slots is not None:
+            gidx = slots
         elif self.compressor is not None:
             gidx = ctx.memo(("slots", win, N, self.ratio),
                             lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
         else:
             gidx = ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
+        gidx = br.join(gidx)  # the compressor's entry is in the cache, the indexer's slots are done
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
         return o.view(B, 1, H, D)

@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import tap
+from deepinfer.model.branch import fork
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 from deepinfer.quant.formats import float_to_e8m0
@@ -207,17 +208,22 @@ class MoE:
         self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
         self.dispatch = self.dispatch_local
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
-        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]."""
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None,
+                 decode: bool = False) -> torch.Tensor:
+        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]. decode: the
+        shared expert runs on a second stream beside the routing and the routed experts (`branch`)."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
+        br = fork(xt, on=decode)
+        with br:
+            shared = self.shared(xt, xq=xq)
         weights, idx, scores = ops.moe_route(xt, self.gate_w, self.bias, self.tid2eid, input_ids.reshape(-1),
                                              self.topk, self.score_func, self.route_scale)
         tap(self.name + ".router.scores", scores)
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
         routed = self.dispatch(xt, weights, idx, xq)  # [T, k, D] (or [T, 1, D] summed)
-        return ops.moe_combine(routed, self.shared(xt, xq=xq), x.dtype).view(shape)
+        return ops.moe_combine(routed, br.join(shared), x.dtype).view(shape)
 
     def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                        xq: tuple | None = None) -> torch.Tensor:

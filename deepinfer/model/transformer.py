@@ -56,7 +56,7 @@ class Block:
             else:
                 x = ops.rms_norm(x, norm, c.norm_eps)
             tap(f"{n}.{sub}.in", x)
-            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq)
+            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq, decode=not ctx.prefill)
             tap(f"{n}.{sub}.out", x)
             h = ops.hc_post(x, h, post, comb)
             tap(f"{n}.hc_{sub}.out", h)

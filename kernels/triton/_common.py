@@ -263,7 +263,7 @@ def splitk_store(acc, p_ptrs, c_ptrs, mask, split, n_splits, slab, cnt_ptr):
     and re-arms the counter to 0 for the next launch or graph replay. The barrier puts every thread's
     partial store before the release increment (the CUTLASS semaphore pattern: syncthreads, then one
     thread's gpu-scope atomic); the acquire side reads the partials with .cg, from L2.
-    Counters come from `tile_counters`; one stream uses them at a time (every launch leaves them 0).
+    Counters come from `tile_counters`, one set per stream (every launch leaves them 0).
     """
     tl.store(p_ptrs + split.to(tl.int64) * slab, acc, mask=mask)
     tl.debug_barrier()
@@ -282,14 +282,17 @@ _counters: dict = {}
 
 
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's int32 [TILE_COUNTERS] split-K tile counters (zero; `splitk_store` leaves them zero).
+    """The int32 [TILE_COUNTERS] split-K tile counters of the current stream on `device` (zero; `splitk_store`
+    leaves them zero).
 
     Split-K runs only while output tiles are fewer than ~2 per SM (`split_k`), so a launch needs a few
-    hundred counters at most. Allocated once per device, by the first split launch (the decode warm-up
-    runs before any graph capture)."""
+    hundred counters at most. One set per stream: kernels of one stream run one after another (every one
+    waits for its predecessor), while a decode step's second stream (`deepinfer.model.branch`) runs its
+    kernels beside them, which must not count into the same tiles. Allocated by a stream's first split
+    launch (the decode warm-up runs before any graph capture, on the streams the capture uses)."""
     if tiles > TILE_COUNTERS:
         raise ValueError(f"split-K over {tiles} output tiles: more than the {TILE_COUNTERS} tile counters")
-    key = (device.type, device.index)
+    key = (device.type, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     c = _counters.get(key)
     if c is None:
         c = _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
