@@ -653,6 +653,32 @@ def test_hc_pre(seed, hc, D, dtype, S):
     check("hc_pre", *run_both("hc_pre", x, fn, scale, base, 1e-6, 1e-6, 20))
 
 
+@pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 1), (4, 64, torch.bfloat16, 3)])
+def test_hc_pre_side_same_bits(hc, D, dtype, S):
+    """hc_pre(side=...) (decode: post / comb issued under the branch, y in a launch of its own) gives the
+    bits of the one-launch form, and issues exactly its post / comb launch under `side`."""
+    g = gen(5)
+    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    impl = REGISTRY["hc_pre"].impls["triton"]
+    one = impl(x, fn, scale, base, 1e-6, 1e-6, 20)
+
+    class Side:
+        entered = 0
+
+        def __enter__(self):
+            Side.entered += 1
+
+        def __exit__(self, *exc):
+            pass
+
+    with poisoned():
+        two = impl(x, fn, scale, base, 1e-6, 1e-6, 20, side=Side())
+    assert Side.entered == 1
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 3), (3, 20, torch.float32, 3),
                                           (4, 64, torch.bfloat16, 3), (3, 20, torch.bfloat16, 40)])

@@ -56,6 +56,11 @@ class Branch:
         self.origin: torch.cuda.Stream | None = None
         self._ctx = None
 
+    @property
+    def active(self) -> bool:
+        """Work under `with` goes to a second stream (else it stays on the current one)."""
+        return self.stream is not None
+
     def __enter__(self) -> "Branch":
         if self.stream is not None:
             origin = torch.cuda.current_stream(self.stream.device)

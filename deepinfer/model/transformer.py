@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import tap
 from deepinfer.model.attention import Attention, StepContext
+from deepinfer.model.branch import fork
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RopeTables
 from deepinfer.model.weights import Numerics, WeightSource
@@ -47,7 +48,10 @@ class Block:
         c, n = self.cfg, self.name
         for sub, hcp, norm in (("attn", self.hc_attn, self.attn_norm), ("ffn", self.hc_ffn, self.ffn_norm)):
             tap(f"{n}.hc_{sub}.in", h)
-            x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+            # decode: post / comb (the Sinkhorn rounds) on a second stream, joined at hc_post (`branch`)
+            br = fork(h, on=not ctx.prefill)
+            x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                                       side=br if br.active else None)
             tap(f"{n}.hc_{sub}.post", post)
             tap(f"{n}.hc_{sub}.comb", comb)
             xq = None
@@ -58,7 +62,7 @@ class Block:
             tap(f"{n}.{sub}.in", x)
             x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq, decode=not ctx.prefill)
             tap(f"{n}.{sub}.out", x)
-            h = ops.hc_post(x, h, post, comb)
+            h = ops.hc_post(x, h, *br.join(post, comb))
             tap(f"{n}.hc_{sub}.out", h)
         return h
 

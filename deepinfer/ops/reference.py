@@ -414,12 +414,15 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
 # ---------------------------------------------------------------------------------------------- mHC
 @defop("hc_pre")
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, hc_eps: float, iters: int, side=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre-mix: mixes from the RMS-normalised streams, Sinkhorn comb, collapse with `pre`.
 
     x [B, S, hc, D], fn [(2+hc)·hc, hc·D], scale [3], base [(2+hc)·hc] (all f32) ->
     (y [B, S, D] x's dtype, post [B, S, hc] f32, comb [B, S, hc, hc] f32) with
     pre = σ(·)+eps, post = 2σ(·), comb = Sinkhorn(softmax(·)) doubly stochastic.
+    side: a context manager (`deepinfer.model.branch.Branch`) under which a backend may compute post and
+    comb, on a second stream; the caller joins it before reading them. Same values either way; this
+    reference computes everything in place.
     """
     hc = x.size(2)
     xf = x.flatten(2).float()
