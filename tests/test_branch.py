@@ -24,7 +24,8 @@ def test_fork_on_cpu_is_a_no_op(monkeypatch):
     with br:
         y = x * 2
     assert br.join(y) is y and br.join(y, x) == (y, x)
-    assert branch.record(y) is y and branch._open == []
+    m = branch.Shared(y)  # a memo made outside any branch: no event, read as is
+    assert m.event is None and m.get() is y and branch._open == []
 
 
 def test_switch_is_read_per_fork(monkeypatch):
@@ -51,13 +52,20 @@ def test_branch_runs_on_its_own_stream_and_joins(monkeypatch):
     br = branch.fork(x)
     with br:
         assert torch.cuda.current_stream() == br.stream != main
-        y = x.sin()
-        memo = branch.record(torch.ones(4, device="cuda"))  # made in the branch, read on main later
+        torch.cuda._sleep(20_000_000)  # ~10 ms: a read that did not wait for the memo would see ones
+        memo = branch.Shared(x.sin())  # made in the branch, read on main before any join
     assert torch.cuda.current_stream() == main and branch._open == []
+    assert memo.stream is br.stream and memo.event is not None
+    torch.testing.assert_close(memo.get().cpu(), x.sin().cpu(), rtol=0, atol=0)
+    with br:
+        y = x.cos()
     y = br.join(y)
-    torch.testing.assert_close((y + memo[0]).cpu(), x.sin().cpu() + 1, rtol=0, atol=0)
-    # the same stream every time (graph warm-up and capture share it, and its tile counters)
-    assert branch.fork(x).stream is br.stream
+    torch.testing.assert_close(y.cpu(), x.cos().cpu(), rtol=0, atol=0)
+    # the same stream every time (graph warm-up and capture share it, and its tile counters); one stream for
+    # every lane unless DEEPINFER_BRANCH_LANES=1
+    assert branch.fork(x).stream is br.stream and branch.fork(x, lane="other").stream is br.stream
+    monkeypatch.setenv(branch.LANES_ENV, "1")
+    assert branch.fork(x, lane="a").stream is not branch.fork(x, lane="b").stream
 
 
 @pytest.mark.gpu
@@ -116,9 +124,11 @@ def test_decode_same_bits_with_and_without_branch(monkeypatch, graphs):
     prompts = [[0, 6127, 389], [0, 17607, 11, 12, 13, 14, 15, 16, 17], [0, 5]]
     plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 7, 9)]
     runs = {}
-    for on in ("1", "0"):
+    for on, lanes in (("1", "0"), ("1", "1"), ("0", "0")):  # one side stream, a stream per lane, none
         monkeypatch.setenv(branch.ENV, on)
-        runs[on] = generate(lm.model, prompts, plist, eos_id=1, max_batch=4, graphs=graphs,
-                            pad_to_buckets=not graphs).completions
-    for a, b in zip(runs["1"], runs["0"]):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        monkeypatch.setenv(branch.LANES_ENV, lanes)
+        runs[on + lanes] = generate(lm.model, prompts, plist, eos_id=1, max_batch=4, graphs=graphs,
+                                    pad_to_buckets=not graphs).completions
+    for key in ("10", "11"):
+        for a, b in zip(runs[key], runs["00"]):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, key

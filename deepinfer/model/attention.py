@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import is_active, tap
-from deepinfer.model.branch import Branch, fork, record
+from deepinfer.model.branch import Branch, Shared, fork
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Linear, Numerics, WeightSource
@@ -47,9 +47,9 @@ class StepContext:
     def memo(self, key, make):
         """`make()` once per step for `key`: tensors every layer of the same kind or shape would rebuild
         (cos/sin, decode's window slots, HCA's visible entries), a few small kernels each."""
-        if key not in self._memo:  # made inside a branch: kept alive for the stream it forked from too
-            self._memo[key] = record(make())
-        return self._memo[key]
+        if key not in self._memo:  # made on one stream, read on any (`Shared`: ordered, kept alive)
+            self._memo[key] = Shared(make())
+        return self._memo[key].get()
 
     def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions, gathered once per step and
@@ -84,9 +84,18 @@ class Indexer:
         self.compressor.cache = torch.zeros(rows, max_entries, self.d, dtype=dtype, device=device)
         self.compressor.allocate(rows, device)
 
-    def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str) -> torch.Tensor:
+    def start_decode(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Decode, the part that needs x only: the key compressor's step (into its cache) and the head weights
+        weights_proj(x) [B, 1, n_heads] -> the weights, for `__call__`'s `w` (Attention issues this on a
+        stream of its own, beside the q projections)."""
+        self.compressor.decode(x, ctx)
+        return self.weights_proj(x)
+
+    def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str, w: torch.Tensor | None = None,
+                 early: Branch | None = None) -> torch.Tensor:
         """x [B, S, D], qr = (q-LoRA activations [B, S, q_lora], their act_quant or None) -> entry indices
-        [B, S, k'] int64 (-1 = none), k' = min(topk, T)."""
+        [B, S, k'] int64 (-1 = none), k' = min(topk, T). Decode with `w` from `start_decode` (issued on the
+        branch `early`, joined here before the scores read the keys) or without (done here)."""
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.d))
         cos, sin = ctx.rope_at_positions("compress")
         q = rope_tail_(q, self.rd, cos, sin)
@@ -101,11 +110,16 @@ class Indexer:
         elif ctx.prefill:
             keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
         else:  # decode: score against the key cache in place (rows), no per-step gather of every row
-            self.compressor.decode(x, ctx)
+            if w is None:
+                w = self.start_decode(x, ctx)
+            elif early is not None:
+                w = early.join(w)
             keys = self.compressor.cache
         rows = None if ctx.prefill else ctx.rows
+        if w is None:
+            w = self.weights_proj(x)
         # the head weights as projected; the op scales them (w.float() * scale) as it loads them
-        scores = ops.indexer_scores(q, keys, self.weights_proj(x), rows, w_scale=self.scale)  # [B, S, T]
+        scores = ops.indexer_scores(q, keys, w, rows, w_scale=self.scale)  # [B, S, T]
         n_valid = ctx.memo(("n_valid", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)
@@ -176,12 +190,19 @@ class Attention:
         B, S, _ = x.shape
         rd, n = self.rd, self.name
         cos, sin = ctx.rope_at_positions(self.rope_kind)
-        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on a
-        # second stream beside the q / kv projections (`branch`), joined before the attention reads the slots
-        br = fork(x, on=not ctx.prefill and self.compressor is not None)
-        if not ctx.prefill and self.compressor is not None:
+        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on streams
+        # of their own beside the q / kv projections (`branch`): the entry compressor, the indexer's key
+        # compressor with its head weights, then the indexer's q and top-k; joined before the attention
+        decode = not ctx.prefill
+        br = fork(x, on=decode and self.compressor is not None, lane="compressor")
+        if decode and self.compressor is not None:
             with br:
                 self.compressor.decode(x, ctx)
+        bk = fork(x, on=decode and self.indexer is not None, lane="indexer_keys")
+        w_ix = None
+        if decode and self.indexer is not None:
+            with bk:
+                w_ix = self.indexer.start_decode(x, ctx)
         if self.wq_a_kv is not None:
             qa_kv = self.wq_a_kv(x, xq)
             nq = self.wq_a.out_features
@@ -195,10 +216,11 @@ class Attention:
             qr = ops.rms_norm(qa, self.q_norm, self.eps)
         qr = (qr, qrq)
         slots = None
-        if not ctx.prefill and self.indexer is not None:
-            with br:  # the top-k entries as decode slots, on the branch
+        bi = fork(x, on=decode and self.indexer is not None, lane="indexer")
+        if decode and self.indexer is not None:
+            with bi:  # the top-k entries as decode slots
                 slots = ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1),
-                                         self.indexer(x, qr, ctx, n + ".indexer"))
+                                         self.indexer(x, qr, ctx, n + ".indexer", w=w_ix, early=bk))
         # the q head norm and the kv norm, each with the RoPE of its last rd dims, in one launch
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
@@ -217,7 +239,7 @@ class Attention:
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
-            o = self._decode(q, kv, ctx, br, slots)
+            o = self._decode(q, kv, ctx, (br, bk, bi), slots)
         o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
@@ -308,11 +330,11 @@ class Attention:
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
         return o
 
-    def _decode(self, q, kv, ctx: StepContext, br: Branch, slots: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, q, kv, ctx: StepContext, branches: tuple, slots: torch.Tensor | None) -> torch.Tensor:
         """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
         batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
         kv_cache[rows] first, without copying every row's whole cache each step. The compressor's entry and
-        (CSA) the indexer's `slots` were issued on the branch `br` (`__call__`); joined here."""
+        (CSA) the indexer's `slots` were issued on `branches` (`__call__`); joined here."""
         pos, rows = ctx.pos, ctx.rows
         B, _, H, D = q.shape
         win, N = self.win, self.kv_cache.size(1)
@@ -327,6 +349,7 @@ class Attention:
                             lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
         else:
             gidx = ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
-        gidx = br.join(gidx)  # the compressor's entry is in the cache, the indexer's slots are done
+        for br in branches:  # the compressor's entry is in the cache, the indexer's slots are done
+            gidx = br.join(gidx)
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
         return o.view(B, 1, H, D)

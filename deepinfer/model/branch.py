@@ -1,20 +1,23 @@
 """Independent work of a decode step on a second CUDA stream.
 
 A batch-1 decode step is ~170 small kernels in a row, most of them latency-bound (a few us of ramp and
-drain each), so work that does not depend on its neighbours can run beside them: the shared expert
-beside the routing and the routed experts, the compressors and the lightning indexer beside the q
-projection. `fork(x)` gives a `Branch`: inside `with br:` ops are issued on the device's branch stream,
-which first waits for everything issued so far on the current stream; `br.join(*outs)` makes the
-current stream wait for the branch. Captured into a CUDA graph this is a fork / join of graph nodes, so
-a replay runs both chains concurrently.
+drain each), so work that does not depend on its neighbours can run beside them: hc_pre's Sinkhorn comb
+beside the sub-layer (only hc_post reads it), the shared expert beside the routing and the routed
+experts, the compressors and the lightning indexer beside the q projections. `fork(x)` gives a `Branch`:
+inside `with br:` ops are issued on the branch stream, which first waits for everything issued so far on
+the current stream; `br.join(*outs)` makes the current stream wait for the branch. Captured into a CUDA
+graph this is a fork / join of graph nodes, so a replay runs both chains concurrently.
+
+H200 (2026-11-30, flash-slice:4, `deepinfer bench`, graphs, fresh processes on one machine): batch 1
+1.047 ms per step without branches, 0.974 / 0.973 with them; batch 64 6.102 against 5.971.
 
 The results do not depend on it: the same kernels read the same inputs. The Triton backend's split-K
 tile counters are per stream (`_common.tile_counters`), so concurrent kernels never share them.
 
-Memory: a tensor allocated on the branch and read on the current stream is recorded for that stream
-(`join`, and `memo` values created inside a branch: `record`), so the caching allocator does not hand
-its memory to later branch work while the current stream may still read it. Inputs allocated on the
-current stream need nothing: they are freed after the join, behind it on that stream.
+Memory: a tensor allocated on a branch and read on another stream is recorded for that stream (`join`,
+and per-step memos made inside a branch: `Shared`, which also orders the read after the write), so the
+caching allocator does not hand its memory to later branch work while the other stream may still read
+it. Inputs allocated on the origin stream need nothing: they are freed after the join, behind it.
 
 Off (every op on the current stream) on CPU, while a debug capture is active (taps stay in issue
 order), or with DEEPINFER_BRANCHES=0 (read per fork: A/B in fresh processes, tests).
@@ -29,7 +32,7 @@ import torch
 from deepinfer.debug.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
-_streams: dict[int, torch.cuda.Stream] = {}
+_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _open: list["Branch"] = []  # branches whose `with` block is being issued (innermost last)
 
 
@@ -38,13 +41,13 @@ def enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and not is_active() and os.environ.get(ENV, "1") != "0"
 
 
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's branch stream: one per device for the process, so a graph's warm-up and its capture
-    use the same one (and the same split-K counters)."""
+def _stream(device: torch.device, lane: str) -> torch.cuda.Stream:
+    """The device's stream for `lane`: one per (device, lane) for the process, so a graph's warm-up and its
+    capture use the same ones (and the same split-K counters)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    s = _streams.get(index)
+    s = _streams.get((index, lane))
     if s is None:
-        s = _streams[index] = torch.cuda.Stream(device=index)
+        s = _streams[(index, lane)] = torch.cuda.Stream(device=index)
     return s
 
 
@@ -53,7 +56,6 @@ class Branch:
 
     def __init__(self, stream: torch.cuda.Stream | None):
         self.stream = stream
-        self.origin: torch.cuda.Stream | None = None
         self._ctx = None
 
     @property
@@ -63,10 +65,8 @@ class Branch:
 
     def __enter__(self) -> "Branch":
         if self.stream is not None:
-            origin = torch.cuda.current_stream(self.stream.device)
-            if self.origin is None:
-                self.origin = origin
-            self.stream.wait_stream(origin)  # the branch sees everything issued before (each entry)
+            # the branch sees everything issued before on the stream it forks from (at each entry)
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             self._ctx = torch.cuda.stream(self.stream)
             self._ctx.__enter__()
             _open.append(self)
@@ -79,18 +79,29 @@ class Branch:
             self._ctx = None
 
     def join(self, *outs):
-        """The current stream waits for the branch's work; `outs` (tensors, tuples, None) are recorded for
-        it. Returns outs[0] if one, else outs."""
-        if self.stream is not None and self.origin is not None:
-            self.origin.wait_stream(self.stream)
+        """The current stream (the fork's origin, or another branch) waits for this branch's work; `outs`
+        (tensors, tuples, None) are recorded for it. Returns outs[0] if one, else outs."""
+        if self.stream is not None:
+            cur = torch.cuda.current_stream(self.stream.device)
+            cur.wait_stream(self.stream)
             for t in outs:
-                _record(t, self.origin)
+                _record(t, cur)
         return outs[0] if len(outs) == 1 else outs
 
 
-def fork(x: torch.Tensor, on: bool = True) -> Branch:
-    """A branch for work on x's device: a second stream when `on` and `enabled(x)`, else a no-op branch."""
-    return Branch(_stream(x.device) if on and enabled(x) else None)
+LANES_ENV = "DEEPINFER_BRANCH_LANES"
+
+
+def fork(x: torch.Tensor, on: bool = True, lane: str = "side") -> Branch:
+    """A branch for work on x's device: the stream of `lane` when `on` and `enabled(x)`, else a no-op branch.
+    By default every lane is one stream: all branch work runs in issue order, beside the main chain.
+    DEEPINFER_BRANCH_LANES=1 gives each lane its own stream, so branches of different lanes also run beside
+    each other. That was slower on the H200 (2026-11-30, flash-slice:4, fresh processes on one machine:
+    batch 1 0.994 / 0.996 ms per step against 0.974 / 0.973 with one stream, batch 64 5.994 against
+    5.971): the main chain is latency-bound, and every kernel running beside it slows it."""
+    if not (on and enabled(x)):
+        return Branch(None)
+    return Branch(_stream(x.device, lane if os.environ.get(LANES_ENV, "0") == "1" else "side"))
 
 
 def _record(obj, stream: torch.cuda.Stream) -> None:
@@ -102,9 +113,27 @@ def _record(obj, stream: torch.cuda.Stream) -> None:
             _record(t, stream)
 
 
-def record(obj):
-    """Mark tensors made inside an open branch (e.g. a per-step memo another layer reads on the current
-    stream) as used by the stream the branch forked from. No-op outside a branch. Returns obj."""
-    if _open:
-        _record(obj, _open[-1].origin)
-    return obj
+class Shared:
+    """A value (tensors, tuples of them) made once and read from several streams: a step's memo.
+
+    Made inside a branch, it remembers that stream and an event recorded right after it; a read from any
+    other stream waits for the event first (in a CUDA graph: an edge), and records the tensors for that
+    stream (the allocator keeps their memory until its reads are done). Made on a fork's origin, nothing is
+    needed: branches forked later see it, and it outlives every join."""
+
+    __slots__ = ("value", "stream", "event")
+
+    def __init__(self, value):
+        self.value, self.stream, self.event = value, None, None
+        if _open:
+            self.stream = _open[-1].stream
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def get(self):
+        if self.event is not None:
+            cur = torch.cuda.current_stream(self.stream.device)
+            if cur != self.stream:
+                cur.wait_event(self.event)
+                _record(self.value, cur)
+        return self.value

@@ -126,16 +126,17 @@ class Compressor:
         cos/sin and entry slot are built once per step and ratio (`ctx.memo`), shared by every compressor
         of that ratio."""
         r, pos, rows = self.ratio, ctx.pos, ctx.rows
+        # the step's tables first: a compressor of the same ratio on another stream waits for these only
+        cos, sin = ctx.memo(("compress_first", r),
+                            lambda: ctx.rope.get("compress", (pos - (r - 1)).clamp_min_(0).unsqueeze(1)))
+        slot = ctx.memo(("entry_slot", r), lambda: pos // r)
         kv, score = self._project(x)
         pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
                                      self.overlap, out_dtype=self.numerics.dtype).unsqueeze(1)  # [B, 1, d]
-        cos, sin = ctx.memo(("compress_first", r),
-                            lambda: ctx.rope.get("compress", (pos - (r - 1)).clamp_min_(0).unsqueeze(1)))
         entry = self._finish(pooled, cos, sin)[:, 0]
         # The window being filled owns slot pos // r (the +1 entry `allocate` adds), so its partial entry
         # is written every step and the complete one when the window completes; nothing reads an entry
         # before that (attention: j < (t + 1) // r; the indexer's top-k masks j >= n_valid). Saves the
         # read of the old entry and the select of the old per-row `where` form.
         # kv_store casts to the cache's dtype, or packs into its FP8 layout (rope_dim): `_encode` in the write
-        ops.kv_store(self.cache, rows, ctx.memo(("entry_slot", r), lambda: pos // r), entry,
-                     rope_dim=self.rd if self.fp8_cache else 0)
+        ops.kv_store(self.cache, rows, slot, entry, rope_dim=self.rd if self.fp8_cache else 0)

@@ -214,7 +214,7 @@ class MoE:
         shared expert runs on a second stream beside the routing and the routed experts (`branch`)."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
-        br = fork(xt, on=decode)
+        br = fork(xt, on=decode, lane="shared_expert")
         with br:
             shared = self.shared(xt, xq=xq)
         weights, idx, scores = ops.moe_route(xt, self.gate_w, self.bias, self.tid2eid, input_ids.reshape(-1),

@@ -49,7 +49,7 @@ class Block:
         for sub, hcp, norm in (("attn", self.hc_attn, self.attn_norm), ("ffn", self.hc_ffn, self.ffn_norm)):
             tap(f"{n}.hc_{sub}.in", h)
             # decode: post / comb (the Sinkhorn rounds) on a second stream, joined at hc_post (`branch`)
-            br = fork(h, on=not ctx.prefill)
+            br = fork(h, on=not ctx.prefill, lane="hc")
             x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
                                        side=br if br.active else None)
             tap(f"{n}.hc_{sub}.post", post)

@@ -198,15 +198,15 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
     BD = max(16, min(p2(D), 1024 if tiled else 256))
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
-    meta = dict(FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD, num_warps=nw, **pdl())
+    meta = dict(FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD, num_warps=nw)
     if side is None:
-        _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, **meta)
+        _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, **meta, **pdl())
         return
-    _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, COMB=False, **meta)
+    _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, COMB=False, **meta, **pdl())
     with side:  # post / comb (the Sinkhorn rounds) beside the sub-layer, which needs y only
         if ws.is_cuda:  # the partials are freed on this stream when hc_pre returns: not reused before the read
             ws.record_stream(torch.cuda.current_stream(ws.device))
-        _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta)
+        _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta, **pdl())
 
 
 @implement("hc_pre", "triton")
