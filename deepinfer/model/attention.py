@@ -190,12 +190,15 @@ class Attention:
         B, S, _ = x.shape
         rd, n = self.rd, self.name
         cos, sin = ctx.rope_at_positions(self.rope_kind)
-        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on streams
-        # of their own beside the q / kv projections (`branch`): the entry compressor, the indexer's key
-        # compressor with its head weights, then the indexer's q and top-k; joined before the attention
+        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on the
+        # branch stream beside the q / kv projections (`branch`): the entry compressor (HCA), or (CSA) the
+        # indexer's key compressor with its head weights, then the indexer's q and top-k; joined before the
+        # attention. CSA's entry compressor runs on the main stream after the kv store (`_decode`): with it
+        # on the branch too, the branch was the step's critical path (~80 us against ~37 of main chain)
         decode = not ctx.prefill
-        br = fork(x, on=decode and self.compressor is not None, lane="compressor")
-        if decode and self.compressor is not None:
+        entry_on_branch = decode and self.compressor is not None and self.indexer is None
+        br = fork(x, on=entry_on_branch, lane="compressor")
+        if entry_on_branch:
             with br:
                 self.compressor.decode(x, ctx)
         bk = fork(x, on=decode and self.indexer is not None, lane="indexer_keys")
@@ -239,7 +242,7 @@ class Attention:
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
-            o = self._decode(q, kv, ctx, (br, bk, bi), slots)
+            o = self._decode(x, q, kv, ctx, (br, bk, bi), slots, compress=not entry_on_branch)
         o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
@@ -330,16 +333,20 @@ class Attention:
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
         return o
 
-    def _decode(self, q, kv, ctx: StepContext, branches: tuple, slots: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, x, q, kv, ctx: StepContext, branches: tuple, slots: torch.Tensor | None,
+                compress: bool) -> torch.Tensor:
         """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
         batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
-        kv_cache[rows] first, without copying every row's whole cache each step. The compressor's entry and
-        (CSA) the indexer's `slots` were issued on `branches` (`__call__`); joined here."""
+        kv_cache[rows] first, without copying every row's whole cache each step. The indexer's `slots` (CSA)
+        and, unless `compress`, the compressor's entry (HCA) were issued on `branches` (`__call__`); joined
+        here. `compress`: the compressor's step runs here, on this stream."""
         pos, rows = ctx.pos, ctx.rows
         B, _, H, D = q.shape
         win, N = self.win, self.kv_cache.size(1)
         ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
                      rope_dim=self.rd if self.fp8_kv else 0)  # FP8 layout: packed on the way
+        if compress and self.compressor is not None:
+            self.compressor.decode(x, ctx)
         # the slots (one launch): ring slots holding a position <= pos, then the compressed entries --
         # CSA: the indexer's top-k (per layer), HCA: every complete entry (shared by layers of one shape)
         if slots is not None:
