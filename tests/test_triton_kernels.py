@@ -653,6 +653,29 @@ def test_hc_pre(seed, hc, D, dtype, S):
     check("hc_pre", *run_both("hc_pre", x, fn, scale, base, 1e-6, 1e-6, 20))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("hc,D,dtype,S,weighted", [(4, 256, torch.bfloat16, 3, True), (4, 384, torch.float32, 1, False),
+                                                   (3, 128, torch.bfloat16, 2, True), (4, 256, torch.bfloat16, 40, True)])
+def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
+    """hc_pre, then rms_norm_quant of its y, in one op: the reference within the op tolerance; at decode sizes
+    (B x S < 64: one fused program per token) post / comb are hc_pre's bits and y, q, s the two Triton
+    kernels' back to back (the same expressions; a last-bit flip of a sum allowed in a few elements), at
+    prefill sizes (80 tokens) exactly the two ops."""
+    g = gen(seed)
+    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = (1 + randn(g, D, scale=0.1)) if weighted else None
+    args = (x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    out, ref = run_both("hc_pre_quant", *args)
+    check("hc_pre_quant", out, ref)
+    y0, p0, c0 = REGISTRY["hc_pre"].impls["triton"](*args[:7])
+    two = (*REGISTRY["rms_norm_quant"].impls["triton"](y0, w, 1e-6), p0, c0)
+    assert torch.equal(out[3], two[3]) and torch.equal(out[4], two[4])
+    for a, b in zip(out[:3], two[:3]):
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
+        assert (a != b).float().mean().item() <= (0.0 if x.size(0) * S >= 64 else 0.01)
+
+
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 1), (4, 64, torch.bfloat16, 3)])
 def test_hc_pre_side_same_bits(hc, D, dtype, S):
     """hc_pre(side=...) (decode: post / comb issued under the branch, y in a launch of its own) gives the

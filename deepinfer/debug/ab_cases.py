@@ -400,6 +400,11 @@ def build_hc_pre(d: Dims, phase: str, g, device):
     return [Variant("layer", (x, _hc_mix_params(g, d.hc, d.dim, n, device), scale, base, 1e-6, 1e-6, 20), {})]
 
 
+def build_hc_pre_quant(d: Dims, phase: str, g, device):
+    (v,) = build_hc_pre(d, phase, g, device)
+    return [Variant("layer", (*v.args, (1 + _w(g, (d.dim,), device, 0.1)).float(), 1e-6), {})]
+
+
 def build_hc_post(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     x = _act(g, (B, S, d.dim), device)

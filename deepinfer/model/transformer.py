@@ -50,15 +50,15 @@ class Block:
             tap(f"{n}.hc_{sub}.in", h)
             # decode: post / comb (the Sinkhorn rounds) on a second stream, joined at hc_post (`branch`)
             br = fork(h, on=not ctx.prefill, lane="hc")
-            x, post, comb = ops.hc_pre(h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                       side=br if br.active else None)
+            mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+            xq = None
+            if self.quant_in:  # the collapse, the norm and its FP8 form in one op (one decode launch)
+                x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=br if br.active else None)
+            else:
+                x, post, comb = ops.hc_pre(*mhc, side=br if br.active else None)
+                x = ops.rms_norm(x, norm, c.norm_eps)
             tap(f"{n}.hc_{sub}.post", post)
             tap(f"{n}.hc_{sub}.comb", comb)
-            xq = None
-            if self.quant_in:
-                x, *xq = ops.rms_norm_quant(x, norm, c.norm_eps)
-            else:
-                x = ops.rms_norm(x, norm, c.norm_eps)
             tap(f"{n}.{sub}.in", x)
             x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq, decode=not ctx.prefill)
             tap(f"{n}.{sub}.out", x)

@@ -441,6 +441,23 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return y.to(x.dtype), post, comb
 
 
+@defop("hc_pre_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre`, then `rms_norm_quant` of its y (a sub-layer's normed input and its FP8 form), in one op.
+
+    x [B, S, hc, D] and the mHC parameters as `hc_pre`; weight [D] (or None), eps: the sub-layer's norm ->
+    (y [B, S, D] x's dtype, q float8_e4m3fn [B, S, D], s f32 [B, S, D/128], post, comb). `side` as `hc_pre`.
+    y is rounded to x's dtype before the norm, as between the two ops, so two roundings stand between a
+    backend's y and this one's: bf16 tolerance 2e-2 relative (two ulps just above a power of two are 1.6 %),
+    q within one e4m3 step as `rms_norm_quant`.
+    """
+    y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters)
+    y, q, s = rms_norm_quant(y, weight, eps)
+    return y, q, s, post, comb
+
+
 @defop("hc_post")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """mHC post-mix: new stream k = post_k · x + Σ_j comb[j, k] · residual_j (comb transposed).

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
+from . import norm
+from ._common import dot_f32, p2, pdl, pdl_wait, quant_e4m3_rows, sms, split_k, tf32_exact
 
 
 @triton.jit
@@ -99,6 +100,33 @@ def _pick2(v, w, idx):
 
 
 @triton.jit
+def _mixes(ws_ptr, t, NS, R, KD, norm_eps, BW: tl.constexpr, BS: tl.constexpr):
+    """Token t's mixes from the split-K workspace: (mix [BW] -- the R mix sums, the sum of squares at R --,
+    their positions w, 1 / rms of the token's KD stream values). The NS partials are summed in a fixed
+    order ([BS, BW] tiles, then tl.sum): deterministic."""
+    W = R + 1
+    w = tl.arange(0, BW)
+    s = tl.arange(0, BS)
+    acc = tl.zeros([BS, BW], tl.float32)
+    for s0 in range(0, NS, BS):
+        ss_ = s0 + s
+        acc += tl.load(ws_ptr + (t * NS + ss_[:, None]) * W + w[None, :],
+                       mask=(ss_[:, None] < NS) & (w[None, :] < W), other=0.0)
+    mix = tl.sum(acc, 0)
+    ssq = tl.sum(tl.where(w == R, mix, 0.0), 0)
+    return mix, w, tl.math.rsqrt(ssq / KD + norm_eps)
+
+
+@triton.jit
+def _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC: tl.constexpr):
+    """pre [BHC] = sigmoid(mix_j · r · scale_0 + base_j) + hc_eps for the HC streams (0 past HC is not
+    masked here: callers mask)."""
+    j = tl.arange(0, BHC)
+    mj = j < HC
+    return tl.sigmoid(_pick1(mix, w, j) * r * tl.load(scale_ptr + 0) + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
+
+
+@triton.jit
 def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, HC, D, NS,
                      norm_eps, hc_eps, iters, FULL: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
                      BS: tl.constexpr, BD: tl.constexpr, COMB: tl.constexpr = True, APPLY: tl.constexpr = True):
@@ -112,20 +140,10 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
         R = (2 + HC) * HC
     else:
         R = HC
-    W = R + 1
-    w = tl.arange(0, BW)
-    s = tl.arange(0, BS)
-    acc = tl.zeros([BS, BW], tl.float32)
-    for s0 in range(0, NS, BS):
-        ss_ = s0 + s
-        acc += tl.load(ws_ptr + (t * NS + ss_[:, None]) * W + w[None, :],
-                       mask=(ss_[:, None] < NS) & (w[None, :] < W), other=0.0)
-    mix = tl.sum(acc, 0)  # [BW]: the R mixes, then the sum of squares at R
-    ssq = tl.sum(tl.where(w == R, mix, 0.0), 0)
-    r = tl.math.rsqrt(ssq / (HC * D) + norm_eps)
+    mix, w, r = _mixes(ws_ptr, t, NS, R, HC * D, norm_eps, BW, BS)
     j = tl.arange(0, BHC)
     mj = j < HC
-    pre = tl.sigmoid(_pick1(mix, w, j) * r * tl.load(scale_ptr + 0) + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
+    pre = _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC)
     if FULL and COMB:
         post = 2 * tl.sigmoid(_pick1(mix, w, HC + j) * r * tl.load(scale_ptr + 1)
                               + tl.load(base_ptr + HC + j, mask=mj, other=0.0))
@@ -149,6 +167,38 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
         x = tl.load(x_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
         y = tl.sum(pre[:, None] * x, 0)
         tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_ptr, s_ptr, HC, D, NS, NB,
+                           norm_eps, hc_eps, eps, HAS_W: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
+                           BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr):
+    """`hc_pre_quant` for token t (one program, the whole row in registers): y = sum_j pre_j x_j in x's dtype
+    (`_hc_apply_kernel`'s expressions), then `_rms_norm_quant_kernel`'s norm of that y -- sum of squares,
+    x · r · w in `_normed`'s order, the act_quant of the cast value (`quant_e4m3_rows`) -- for its NB blocks
+    of QB columns at once. Replaces the apply launch (16 programs per token) and the norm launch."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    R = (2 + HC) * HC
+    mix, w, r = _mixes(ws_ptr, t, NS, R, HC * D, norm_eps, BW, BS)
+    j = tl.arange(0, BHC)
+    mj = j < HC
+    pre = tl.where(mj, _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC), 0.0)
+    blk = tl.arange(0, BNB)
+    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [BNB, QB]
+    m = blk[:, None] < NB
+    x = tl.load(x_ptr + (t * HC + j[:, None, None]) * D + cols[None, :, :], mask=mj[:, None, None] & m[None, :, :],
+                other=0.0).to(tl.float32)
+    yb = tl.sum(pre[:, None, None] * x, 0).to(y_ptr.dtype.element_ty).to(tl.float32)  # hc_pre's y, as stored
+    rr = tl.math.rsqrt(tl.sum(tl.sum(yb * yb, 1), 0) / D + eps)
+    yn = yb * rr
+    if HAS_W:
+        yn = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32) * yn
+    yc = yn.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * D + cols, yc, mask=m)
+    q, sc = quant_e4m3_rows(yc.to(tl.float32))
+    tl.store(q_ptr + t * D + cols, q, mask=m)
+    tl.store(s_ptr + t * NB + blk, sc, mask=blk < NB)
 
 
 TILE_TOKENS = 64
@@ -175,9 +225,8 @@ bounding the tile (a loop of four loads at batch 1) was 18.5 us; 4096 / 2 warps 
 8.6 / 11.3)."""
 
 
-def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full, side=None):
-    T = y.numel() // D
-    R = (2 + HC) * HC if full else HC
+def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
+    """The mix launch: -> (ws [T, ns, R + 1] split-K partials, ns, tiled)."""
     KD = HC * D
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
     BT = 64 if tiled else 1
@@ -190,10 +239,33 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
                                                        X_TF32=tf32_exact(xc), **pdl())
     else:
         _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, **pdl())
-    BHC = p2(HC)
+    return ws, ns, tiled
+
+
+def _apply_sizes(HC: int, R: int, ns: int, tiled: bool) -> tuple[int, int, int, int]:
+    """(BHC, BW, BS, num_warps) of the apply launch."""
     BW = p2(R + 1)
     nw = 4 if tiled else APPLY_WARPS_DECODE
-    BS = max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // BW))
+    return p2(HC), BW, max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // BW)), nw
+
+
+def _comb(args: tuple, meta: dict, T: int, ws: torch.Tensor, side) -> None:
+    """post / comb (the Sinkhorn rounds) in an apply launch of one program per token, issued under `side`
+    (beside the sub-layer, which needs y only) or, side None, here."""
+    if side is None:
+        _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta, **pdl())
+        return
+    with side:
+        if ws.is_cuda:  # the partials are freed on this stream when hc_pre returns: not reused before the read
+            ws.record_stream(torch.cuda.current_stream(ws.device))
+        _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta, **pdl())
+
+
+def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full, side=None):
+    T = y.numel() // D
+    R = (2 + HC) * HC if full else HC
+    ws, ns, tiled = _mix(xc, T, HC, D, R, fn)
+    BHC, BW, BS, nw = _apply_sizes(HC, R, ns, tiled)
     # one D tile per 256 columns at decode (parallelism); at prefill wider tiles, since every tile redoes
     # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
     BD = max(16, min(p2(D), 1024 if tiled else 256))
@@ -203,10 +275,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
         _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, **meta, **pdl())
         return
     _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, COMB=False, **meta, **pdl())
-    with side:  # post / comb (the Sinkhorn rounds) beside the sub-layer, which needs y only
-        if ws.is_cuda:  # the partials are freed on this stream when hc_pre returns: not reused before the read
-            ws.record_stream(torch.cuda.current_stream(ws.device))
-        _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta, **pdl())
+    _comb(args, meta, T, ws, side)
 
 
 @implement("hc_pre", "triton")
@@ -222,6 +291,43 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         return y, post, comb
     _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, True, side)
     return y, post, comb
+
+
+QUANT_FUSED_MAX_TOKENS = TILE_TOKENS
+"""`hc_pre_quant` runs fused (one program per token: `_hc_apply_quant_kernel`) below this many tokens (decode),
+else as `hc_pre` then `rms_norm_quant` (prefill's token-tiled mix and wide apply tiles)."""
+
+
+@implement("hc_pre_quant", "triton")
+def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, S, HC, D = x.shape
+    T, QB = B * S, 128
+    if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0:
+        y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
+        return (*norm.rms_norm_quant(y, weight, eps, QB), post, comb)
+    xc = x.contiguous()
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    dev = x.device
+    y = torch.empty(B, S, D, dtype=x.dtype, device=dev)
+    q = torch.empty(B, S, D, dtype=torch.float8_e4m3fn, device=dev)
+    s = torch.empty(B, S, D // QB, dtype=torch.float32, device=dev)
+    post = torch.empty(B, S, HC, dtype=torch.float32, device=dev)
+    comb = torch.empty(B, S, HC, HC, dtype=torch.float32, device=dev)
+    R = (2 + HC) * HC
+    ws, ns, _ = _mix(xc, T, HC, D, R, fn)
+    BHC, BW, BS, _ = _apply_sizes(HC, R, ns, False)
+    NB = D // QB
+    BNB = p2(NB)
+    nw = max(4, min(16, BHC * BNB * QB // 2048))  # ~64 row values a thread (the whole row is one tile)
+    _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s, HC, D, ns, NB,
+                                 float(norm_eps), float(hc_eps), float(eps), HAS_W=weight is not None, BHC=BHC,
+                                 BW=BW, BS=BS, BNB=BNB, QB=QB, num_warps=nw, **pdl())
+    args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
+    BD = max(16, min(p2(D), 256))  # hc_pre's decode value: the same compiled COMB launch
+    _comb(args, dict(FULL=True, BHC=BHC, BW=BW, BS=BS, BD=BD, num_warps=APPLY_WARPS_DECODE), T, ws, side)
+    return y, q, s, post, comb
 
 
 @implement("hc_head", "triton")
