@@ -70,6 +70,28 @@ def test_branch_runs_on_its_own_stream_and_joins(monkeypatch):
 
 @pytest.mark.gpu
 @cuda
+def test_join_of_a_branch_never_entered_inside_a_capture(monkeypatch):
+    """An op may ignore the branch it is handed (the reference hc_pre does): joining it must not make the
+    capture depend on a stream that never joined it."""
+    monkeypatch.setenv(branch.ENV, "1")
+    x = torch.randn(1024, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        br = branch.fork(x)
+        used = branch.fork(x)
+        with used:
+            y = x * 2
+        z = br.join(x + 1)
+        y = used.join(y)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(z, x + 1) and torch.equal(y, x * 2)
+
+
+@pytest.mark.gpu
+@cuda
 def test_split_k_on_two_streams_at_once():
     """Two streams launch split-K FP8 GEMMs concurrently, many times; every output equals the serial one
     bit for bit (shared tile counters would let one launch's programs complete the other's tiles)."""

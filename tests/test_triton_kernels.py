@@ -657,10 +657,11 @@ def test_hc_pre(seed, hc, D, dtype, S):
 @pytest.mark.parametrize("hc,D,dtype,S,weighted", [(4, 256, torch.bfloat16, 3, True), (4, 384, torch.float32, 1, False),
                                                    (3, 128, torch.bfloat16, 2, True), (4, 256, torch.bfloat16, 40, True)])
 def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
-    """hc_pre, then rms_norm_quant of its y, in one op: the reference within the op tolerance; at decode sizes
-    (B x S < 64: one fused program per token) post / comb are hc_pre's bits and y, q, s the two Triton
-    kernels' back to back (the same expressions; a last-bit flip of a sum allowed in a few elements), at
-    prefill sizes (80 tokens) exactly the two ops."""
+    """hc_pre, then rms_norm_quant of its y, in one op: the reference within the op tolerance; post / comb are
+    hc_pre's bits; at prefill sizes (80 tokens) y, q, s are the two Triton kernels' back to back, bit for bit;
+    at decode sizes (B x S < 64: one fused program per token, its own layout of the 4-stream sum) fp32 y / s are
+    theirs within 2^-20 of the largest, and a bf16 y / fp8 q differ from theirs in at most 1 % of the elements (a
+    last-bit flip before the cast; on the H200 58-71 % of the fp32 elements differed in the last bits)."""
     g = gen(seed)
     x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
     scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
@@ -671,9 +672,13 @@ def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
     y0, p0, c0 = REGISTRY["hc_pre"].impls["triton"](*args[:7])
     two = (*REGISTRY["rms_norm_quant"].impls["triton"](y0, w, 1e-6), p0, c0)
     assert torch.equal(out[3], two[3]) and torch.equal(out[4], two[4])
+    decode = x.size(0) * S < 64
     for a, b in zip(out[:3], two[:3]):
+        if decode and a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=2 ** -20, atol=2 ** -20 * b.abs().max().item())
+            continue
         a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
-        assert (a != b).float().mean().item() <= (0.0 if x.size(0) * S >= 64 else 0.01)
+        assert (a != b).float().mean().item() <= (0.01 if decode else 0.0)
 
 
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 1), (4, 64, torch.bfloat16, 3)])

@@ -57,6 +57,7 @@ class Branch:
     def __init__(self, stream: torch.cuda.Stream | None):
         self.stream = stream
         self._ctx = None
+        self._entered = False  # join waits only for a branch that was entered (issued work)
 
     @property
     def active(self) -> bool:
@@ -70,6 +71,7 @@ class Branch:
             self._ctx = torch.cuda.stream(self.stream)
             self._ctx.__enter__()
             _open.append(self)
+            self._entered = True
         return self
 
     def __exit__(self, *exc) -> None:
@@ -80,8 +82,11 @@ class Branch:
 
     def join(self, *outs):
         """The current stream (the fork's origin, or another branch) waits for this branch's work; `outs`
-        (tensors, tuples, None) are recorded for it. Returns outs[0] if one, else outs."""
-        if self.stream is not None:
+        (tensors, tuples, None) are recorded for it. Returns outs[0] if one, else outs. A branch never entered
+        (an op that ignored its `side`, e.g. the reference) is not waited for: in a graph capture that
+        stream never joined the capture, and waiting on it fails ("dependency created on uncaptured work in
+        another stream", H200 2026-11-30)."""
+        if self.stream is not None and self._entered:
             cur = torch.cuda.current_stream(self.stream.device)
             cur.wait_stream(self.stream)
             for t in outs:
