@@ -80,10 +80,10 @@ def test_join_of_a_branch_never_entered_inside_a_capture(monkeypatch):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         br = branch.fork(x)
+        z = br.join(x + 1)  # before anything joined the branch stream to this capture
         used = branch.fork(x)
         with used:
             y = x * 2
-        z = br.join(x + 1)
         y = used.join(y)
     g.replay()
     torch.cuda.synchronize()
