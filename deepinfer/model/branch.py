@@ -32,6 +32,7 @@ import torch
 from deepinfer.debug.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
+LANES_ENV = "DEEPINFER_BRANCH_LANES"  # "1": a stream per lane (`fork`)
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _open: list["Branch"] = []  # branches whose `with` block is being issued (innermost last)
 
@@ -92,9 +93,6 @@ class Branch:
             for t in outs:
                 _record(t, cur)
         return outs[0] if len(outs) == 1 else outs
-
-
-LANES_ENV = "DEEPINFER_BRANCH_LANES"
 
 
 def fork(x: torch.Tensor, on: bool = True, lane: str = "side") -> Branch:

@@ -50,12 +50,13 @@ class Block:
             tap(f"{n}.hc_{sub}.in", h)
             # decode: post / comb (the Sinkhorn rounds) on a second stream, joined at hc_post (`branch`)
             br = fork(h, on=not ctx.prefill, lane="hc")
+            side = br if br.active else None  # no branch: the one-launch apply (post / comb included)
             mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
             xq = None
             if self.quant_in:  # the collapse, the norm and its FP8 form in one op (one decode launch)
-                x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=br if br.active else None)
+                x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=side)
             else:
-                x, post, comb = ops.hc_pre(*mhc, side=br if br.active else None)
+                x, post, comb = ops.hc_pre(*mhc, side=side)
                 x = ops.rms_norm(x, norm, c.norm_eps)
             tap(f"{n}.hc_{sub}.post", post)
             tap(f"{n}.hc_{sub}.comb", comb)

@@ -242,11 +242,24 @@ def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
     return ws, ns, tiled
 
 
-def _apply_sizes(HC: int, R: int, ns: int, tiled: bool) -> tuple[int, int, int, int]:
-    """(BHC, BW, BS, num_warps) of the apply launch."""
+def _apply_meta(HC: int, R: int, D: int, ns: int, tiled: bool, full: bool) -> dict:
+    """Launch constants of `_hc_apply_kernel` (BHC, BW, BS, BD, num_warps, FULL). One D tile per 256 columns at
+    decode (parallelism); at prefill wider tiles, since every tile redoes the partial sums and the Sinkhorn
+    iterations (T x 16 programs of that at D 4096)."""
     BW = p2(R + 1)
     nw = 4 if tiled else APPLY_WARPS_DECODE
-    return p2(HC), BW, max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // BW)), nw
+    return dict(FULL=full, BHC=p2(HC), BW=BW, BS=max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // BW)),
+                BD=max(16, min(p2(D), 1024 if tiled else 256)), num_warps=nw)
+
+
+def _pre_buffers(x, fn, scale, base):
+    """hc_pre's operands as the kernels read them (contiguous, f32 parameters) and its outputs y, post, comb."""
+    B, S, HC, D = x.shape
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(B, S, HC, dtype=torch.float32, device=x.device)
+    comb = torch.empty(B, S, HC, HC, dtype=torch.float32, device=x.device)
+    return x.contiguous(), fn, scale, base, y, post, comb
 
 
 def _comb(args: tuple, meta: dict, T: int, ws: torch.Tensor, side) -> None:
@@ -265,16 +278,13 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     T = y.numel() // D
     R = (2 + HC) * HC if full else HC
     ws, ns, tiled = _mix(xc, T, HC, D, R, fn)
-    BHC, BW, BS, nw = _apply_sizes(HC, R, ns, tiled)
-    # one D tile per 256 columns at decode (parallelism); at prefill wider tiles, since every tile redoes
-    # the partial sums and the Sinkhorn iterations (T x 16 programs of that at D 4096)
-    BD = max(16, min(p2(D), 1024 if tiled else 256))
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
-    meta = dict(FULL=full, BHC=BHC, BW=BW, BS=BS, BD=BD, num_warps=nw)
+    meta = _apply_meta(HC, R, D, ns, tiled, full)
+    grid = (T, triton.cdiv(D, meta["BD"]))
     if side is None:
-        _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, **meta, **pdl())
+        _hc_apply_kernel[grid](*args, **meta, **pdl())
         return
-    _hc_apply_kernel[(T, triton.cdiv(D, BD))](*args, COMB=False, **meta, **pdl())
+    _hc_apply_kernel[grid](*args, COMB=False, **meta, **pdl())
     _comb(args, meta, T, ws, side)
 
 
@@ -282,11 +292,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, hc_eps: float, iters: int, side=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, S, HC, D = x.shape
-    xc = x.contiguous()
-    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
-    y = torch.empty(B, S, D, dtype=x.dtype, device=x.device)
-    post = torch.empty(B, S, HC, dtype=torch.float32, device=x.device)
-    comb = torch.empty(B, S, HC, HC, dtype=torch.float32, device=x.device)
+    xc, fn, scale, base, y, post, comb = _pre_buffers(x, fn, scale, base)
     if B * S == 0:
         return y, post, comb
     _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, True, side)
@@ -307,26 +313,20 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0:
         y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
         return (*norm.rms_norm_quant(y, weight, eps, QB), post, comb)
-    xc = x.contiguous()
-    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
-    dev = x.device
-    y = torch.empty(B, S, D, dtype=x.dtype, device=dev)
-    q = torch.empty(B, S, D, dtype=torch.float8_e4m3fn, device=dev)
-    s = torch.empty(B, S, D // QB, dtype=torch.float32, device=dev)
-    post = torch.empty(B, S, HC, dtype=torch.float32, device=dev)
-    comb = torch.empty(B, S, HC, HC, dtype=torch.float32, device=dev)
+    xc, fn, scale, base, y, post, comb = _pre_buffers(x, fn, scale, base)
+    q = torch.empty(B, S, D, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(B, S, D // QB, dtype=torch.float32, device=x.device)
     R = (2 + HC) * HC
     ws, ns, _ = _mix(xc, T, HC, D, R, fn)
-    BHC, BW, BS, _ = _apply_sizes(HC, R, ns, False)
+    meta = _apply_meta(HC, R, D, ns, False, True)  # hc_pre's decode launch: the same partial-sum order and COMB
     NB = D // QB
     BNB = p2(NB)
-    nw = max(4, min(16, BHC * BNB * QB // 2048))  # ~64 row values a thread (the whole row is one tile)
+    nw = max(4, min(16, meta["BHC"] * BNB * QB // 2048))  # ~64 row values a thread (the whole row is one tile)
     _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s, HC, D, ns, NB,
-                                 float(norm_eps), float(hc_eps), float(eps), HAS_W=weight is not None, BHC=BHC,
-                                 BW=BW, BS=BS, BNB=BNB, QB=QB, num_warps=nw, **pdl())
+                                 float(norm_eps), float(hc_eps), float(eps), HAS_W=weight is not None,
+                                 BHC=meta["BHC"], BW=meta["BW"], BS=meta["BS"], BNB=BNB, QB=QB, num_warps=nw, **pdl())
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
-    BD = max(16, min(p2(D), 256))  # hc_pre's decode value: the same compiled COMB launch
-    _comb(args, dict(FULL=True, BHC=BHC, BW=BW, BS=BS, BD=BD, num_warps=APPLY_WARPS_DECODE), T, ws, side)
+    _comb(args, meta, T, ws, side)
     return y, q, s, post, comb
 
 
