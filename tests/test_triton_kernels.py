@@ -681,6 +681,34 @@ def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
         assert (a != b).float().mean().item() <= (0.01 if decode else 0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
+    """At decode with a side stream hc_pre_quant is hc_pre(side=...) then rms_norm_quant (faster on the H200 than
+    the one-program fused form, `QUANT_FUSED_MAX_TOKENS`): their bits, and post / comb issued under the side."""
+    g = gen(6)
+    hc, D, S = 4, 256, 1
+    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = 1 + randn(g, D, scale=0.1)
+
+    class Side:
+        entered = 0
+
+        def __enter__(self):
+            Side.entered += 1
+
+        def __exit__(self, *exc):
+            pass
+
+    with poisoned():
+        out = REGISTRY["hc_pre_quant"].impls["triton"](x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6, side=Side())
+    assert Side.entered == 1
+    y0, p0, c0 = REGISTRY["hc_pre"].impls["triton"](x, fn, scale, base, 1e-6, 1e-6, 20)
+    two = (*REGISTRY["rms_norm_quant"].impls["triton"](y0, w, 1e-6), p0, c0)
+    for a, b in zip(out, two):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 1), (4, 64, torch.bfloat16, 3)])
 def test_hc_pre_side_same_bits(hc, D, dtype, S):
     """hc_pre(side=...) (decode: post / comb issued under the branch, y in a launch of its own) gives the

@@ -174,26 +174,31 @@ def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_
                            norm_eps, hc_eps, eps, HAS_W: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
                            BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr):
     """`hc_pre_quant` for token t (one program, the whole row in registers): y = sum_j pre_j x_j in x's dtype
-    (`_hc_apply_kernel`'s expressions), then `_rms_norm_quant_kernel`'s norm of that y -- sum of squares,
+    (`_hc_apply_kernel`'s expressions; the mix partials summed BS at a time, BS set for this program's warps,
+    so the mixes may differ from the apply launch's in the last bit), then `_rms_norm_quant_kernel`'s norm of that y -- sum of squares,
     x · r · w in `_normed`'s order, the act_quant of the cast value (`quant_e4m3_rows`) -- for its NB blocks
     of QB columns at once. Replaces the apply launch (16 programs per token) and the norm launch."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     R = (2 + HC) * HC
-    mix, w, r = _mixes(ws_ptr, t, NS, R, HC * D, norm_eps, BW, BS)
     j = tl.arange(0, BHC)
     mj = j < HC
-    pre = tl.where(mj, _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC), 0.0)
     blk = tl.arange(0, BNB)
     cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [BNB, QB]
     m = blk[:, None] < NB
+    # The row and the norm weight are loaded before the partials are summed: the three loads are in flight
+    # together instead of one after another behind the sums' barriers (the kernel is a chain of latencies).
     x = tl.load(x_ptr + (t * HC + j[:, None, None]) * D + cols[None, :, :], mask=mj[:, None, None] & m[None, :, :],
-                other=0.0).to(tl.float32)
-    yb = tl.sum(pre[:, None, None] * x, 0).to(y_ptr.dtype.element_ty).to(tl.float32)  # hc_pre's y, as stored
+                other=0.0)
+    if HAS_W:
+        nw = tl.load(nw_ptr + cols, mask=m, other=0.0)
+    mix, w, r = _mixes(ws_ptr, t, NS, R, HC * D, norm_eps, BW, BS)
+    pre = tl.where(mj, _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC), 0.0)
+    yb = tl.sum(pre[:, None, None] * x.to(tl.float32), 0).to(y_ptr.dtype.element_ty).to(tl.float32)  # hc_pre's y
     rr = tl.math.rsqrt(tl.sum(tl.sum(yb * yb, 1), 0) / D + eps)
     yn = yb * rr
     if HAS_W:
-        yn = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32) * yn
+        yn = nw.to(tl.float32) * yn
     yc = yn.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * D + cols, yc, mask=m)
     q, sc = quant_e4m3_rows(yc.to(tl.float32))
@@ -300,8 +305,16 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 
 QUANT_FUSED_MAX_TOKENS = TILE_TOKENS
-"""`hc_pre_quant` runs fused (one program per token: `_hc_apply_quant_kernel`) below this many tokens (decode),
-else as `hc_pre` then `rms_norm_quant` (prefill's token-tiled mix and wide apply tiles)."""
+"""`hc_pre_quant` runs fused (one program per token: `_hc_apply_quant_kernel`) below this many tokens (decode)
+when its apply computes post / comb too (no `side`), else as `hc_pre` then `rms_norm_quant` (prefill's
+token-tiled mix and wide apply tiles; decode with `side`, the branch's default on CUDA).
+
+Why not fused with `side`: one program per token runs the whole row's sum, norm and quantisation as one
+chain of ~2100 instructions with 16 barriers (offline sm_90 compile), while the apply launch without the
+Sinkhorn rounds spreads the row over 16 programs and `rms_norm_quant` is short. H200 (2026-11-30,
+`.device/mb92.py`, batch 1, hc 4, D 4096, graph-timed chains, us per call incl. the mix launch): fused 10.0;
+apply without comb + `rms_norm_quant` 7.7; apply with comb + `rms_norm_quant` 10.5 (so without a side stream
+the fused form stays)."""
 
 
 @implement("hc_pre_quant", "triton")
@@ -310,7 +323,7 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, S, HC, D = x.shape
     T, QB = B * S, 128
-    if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0:
+    if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0 or side is not None:
         y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
         return (*norm.rms_norm_quant(y, weight, eps, QB), post, comb)
     xc, fn, scale, base, y, post, comb = _pre_buffers(x, fn, scale, base)
@@ -318,13 +331,16 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     s = torch.empty(B, S, D // QB, dtype=torch.float32, device=x.device)
     R = (2 + HC) * HC
     ws, ns, _ = _mix(xc, T, HC, D, R, fn)
-    meta = _apply_meta(HC, R, D, ns, False, True)  # hc_pre's decode launch: the same partial-sum order and COMB
+    meta = _apply_meta(HC, R, D, ns, False, True)  # hc_pre's decode launch (its COMB form, below)
     NB = D // QB
     BNB = p2(NB)
     nw = max(4, min(16, meta["BHC"] * BNB * QB // 2048))  # ~64 row values a thread (the whole row is one tile)
+    # this program's warps load the partials in one [BS, BW] tile where <= APPLY_PARTIALS a thread allow (batch 1:
+    # all 64 at once; the 1-warp apply loads 16 at a time, 4 round trips to L2 one after another)
+    BS = max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // meta["BW"]))
     _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s, HC, D, ns, NB,
                                  float(norm_eps), float(hc_eps), float(eps), HAS_W=weight is not None,
-                                 BHC=meta["BHC"], BW=meta["BW"], BS=meta["BS"], BNB=BNB, QB=QB, num_warps=nw, **pdl())
+                                 BHC=meta["BHC"], BW=meta["BW"], BS=BS, BNB=BNB, QB=QB, num_warps=nw, **pdl())
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
     _comb(args, meta, T, ws, side)
     return y, q, s, post, comb

@@ -164,6 +164,12 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
 
 
 GEMV_MAX_T = 16
+ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM = 256, 1
+"""The GEMV launch at one or two tokens (batch-1 decode): 256-wide D steps and a split target of one program
+per SM, so the fused select sums 8 partials instead of 32 (E 256, D 4096). H200 (2026-11-30,
+`.device/mb92.py`, graph-timed chains, us per moe_route): BD 128 / 2 per SM (the general setting) 10.7;
+BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2; BD 256 / 0.5 8.9; BD 512 / 1 8.1. Same routing, weights within
+2^-26 (the partials' order). Not measured at more tokens, which keep the general setting."""
 FUSED_SELECT = True
 """On the GEMV path (decode sizes) the selection runs in the logits kernel's last program of each token tile
 (`_moe_logits_kernel` SELECT): one launch per routing instead of two, the same bits (`_select` either way)."""
@@ -189,10 +195,11 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     if dot:
         BT, BE, BD = (32 if T <= 64 else 64), 64, 32
     else:
-        BT, BD = max(2, p2(T)), max(16, min(p2(D), 128))
+        BT = max(2, p2(T))
+        BD = max(16, min(p2(D), ROUTE_ONE_TOKEN_BD if BT == 2 else 128))
         BE = max(2, min(p2(E), 8192 // (BT * BD)))
     tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
-    per, ns = split_k(triton.cdiv(D, BD), tiles, 2 * sms(x.device))
+    per, ns = split_k(triton.cdiv(D, BD), tiles, (ROUTE_ONE_TOKEN_PER_SM if not dot and BT == 2 else 2) * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))  # == BT on the GEMV path: the fused select takes the logits' token tiles
