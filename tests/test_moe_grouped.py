@@ -237,12 +237,35 @@ def test_fp4_decode_a_preconverted_is_bitwise_the_in_kernel_form(P, monkeypatch)
     torch.testing.assert_close(outs[1], d.ref(*args, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("P", [6, 70])
+def test_grouped_gemm_fp4_reads_a_split_form_given(P):
+    """a_split (the producer's `a_bf16_split(a, a_s)`, `swiglu_quant(split=True)`) is read instead of converting
+    a: the same bits at decode (one row a block) and prefill-sized blocks; with a wrong split form (one column
+    off) the result changes, so the given one is what the kernel read."""
+    mg = _triton()
+    g = torch.Generator().manual_seed(5)
+    E, N, K = 8, 128, 512
+    a, a_s = act_quant(torch.randn(P, K, generator=g) * 3, 128)
+    e = torch.randint(0, E, (P,), generator=g)
+    w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+    w_s = float_to_e8m0(torch.exp2(torch.randint(-12, -4, (E, N, K // 32), generator=g).float()))
+    a, a_s, e, w, w_s = (t.to(DEV) for t in (a, a_s, e, w, w_s))
+    impl = REGISTRY["grouped_gemm"].impls["triton"]
+    split = mg.a_bf16_split(a, a_s)
+    plain = impl(a, a_s, e, w, w_s, out_dtype=torch.float32)
+    assert torch.equal(impl(a, a_s, e, w, w_s, out_dtype=torch.float32, a_split=split), plain)
+    assert not torch.equal(impl(a, a_s, e, w, w_s, out_dtype=torch.float32, a_split=split.roll(1, -1)), plain)
+    ref = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, out_dtype=torch.float32, a_split=split)
+    torch.testing.assert_close(plain, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_grouped_gemm_one_token_rows_as_a_stride0_view(fmt):
     """Batch-1 decode passes one token's k rows of A and its scales as an expanded (stride-0) view instead of
     repeat_interleave copies (`MoE.dispatch_local`): the same bits as the copied rows, for the FP4 path
-    (read in place by `a_bf16_split`) and the FP8 one (copied by the op); -1 rows stay 0."""
-    _triton()
+    (read in place by `a_bf16_split`, or its split form given as a stride-0 view) and the FP8 one (copied by
+    the op); -1 rows stay 0."""
+    mg = _triton()
     g = torch.Generator().manual_seed(3)
     E, N, K, k = 8, 128, 512, 6
     a1, s1 = act_quant(torch.randn(1, K, generator=g) * 3, 128)
@@ -260,6 +283,10 @@ def test_grouped_gemm_one_token_rows_as_a_stride0_view(fmt):
     copied = d.impls["triton"](a1.repeat_interleave(k, 0), s1.repeat_interleave(k, 0), e, w, w_s,
                                out_dtype=torch.float32)
     assert torch.equal(view, copied), "the stride-0 rows were not read as the copied rows"
+    if fmt == "fp4":  # the producer's split form as a stride-0 view too (`MoE.wants_split`): read in place
+        split = mg.a_bf16_split(a1, s1)
+        assert torch.equal(d.impls["triton"](a1.expand(k, -1), s1.expand(k, -1), e, w, w_s, out_dtype=torch.float32,
+                                             a_split=split.expand(k, -1)), view)
     assert torch.equal(view[2], torch.zeros_like(view[2])) and (view[0] != 0).any()
     torch.testing.assert_close(view, d.ref(a1.repeat_interleave(k, 0), s1.repeat_interleave(k, 0), e, w, w_s,
                                            out_dtype=torch.float32), rtol=1e-5, atol=1e-5)

@@ -709,6 +709,41 @@ def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("S,side", [(1, False), (1, True), (40, False)])
+def test_norm_quant_split_forms(S, side):
+    """split=True (the FP4 experts' input at batch 1): rms_norm_quant's and hc_pre_quant's (fused at decode, the
+    composition with a side stream or at prefill sizes) fourth output is bit for bit `a_bf16_split` of their own
+    q, s, and the other outputs are those without split; the reference's is `bf16_split` of its q, s."""
+    from deepinfer.ops.reference import bf16_split
+    from deepinfer_kernels.triton import moe_grouped
+
+    class Side:
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            pass
+
+    g = gen(7)
+    hc, D = 4, 256
+    x, fn, base = _hc_inputs(g, hc, D, torch.bfloat16, (2 + hc) * hc, S)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = 1 + randn(g, D, scale=0.1)
+    args = (x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    kw = {"side": Side()} if side else {}
+    impl = REGISTRY["hc_pre_quant"].impls["triton"]
+    y, q, s, o, post, comb = impl(*args, split=True, **kw)
+    plain = impl(*args, **kw)
+    for a, b in zip((y, q, s, post, comb), plain):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert torch.equal(o, moe_grouped.a_bf16_split(q.reshape(-1, D), s.reshape(-1, D // 128)).view_as(o))
+    ry, rq, rs, ro, *_ = REGISTRY["hc_pre_quant"].ref(*args, split=True)
+    assert torch.equal(ro, bf16_split(rq, rs))
+    y2, q2, s2, o2 = REGISTRY["rms_norm_quant"].impls["triton"](y, w, 1e-6, split=True)
+    assert torch.equal(o2, moe_grouped.a_bf16_split(q2.reshape(-1, D), s2.reshape(-1, D // 128)).view_as(o2))
+
+
 @pytest.mark.parametrize("hc,D,dtype,S", [(4, 40, torch.float32, 1), (4, 64, torch.bfloat16, 3)])
 def test_hc_pre_side_same_bits(hc, D, dtype, S):
     """hc_pre(side=...) (decode: post / comb issued under the branch, y in a launch of its own) gives the
@@ -843,6 +878,24 @@ def test_swiglu_quant_is_swiglu_then_act_quant(seed, P, I, weighted, out_dtype):
     tq, ts = REGISTRY["act_quant"].impls["triton"](y, 128)
     assert torch.equal(q.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(s, ts)
     check("swiglu_quant", (q, s), ref)
+
+
+
+@pytest.mark.parametrize("P,I", [(6, 384), (2, 2560)])
+def test_swiglu_quant_split_is_a_bf16_split_of_its_q_s(P, I):
+    """split=True (an FP4 w2's input): q and s as without it, and the bf16 form the FP4 GEMM reads, bit for
+    bit `a_bf16_split(q, s)` (the launch it replaces); the reference's within the op tolerance."""
+    from deepinfer_kernels.triton import moe_grouped
+
+    g = gen(4)
+    h13 = randn(g, P, 2 * I, dtype=torch.bfloat16, scale=5.0)
+    w = torch.rand(P, generator=g).to(DEV)
+    args, kw = (h13[:, :I], h13[:, I:], 7.0), {"weight": w, "out_dtype": torch.bfloat16}
+    (q, s, o), ref = run_both("swiglu_quant", *args, split=True, **kw)
+    q0, s0 = REGISTRY["swiglu_quant"].impls["triton"](*args, **kw)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, moe_grouped.a_bf16_split(q, s))
+    check("swiglu_quant", (q, s, o), ref)
 
 
 # ------------------------------------------------------------------------------------------- caches

@@ -117,10 +117,12 @@ class StackedLinear:
         """The GEMM input as `Linear` feeds it: act_quant per 128 for FP8/FP4 weights, x as is for float."""
         return (x, None) if self.fmt == "float" else ops.act_quant(x, 128)
 
-    def __call__(self, a: tuple[torch.Tensor, torch.Tensor | None], e: torch.Tensor, out_dtype: torch.dtype
-                 ) -> torch.Tensor:
-        """Row p of the (quantised) input through expert e[p]'s matrix: -> [P, N] out_dtype (e = -1: 0)."""
-        return ops.grouped_gemm(a[0], a[1], e, self.weight, self.scale, out_dtype=out_dtype)
+    def __call__(self, a: tuple, e: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Row p of the (quantised) input through expert e[p]'s matrix: -> [P, N] out_dtype (e = -1: 0).
+        a: (x, None) for float weights, (q, s) as act_quant gives it, or (q, s, its bf16 split form) from a
+        producer that wrote that too (`swiglu_quant(split=True)`; FP4 weights read it)."""
+        return ops.grouped_gemm(a[0], a[1], e, self.weight, self.scale, out_dtype=out_dtype,
+                                a_split=a[2] if len(a) > 2 else None)
 
 
 class RoutedExperts:
@@ -171,7 +173,12 @@ class RoutedExperts:
     @property
     def quantised_input(self) -> bool:
         """w1 / w3 take act_quant(x, 128) (FP8 / FP4 experts), so a caller holding it can pass it to `run`."""
-        return (self.w13 if self.fused else self.w1).fmt != "float"
+        return self.input_fmt != "float"
+
+    @property
+    def input_fmt(self) -> str:
+        """The storage format of w1 / w3 ("fp8", "fp4", "float"; "" with no local experts)."""
+        return (self.w13 if self.fused else self.w1).fmt
 
     def run(self, a: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, e: torch.Tensor,
             dt: torch.dtype) -> torch.Tensor:
@@ -182,7 +189,9 @@ class RoutedExperts:
         else:
             h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
         if self.w2.fmt != "float":  # weighted before w2, as the official code; w2's act_quant in the same kernel
-            return self.w2(ops.swiglu_quant(h1, h3, self.limit, weight=w, out_dtype=dt), e, dt)
+            # (and for FP4 experts the bf16 form their GEMM reads: no conversion launch before it)
+            return self.w2(ops.swiglu_quant(h1, h3, self.limit, weight=w, out_dtype=dt, split=self.w2.fmt == "fp4"),
+                           e, dt)
         return self.w2((ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt), None), e, dt)
 
 
@@ -216,7 +225,7 @@ class MoE:
         xt = x.reshape(-1, shape[-1])
         br = fork(xt, on=decode, lane="shared_expert")
         with br:
-            shared = self.shared(xt, xq=xq)
+            shared = self.shared(xt, xq=None if xq is None else tuple(xq[:2]))
         weights, idx, scores = ops.moe_route(xt, self.gate_w, self.bias, self.tid2eid, input_ids.reshape(-1),
                                              self.topk, self.score_func, self.route_scale)
         tap(self.name + ".router.scores", scores)
@@ -224,6 +233,13 @@ class MoE:
         tap(self.name + ".router.weights", weights)
         routed = self.dispatch(xt, weights, idx, xq)  # [T, k, D] (or [T, 1, D] summed)
         return ops.moe_combine(routed, br.join(shared), x.dtype).view(shape)
+
+    def wants_split(self, tokens: int) -> bool:
+        """Would `dispatch_local` read xt's bf16 split form (xq's third element, `rms_norm_quant(split=True)`):
+        one token (its k rows a stride-0 view) through local FP4 experts -- the GEMM then reads it in place
+        instead of converting its input in a launch of its own."""
+        return tokens == 1 and self.experts.input_fmt == "fp4" \
+            and self.dispatch == self.dispatch_local
 
     def dispatch_local(self, xt: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                        xq: tuple | None = None) -> torch.Tensor:
@@ -235,9 +251,9 @@ class MoE:
         e = idx.reshape(-1)
         e = e - self.expert_offset if self.expert_offset else e
         if xq is not None and self.experts.quantised_input:
-            q, s = (t.reshape(T, -1) for t in xq)
+            q, s = (t.reshape(T, -1) for t in xq[:2])
             if T == 1:  # one token (batch-1 decode): its k rows as a stride-0 view, no copy kernels
-                a = (q.expand(k, -1), s.expand(k, -1))
+                a = tuple(t.reshape(T, -1).expand(k, -1) for t in xq)  # (q, s[, split form])
             else:
                 a = (q.repeat_interleave(k, dim=0), s.repeat_interleave(k, dim=0))
             out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)

@@ -56,17 +56,32 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     return q.flatten(-2), s
 
 
+def bf16_split(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """An act_quant'd activation as the FP4 expert GEMM reads it: q [..., K] e4m3 (K % 128 == 0) times its
+    per-128 scales s [..., K/128], in bf16 (exact: e4m3 x 2^k), each 128-K block as its 64 even then its 64
+    odd columns (the two dot operands of a 128-K step) -> [..., K] bfloat16."""
+    K = q.size(-1)
+    v = (q.float().unflatten(-1, (K // 128, 128)) * s.float().unsqueeze(-1)).to(torch.bfloat16)
+    return v.unflatten(-1, (64, 2)).transpose(-1, -2).flatten(-3)
+
+
 @defop("rms_norm_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (1e-2, 1e-2)})
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128,
+                   split: bool = False) -> tuple:
     """RMSNorm and the FP8 quantisation of its output for the FP8 GEMMs it feeds, in one op.
 
     x [..., K] -> (y = rms_norm(x) in x's dtype, q float8_e4m3fn [..., K], s float32 [..., K/block]) with
     (q, s) = act_quant(y, block) exactly: y is rounded to x's dtype first, as when a Linear quantises it.
-    Tolerance: y as rms_norm; q within one e4m3 step (a last-bit difference in y may flip a rounding).
+    split (block 128): a fourth output, `bf16_split(q, s)`, the form FP4 experts read (`grouped_gemm`'s a_split).
+    Tolerance: y as rms_norm; q within one e4m3 step (a last-bit difference in y may flip a rounding); the
+    split form is q x s, so backends are compared on it through q and s (tests: bit for bit against
+    `bf16_split` of their own q, s).
     """
     y = rms_norm(x, weight, eps)
     q, s = act_quant(y, block)
+    if split:
+        assert block == 128, f"rms_norm_quant: split needs block 128, not {block}"
+        return y, q, s, bf16_split(q, s)
     return y, q, s
 
 
@@ -443,19 +458,19 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 @defop("hc_pre_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
 def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None, split: bool = False
+                 ) -> tuple:
     """`hc_pre`, then `rms_norm_quant` of its y (a sub-layer's normed input and its FP8 form), in one op.
 
     x [B, S, hc, D] and the mHC parameters as `hc_pre`; weight [D] (or None), eps: the sub-layer's norm ->
-    (y [B, S, D] x's dtype, q float8_e4m3fn [B, S, D], s f32 [B, S, D/128], post, comb). `side` as `hc_pre`.
+    (y [B, S, D] x's dtype, q float8_e4m3fn [B, S, D], s f32 [B, S, D/128], post, comb). `side` as `hc_pre`;
+    split: `rms_norm_quant`'s fourth output after s (y, q, s, split, post, comb).
     y is rounded to x's dtype before the norm, as between the two ops, so two roundings stand between a
     backend's y and this one's: bf16 tolerance 2e-2 relative (two ulps just above a power of two are 1.6 %),
     q within one e4m3 step as `rms_norm_quant`.
     """
     y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters)
-    y, q, s = rms_norm_quant(y, weight, eps)
-    return y, q, s, post, comb
+    return (*rms_norm_quant(y, weight, eps, split=split), post, comb)
 
 
 @defop("hc_post")
@@ -531,16 +546,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     return y if out_dtype is None else y.to(out_dtype)
 
 
-@defop("swiglu_quant", tol={"float8_e4m3fn": (0.13, 2.0**-9), "float32": (1e-5, 1e-5)})
+@defop("swiglu_quant", tol={"float8_e4m3fn": (0.13, 2.0**-9), "float32": (1e-5, 1e-5), "bfloat16": (0.13, 2.0**-9)})
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
     """The clamped SwiGLU and the FP8 quantisation of its output for the FP8 / FP4 w2 it feeds, in one op:
     act_quant(swiglu(gate, up, limit, weight, out_dtype), block) -> (q float8_e4m3fn [..., N], s float32
     [..., N/block]). The activation is rounded to out_dtype first, as when w2's Linear quantises it.
+    split (block 128): also `bf16_split(q, s)`, the form an FP4 w2 reads (`grouped_gemm`'s a_split), so its
+    GEMM need not convert it in a launch of its own.
     Tolerance: q within one e4m3 step (a last-bit difference in the activation may flip a rounding): 1/8
     relative for normal codes, 2^-9 absolute for the subnormal ones (the activation's many near-zero values
-    in a block scaled for its largest)."""
-    return act_quant(swiglu(gate, up, limit, weight, out_dtype), block)
+    in a block scaled for its largest); the split form, q x s, likewise."""
+    q, s = act_quant(swiglu(gate, up, limit, weight, out_dtype), block)
+    if split:
+        assert block == 128, f"swiglu_quant: split needs block 128, not {block}"
+        return q, s, bf16_split(q, s)
+    return q, s
 
 
 @defop("moe_combine")
@@ -639,10 +660,13 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
 # ------------------------------------------------------------------------------- grouped expert GEMM
 @defop("grouped_gemm", tol={"float32": (1e-5, 1e-5)})
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
-                 w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
+                 a_split: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row expert GEMM: C[p] = A[p] · W[e[p]]ᵀ (the routed experts' w1 / w3 / w2 in one call).
 
     a [P, K]: float8_e4m3fn with a_s [P, K/128] f32 (act_quant), or a float dtype with a_s None.
+    a_split: optional, `bf16_split(a, a_s)` when a's producer wrote it too (`swiglu_quant(split=True)`); the
+    same values, so the result is the same -- kernels for FP4 weights read it instead of converting a.
     e [P] int64 local expert ids; -1 marks a padding row, whose output row is 0.
     w [E, N, K] float8_e4m3fn + w_s [E, ceil(N/128), ceil(K/128)] f32 (fp8_gemm per expert), or
     [E, N, K/2] int8 e2m1 pairs + w_s [E, N, K/32] f32 or ue8m0 bytes (fp4_gemm per expert), or [E, N, K] float + None

@@ -32,7 +32,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import norm
-from ._common import dot_f32, p2, pdl, pdl_wait, quant_e4m3_rows, sms, split_k, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, quant_e4m3_rows, sms, split_k, store_bf16_split, tf32_exact
 
 
 @triton.jit
@@ -170,9 +170,9 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
 
 
 @triton.jit
-def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_ptr, s_ptr, HC, D, NS, NB,
+def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_ptr, s_ptr, o_ptr, HC, D, NS, NB,
                            norm_eps, hc_eps, eps, HAS_W: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
-                           BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr):
+                           BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr, SPLIT: tl.constexpr = False):
     """`hc_pre_quant` for token t (one program, the whole row in registers): y = sum_j pre_j x_j in x's dtype
     (`_hc_apply_kernel`'s expressions; the mix partials summed BS at a time, BS set for this program's warps,
     so the mixes may differ from the apply launch's in the last bit), then `_rms_norm_quant_kernel`'s norm of that y -- sum of squares,
@@ -204,6 +204,8 @@ def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_
     q, sc = quant_e4m3_rows(yc.to(tl.float32))
     tl.store(q_ptr + t * D + cols, q, mask=m)
     tl.store(s_ptr + t * NB + blk, sc, mask=blk < NB)
+    if SPLIT:  # the FP4 experts' input form (`store_bf16_split`)
+        store_bf16_split(o_ptr + t * D, blk, q, sc, m, QB)
 
 
 TILE_TOKENS = 64
@@ -319,16 +321,17 @@ the fused form stays)."""
 
 @implement("hc_pre_quant", "triton")
 def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None, split: bool = False
+                 ) -> tuple:
     B, S, HC, D = x.shape
     T, QB = B * S, 128
     if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0 or side is not None:
         y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
-        return (*norm.rms_norm_quant(y, weight, eps, QB), post, comb)
+        return (*norm.rms_norm_quant(y, weight, eps, QB, split=split), post, comb)
     xc, fn, scale, base, y, post, comb = _pre_buffers(x, fn, scale, base)
     q = torch.empty(B, S, D, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(B, S, D // QB, dtype=torch.float32, device=x.device)
+    o = torch.empty(B, S, D, dtype=torch.bfloat16, device=x.device) if split else None
     R = (2 + HC) * HC
     ws, ns, _ = _mix(xc, T, HC, D, R, fn)
     meta = _apply_meta(HC, R, D, ns, False, True)  # hc_pre's decode launch (its COMB form, below)
@@ -338,12 +341,13 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     # this program's warps load the partials in one [BS, BW] tile where <= APPLY_PARTIALS a thread allow (batch 1:
     # all 64 at once; the 1-warp apply loads 16 at a time, 4 round trips to L2 one after another)
     BS = max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // meta["BW"]))
-    _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s, HC, D, ns, NB,
-                                 float(norm_eps), float(hc_eps), float(eps), HAS_W=weight is not None,
-                                 BHC=meta["BHC"], BW=meta["BW"], BS=BS, BNB=BNB, QB=QB, num_warps=nw, **pdl())
+    _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s,
+                                 o if split else q, HC, D, ns, NB, float(norm_eps), float(hc_eps), float(eps),
+                                 HAS_W=weight is not None, BHC=meta["BHC"], BW=meta["BW"], BS=BS, BNB=BNB, QB=QB,
+                                 SPLIT=split, num_warps=nw, **pdl())
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
     _comb(args, meta, T, ws, side)
-    return y, q, s, post, comb
+    return (y, q, s, o, post, comb) if split else (y, q, s, post, comb)
 
 
 @implement("hc_head", "triton")

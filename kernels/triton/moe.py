@@ -26,7 +26,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import dot_f32, key_index, p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
-from ._common import tile_counters, unit_last_stride
+from ._common import store_bf16_split, tile_counters, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -278,11 +278,14 @@ def _swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, N, NB, SG, SU, limit, Y_DTYPE: tl.constexpr,
-                         CLAMP: tl.constexpr, WEIGHT: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr):
+def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, o_ptr, N, NB, SG, SU, limit, Y_DTYPE: tl.constexpr,
+                         CLAMP: tl.constexpr, WEIGHT: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr,
+                         SPLIT: tl.constexpr):
     """Row r, quantisation blocks RB at a time as an [RB, QB] tile: the activation as `_swiglu_kernel`, its
     cast to Y_DTYPE (the unfused op's output dtype), and the act_quant of that cast value
-    (`quant_e4m3_rows`, the act_quant kernel's rule). The activation itself is never stored."""
+    (`quant_e4m3_rows`, the act_quant kernel's rule). The activation itself is never stored.
+    SPLIT (QB 128): also q x s in bf16 as each block's 64 even then 64 odd columns (`a_bf16_split`'s
+    layout and expression), the FP4 w2's input."""
     pdl_wait()
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * RB + tl.arange(0, RB)
@@ -294,6 +297,8 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, N, NB, SG, SU, limit
     q, s = quant_e4m3_rows(y.to(Y_DTYPE).to(tl.float32))
     tl.store(q_ptr + r * N + cols, q, mask=m)
     tl.store(s_ptr + r * NB + blk, s, mask=blk < NB)
+    if SPLIT:
+        store_bf16_split(o_ptr + r * N, blk, q, s, m, QB)
 
 
 @implement("swiglu", "triton")
@@ -317,20 +322,24 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 @implement("swiglu_quant", "triton")
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
     N = gate.size(-1)
     assert N % block == 0 and block == triton.next_power_of_2(block), \
         f"swiglu_quant: last dim {N} is not a multiple of {block}"
+    assert block == 128 or not split, f"swiglu_quant: split needs block 128, not {block}"
     q = torch.empty(gate.shape, dtype=torch.float8_e4m3fn, device=gate.device)
     s = torch.empty(*gate.shape[:-1], N // block, dtype=torch.float32, device=gate.device)
+    o = torch.empty(gate.shape, dtype=torch.bfloat16, device=gate.device) if split else None
+    out = (q, s, o) if split else (q, s)
     rows = gate.numel() // max(N, 1)
     if rows == 0:
-        return q, s
+        return out
     g2, u2 = rows_2d(gate, N), rows_2d(up, N)
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     NB = N // block
     RB = min(triton.next_power_of_2(NB), max(1, 4096 // block))
-    _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, N, NB, g2.stride(0), u2.stride(0),
-                                                       float(limit), Y_DTYPE=_TL_DTYPE[out_dtype], CLAMP=limit > 0,
-                                                       WEIGHT=weight is not None, QB=block, RB=RB, **pdl())
-    return q, s
+    _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, o if split else q, N, NB, g2.stride(0),
+                                                       u2.stride(0), float(limit), Y_DTYPE=_TL_DTYPE[out_dtype],
+                                                       CLAMP=limit > 0, WEIGHT=weight is not None, QB=block, RB=RB,
+                                                       SPLIT=split, **pdl())
+    return out

@@ -308,7 +308,7 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
-                   KB_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                   KB_PER_SPLIT, SA_R, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
                    EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
@@ -326,7 +326,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # into it.
     # IDENT (a handful of rows, e.g. one token's top-k): block b is row b alone and bexp_ptr is e
     # itself -- no sort.
-    # A_BF16 (K % 128 == 0): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`),
+    # A_BF16 (K % 128 == 0): A comes pre-scaled in bf16 as even / odd column halves (`a_bf16_split`, or its
+    # producer's `store_bf16_split`), rows SA_R apart (0: one token's k rows as a stride-0 view),
     # so its tiles go from global straight into shared memory as the dots' operand -- no per-program
     # fp8 -> fp32 -> x scale -> bf16 conversion and register-to-shared re-layout of the same A tile for
     # every N tile (about as many instructions per step as the weight decode: 516 -> 314 SASS per step at
@@ -371,8 +372,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
         k = kb * 128 + rk
         g = kb * 4 + g4
         if A_BF16:  # K % 128 == 0: only the padded rows are masked
-            a_e = tl.load(a_ptr + rows[:, None] * K + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
-            a_o = tl.load(a_ptr + rows[:, None] * K + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
+            a_e = tl.load(a_ptr + rows[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
+            a_o = tl.load(a_ptr + rows[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
         else:
             sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
             if EVEN:
@@ -533,7 +534,8 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
 
 @implement("grouped_gemm", "triton")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
-                 w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
+                 a_split: torch.Tensor | None = None) -> torch.Tensor:
     P, K = a.shape
     E, N = w.size(0), w.size(1)
     fp4 = w.dtype in (torch.int8, torch.uint8)
@@ -571,7 +573,12 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         fold = asm and _scales_fold(w_s)
         w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_bf16 = K % 128 == 0 and (A_BF16_DECODE or BM >= A_BF16_MIN_BM)
-        if a_bf16:  # A and its scales converted once, read through their row strides (one token's k rows may
+        if a_bf16 and a_split is not None:  # the producer wrote the converted form (`swiglu_quant(split=True)`)
+            assert a_split.shape == a.shape and a_split.dtype == torch.bfloat16, \
+                "grouped_gemm: a_split must be a's [P, K] bf16 split form"
+            # rows K apart, or one token's k rows as a stride-0 view (batch-1 decode): read in place
+            a = a_split if a_split.stride(-1) == 1 and a_split.stride(0) in (0, K) else a_split.contiguous()
+        elif a_bf16:  # A and its scales converted once, read through their row strides (one token's k rows may
             a = a_bf16_split(a, a_s)  # be a stride-0 view: no copy); the kernel reads no A scale then
         else:
             a, a_s = a.contiguous(), a_s.float().contiguous()
@@ -581,6 +588,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
         _gg_fp4_kernel[grid](
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
+            a.stride(0) if a_bf16 else K,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
             IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast,
             num_warps=nw, num_stages=ns, **pdl())

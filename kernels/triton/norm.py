@@ -11,7 +11,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d
+from ._common import p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, store_bf16_split
 
 
 @triton.jit
@@ -65,13 +65,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, XS, NB, eps, HAS_W: tl.constexpr,
-                           BLOCK: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr):
+def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, o_ptr, N, XS, NB, eps, HAS_W: tl.constexpr,
+                           BLOCK: tl.constexpr, QB: tl.constexpr, RB: tl.constexpr, SPLIT: tl.constexpr = False):
     """One row: `_row_rsqrt` as `_rms_norm_kernel` (so the same y), then RB quantisation blocks of QB columns
     at a time as an [RB, QB] tile: y, its cast to y's dtype, and the act_quant of that cast value
     (`quant_e4m3_rows`, the act_quant kernel's rule). All of a 4096 row's 32 blocks in one pass: a loop
     of one 128 block at a time was a chain of 32 dependent load-reduce-store rounds (17 us per row on
-    the H200 at batch 1, more than the two kernels it replaced)."""
+    the H200 at batch 1, more than the two kernels it replaced). SPLIT (QB 128): also q x s as the FP4 expert
+    GEMM reads it (`store_bf16_split`)."""
     pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * XS
@@ -85,23 +86,27 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, N, XS, NB, eps, HA
         q, s = quant_e4m3_rows(yc.to(tl.float32))
         tl.store(q_ptr + row * N + cols, q, mask=m)
         tl.store(s_ptr + row * NB + blk, s, mask=blk < NB)
+        if SPLIT:
+            store_bf16_split(o_ptr + row * N, blk, q, s, m, QB)
 
 
 @implement("rms_norm_quant", "triton")
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128,
+                   split: bool = False) -> tuple:
     N = x.size(-1)
     assert N % block == 0 and block == p2(block), f"rms_norm_quant: last dim {N} is not a multiple of {block}"
+    assert block == 128 or not split, f"rms_norm_quant: split needs block 128, not {block}"
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], N // block, dtype=torch.float32, device=x.device)
+    o = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if split else None
     if x.numel():
         x2 = rows_2d(x, N)
-        _rms_norm_quant_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, q, s, N, x2.stride(0),
-                                              N // block, float(eps), HAS_W=weight is not None,
+        _rms_norm_quant_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, y, q, s, o if split else q, N,
+                                              x2.stride(0), N // block, float(eps), HAS_W=weight is not None,
                                               BLOCK=min(p2(N), 4096), QB=block,
-                                              RB=min(p2(N // block), max(1, 4096 // block)), **pdl())
-    return y, q, s
+                                              RB=min(p2(N // block), max(1, 4096 // block)), SPLIT=split, **pdl())
+    return (y, q, s, o) if split else (y, q, s)
 
 
 @triton.jit
