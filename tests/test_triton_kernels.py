@@ -681,15 +681,9 @@ def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
         assert (a != b).float().mean().item() <= (0.01 if decode else 0.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
-    """At decode with a side stream hc_pre_quant is hc_pre(side=...) then rms_norm_quant (faster on the H200 than
-    the one-program fused form, `QUANT_FUSED_MAX_TOKENS`): their bits, and post / comb issued under the side."""
-    g = gen(6)
-    hc, D, S = 4, 256, 1
-    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
-    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
-    w = 1 + randn(g, D, scale=0.1)
+def _counting_side():
+    """A stand-in for a `branch.Branch` handed to an op as `side`: a context manager counting its entries (on CPU
+    and here the work stays on the current stream)."""
 
     class Side:
         entered = 0
@@ -700,6 +694,20 @@ def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
         def __exit__(self, *exc):
             pass
 
+    return Side
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
+    """At decode with a side stream hc_pre_quant is hc_pre(side=...) then rms_norm_quant (faster on the H200 than
+    the one-program fused form, `QUANT_FUSED_MAX_TOKENS`): their bits, and post / comb issued under the side."""
+    g = gen(6)
+    hc, D, S = 4, 256, 1
+    x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = 1 + randn(g, D, scale=0.1)
+
+    Side = _counting_side()
     with poisoned():
         out = REGISTRY["hc_pre_quant"].impls["triton"](x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6, side=Side())
     assert Side.entered == 1
@@ -717,13 +725,7 @@ def test_norm_quant_split_forms(S, side):
     from deepinfer.ops.reference import bf16_split
     from deepinfer_kernels.triton import moe_grouped
 
-    class Side:
-        def __enter__(self):
-            pass
-
-        def __exit__(self, *exc):
-            pass
-
+    Side = _counting_side()
     g = gen(7)
     hc, D = 4, 256
     x, fn, base = _hc_inputs(g, hc, D, torch.bfloat16, (2 + hc) * hc, S)
@@ -754,15 +756,7 @@ def test_hc_pre_side_same_bits(hc, D, dtype, S):
     impl = REGISTRY["hc_pre"].impls["triton"]
     one = impl(x, fn, scale, base, 1e-6, 1e-6, 20)
 
-    class Side:
-        entered = 0
-
-        def __enter__(self):
-            Side.entered += 1
-
-        def __exit__(self, *exc):
-            pass
-
+    Side = _counting_side()
     with poisoned():
         two = impl(x, fn, scale, base, 1e-6, 1e-6, 20, side=Side())
     assert Side.entered == 1

@@ -53,8 +53,8 @@ class Block:
             side = br if br.active else None  # no branch: the one-launch apply (post / comb included)
             mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
             xq = None
-            if self.quant_in:  # the collapse, the norm and its FP8 form in one op (one decode launch); for the
-                # FP4 experts of a one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
+            if self.quant_in:  # the collapse, the norm and its FP8 form in one op; for the FP4 experts of a
+                # one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
                 split = sub == "ffn" and self.ffn.wants_split(h.size(0) * h.size(1))
                 x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=side, split=split)
             else:
