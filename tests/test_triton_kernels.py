@@ -698,9 +698,15 @@ def _counting_side():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
+def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype, monkeypatch):
     """At decode with a side stream hc_pre_quant is hc_pre(side=...) then rms_norm_quant (faster on the H200 than
-    the one-program fused form, `QUANT_FUSED_MAX_TOKENS`): their bits, and post / comb issued under the side."""
+    the one-program fused form, `QUANT_FUSED_MAX_TOKENS`): their bits, post / comb issued under the side, and the
+    fused kernel not launched (under the interpreter both forms may give the same bits)."""
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused apply + quant kernel ran under a side stream")
+
     g = gen(6)
     hc, D, S = 4, 256, 1
     x, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, S)
@@ -708,8 +714,10 @@ def test_hc_pre_quant_with_side_is_hc_pre_then_rms_norm_quant(dtype):
     w = 1 + randn(g, D, scale=0.1)
 
     Side = _counting_side()
+    monkeypatch.setattr(TK.mhc, "_hc_apply_quant_kernel", NotLaunched())
     with poisoned():
         out = REGISTRY["hc_pre_quant"].impls["triton"](x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6, side=Side())
+    monkeypatch.undo()
     assert Side.entered == 1
     y0, p0, c0 = REGISTRY["hc_pre"].impls["triton"](x, fn, scale, base, 1e-6, 1e-6, 20)
     two = (*REGISTRY["rms_norm_quant"].impls["triton"](y0, w, 1e-6), p0, c0)
