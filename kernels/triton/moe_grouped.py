@@ -47,7 +47,9 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         per-group accumulators spill at prefill tiles, and its sums inside the tensor core are not exact
         (docs/performance.md). Not kept.
         A comes pre-converted (`a_bf16_split`, A_BF16 below) when K % 128 == 0, at prefill-sized blocks
-        (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones.
+        (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones -- or as its producer stored it (`a_split`:
+        `swiglu_quant` / `rms_norm_quant` / `hc_pre_quant` with split=True, `_common.store_bf16_split`), with no
+        conversion launch.
   float plain dot in A's dtype (W cast to it, as the reference's F.linear), input_precision="ieee" for
         fp32 (TF32 would cost ~1e-3).
 FP8 dots pass max_num_imprecise_acc=0 (Hopper's FP8 wgmma otherwise keeps ~14 accumulator bits) at
