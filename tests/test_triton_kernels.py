@@ -654,8 +654,10 @@ def test_hc_pre(seed, hc, D, dtype, S):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("hc,D,dtype,S,weighted", [(4, 256, torch.bfloat16, 3, True), (4, 384, torch.float32, 1, False),
-                                                   (3, 128, torch.bfloat16, 2, True), (4, 256, torch.bfloat16, 40, True)])
+@pytest.mark.parametrize("hc,D,dtype,S,weighted", [(4, 256, torch.bfloat16, 3, True),
+                                                   (4, 384, torch.float32, 1, False),
+                                                   (3, 128, torch.bfloat16, 2, True),
+                                                   (4, 256, torch.bfloat16, 40, True)])
 def test_hc_pre_quant(seed, hc, D, dtype, S, weighted):
     """hc_pre, then rms_norm_quant of its y, in one op: the reference within the op tolerance; post / comb are
     hc_pre's bits; at prefill sizes (80 tokens) y, q, s are the two Triton kernels' back to back, bit for bit;

@@ -201,9 +201,10 @@ class Attention:
         if entry_on_branch:
             with br:
                 self.compressor.decode(x, ctx)
-        bk = fork(x, on=decode and self.indexer is not None, lane="indexer_keys")
+        indexer_on_branch = decode and self.indexer is not None  # CSA
+        bk = fork(x, on=indexer_on_branch, lane="indexer_keys")
         w_ix = None
-        if decode and self.indexer is not None:
+        if indexer_on_branch:
             with bk:
                 w_ix = self.indexer.start_decode(x, ctx)
         if self.wq_a_kv is not None:
@@ -219,8 +220,8 @@ class Attention:
             qr = ops.rms_norm(qa, self.q_norm, self.eps)
         qr = (qr, qrq)
         slots = None
-        bi = fork(x, on=decode and self.indexer is not None, lane="indexer")
-        if decode and self.indexer is not None:
+        bi = fork(x, on=indexer_on_branch, lane="indexer")
+        if indexer_on_branch:
             with bi:  # the top-k entries as decode slots
                 slots = ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1),
                                          self.indexer(x, qr, ctx, n + ".indexer", w=w_ix, early=bk))

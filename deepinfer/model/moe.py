@@ -251,11 +251,10 @@ class MoE:
         e = idx.reshape(-1)
         e = e - self.expert_offset if self.expert_offset else e
         if xq is not None and self.experts.quantised_input:
-            q, s = (t.reshape(T, -1) for t in xq[:2])
             if T == 1:  # one token (batch-1 decode): its k rows as a stride-0 view, no copy kernels
-                a = tuple(t.reshape(T, -1).expand(k, -1) for t in xq)  # (q, s[, split form])
+                a = tuple(t.reshape(1, -1).expand(k, -1) for t in xq)  # (q, s[, split form])
             else:
-                a = (q.repeat_interleave(k, dim=0), s.repeat_interleave(k, dim=0))
+                a = tuple(t.reshape(T, -1).repeat_interleave(k, dim=0) for t in xq[:2])
             out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
         else:
             out = self.compute_experts(xt.repeat_interleave(k, dim=0), weights.reshape(-1), e)

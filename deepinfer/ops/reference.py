@@ -65,6 +65,14 @@ def bf16_split(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return v.unflatten(-1, (64, 2)).transpose(-1, -2).flatten(-3)
 
 
+def _quant_outputs(q: torch.Tensor, s: torch.Tensor, block: int, split: bool, op: str) -> tuple:
+    """An op's act_quant outputs (q, s), followed by `bf16_split(q, s)` when `split` (block 128 only)."""
+    if not split:
+        return q, s
+    assert block == 128, f"{op}: split needs block 128, not {block}"
+    return q, s, bf16_split(q, s)
+
+
 @defop("rms_norm_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (1e-2, 1e-2)})
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128,
                    split: bool = False) -> tuple:
@@ -78,11 +86,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
     `bf16_split` of their own q, s).
     """
     y = rms_norm(x, weight, eps)
-    q, s = act_quant(y, block)
-    if split:
-        assert block == 128, f"rms_norm_quant: split needs block 128, not {block}"
-        return y, q, s, bf16_split(q, s)
-    return y, q, s
+    return (y, *_quant_outputs(*act_quant(y, block), block, split, "rms_norm_quant"))
 
 
 @defop("fp8_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
@@ -557,11 +561,7 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: tor
     Tolerance: q within one e4m3 step (a last-bit difference in the activation may flip a rounding): 1/8
     relative for normal codes, 2^-9 absolute for the subnormal ones (the activation's many near-zero values
     in a block scaled for its largest); the split form, q x s, likewise."""
-    q, s = act_quant(swiglu(gate, up, limit, weight, out_dtype), block)
-    if split:
-        assert block == 128, f"swiglu_quant: split needs block 128, not {block}"
-        return q, s, bf16_split(q, s)
-    return q, s
+    return _quant_outputs(*act_quant(swiglu(gate, up, limit, weight, out_dtype), block), block, split, "swiglu_quant")
 
 
 @defop("moe_combine")

@@ -239,12 +239,13 @@ def quant_e4m3_rows(v):
 
 
 @triton.jit
-def store_bf16_split(o_ptr, blk, q, s, m, QB: tl.constexpr):
-    """Store an act_quant'd [R, QB] tile (q [R, QB] e4m3, s [R]) of blocks `blk` [R] as the FP4 expert GEMM reads
-    its input (`moe_grouped.a_bf16_split`'s layout and expression): q x s in bf16 (exact), each block's QB/2
-    even then QB/2 odd columns, at o_ptr + blk * QB (o_ptr: the row's start). m [R, 1]: blocks to store."""
+def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
+    """Store R act_quant'd blocks (q [R, QB] e4m3, s [R] their scales) as the FP4 expert GEMM reads its input:
+    q x s in bf16 (exact), each block's QB/2 even then QB/2 odd columns, block i from o_starts[i] (pointers
+    [R]). m [R, 1]: the blocks to store. `moe_grouped.a_bf16_split` and the producers that write this form
+    (swiglu_quant, rms_norm_quant, hc_pre_quant with split) all store through here."""
     a_e, a_o = tl.split(tl.reshape(q.to(tl.float32) * s[:, None], [q.shape[0], QB // 2, 2]))
-    o = o_ptr + blk[:, None] * QB + tl.arange(0, QB // 2)[None, :]
+    o = o_starts[:, None] + tl.arange(0, QB // 2)[None, :]
     tl.store(o, a_e.to(tl.bfloat16), mask=m)
     tl.store(o + QB // 2, a_o.to(tl.bfloat16), mask=m)
 

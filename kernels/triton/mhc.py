@@ -123,7 +123,8 @@ def _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC: tl.constexpr):
     masked here: callers mask)."""
     j = tl.arange(0, BHC)
     mj = j < HC
-    return tl.sigmoid(_pick1(mix, w, j) * r * tl.load(scale_ptr + 0) + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
+    return tl.sigmoid(_pick1(mix, w, j) * r * tl.load(scale_ptr + 0)
+                      + tl.load(base_ptr + j, mask=mj, other=0.0)) + hc_eps
 
 
 @triton.jit
@@ -175,9 +176,10 @@ def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_
                            BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr, SPLIT: tl.constexpr = False):
     """`hc_pre_quant` for token t (one program, the whole row in registers): y = sum_j pre_j x_j in x's dtype
     (`_hc_apply_kernel`'s expressions; the mix partials summed BS at a time, BS set for this program's warps,
-    so the mixes may differ from the apply launch's in the last bit), then `_rms_norm_quant_kernel`'s norm of that y -- sum of squares,
-    x · r · w in `_normed`'s order, the act_quant of the cast value (`quant_e4m3_rows`) -- for its NB blocks
-    of QB columns at once. Replaces the apply launch (16 programs per token) and the norm launch."""
+    so the mixes may differ from the apply launch's in the last bit), then `_rms_norm_quant_kernel`'s norm of
+    that y -- sum of squares, x · r · w in `_normed`'s order, the act_quant of the cast value
+    (`quant_e4m3_rows`) -- for its NB blocks of QB columns at once. Replaces the apply launch (16 programs per
+    token) and the norm launch; SPLIT also stores the FP4 experts' input form (`store_bf16_split`)."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     R = (2 + HC) * HC
@@ -204,8 +206,8 @@ def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_
     q, sc = quant_e4m3_rows(yc.to(tl.float32))
     tl.store(q_ptr + t * D + cols, q, mask=m)
     tl.store(s_ptr + t * NB + blk, sc, mask=blk < NB)
-    if SPLIT:  # the FP4 experts' input form (`store_bf16_split`)
-        store_bf16_split(o_ptr + t * D, blk, q, sc, m, QB)
+    if SPLIT:
+        store_bf16_split(o_ptr + t * D + blk * QB, q, sc, m, QB)
 
 
 TILE_TOKENS = 64
@@ -346,7 +348,7 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                  HAS_W=weight is not None, BHC=meta["BHC"], BW=meta["BW"], BS=BS, BNB=BNB, QB=QB,
                                  SPLIT=split, num_warps=nw, **pdl())
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
-    _comb(args, meta, T, ws, side)
+    _comb(args, meta, T, ws, None)  # no side here (with one, the composition above runs)
     return (y, q, s, o, post, comb) if split else (y, q, s, post, comb)
 
 

@@ -192,14 +192,19 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     # Always fp32-accurate: the reference scores in fp32, and a plain bf16 wgmma at K=4096 drifted by
     # up to 2e-4. Small T: exact fp32 FMA GEMV; larger T: 3xTF32 tensor-core tiles.
     dot = T > GEMV_MAX_T
+    per_sm = 2  # split-K target: programs per SM
     if dot:
         BT, BE, BD = (32 if T <= 64 else 64), 64, 32
     else:
         BT = max(2, p2(T))
-        BD = max(16, min(p2(D), ROUTE_ONE_TOKEN_BD if BT == 2 else 128))
+        if BT == 2:
+            BD, per_sm = ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM
+        else:
+            BD = 128
+        BD = max(16, min(p2(D), BD))
         BE = max(2, min(p2(E), 8192 // (BT * BD)))
     tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
-    per, ns = split_k(triton.cdiv(D, BD), tiles, (ROUTE_ONE_TOKEN_PER_SM if not dot and BT == 2 else 2) * sms(x.device))
+    per, ns = split_k(triton.cdiv(D, BD), tiles, per_sm * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     BE2 = max(16, p2(E))
     BT2 = max(2, min(16, p2(T)))  # == BT on the GEMV path: the fused select takes the logits' token tiles
@@ -298,7 +303,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, o_ptr, N, NB, SG, SU
     tl.store(q_ptr + r * N + cols, q, mask=m)
     tl.store(s_ptr + r * NB + blk, s, mask=blk < NB)
     if SPLIT:
-        store_bf16_split(o_ptr + r * N, blk, q, s, m, QB)
+        store_bf16_split(o_ptr + r * N + blk * QB, q, s, m, QB)
 
 
 @implement("swiglu", "triton")

@@ -69,7 +69,7 @@ from deepinfer.ops.registry import implement
 
 from . import moe_prefill
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
-from ._common import unit_last_stride, weight_scale_arg
+from ._common import store_bf16_split, unit_last_stride, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 
@@ -288,10 +288,7 @@ def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, sa_r, ss_r, BR: tl.constexp
     j = tl.arange(0, 128)
     a = tl.load(a_ptr + r[:, None] * sa_r + kb * 128 + j[None, :], mask=mr[:, None], other=0.0)
     s = tl.load(as_ptr + r * ss_r + kb, mask=mr, other=0.0)
-    a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * s[:, None], [BR, 64, 2]))
-    o = o_ptr + r[:, None] * K + kb * 128 + tl.arange(0, 64)[None, :]
-    tl.store(o, a_e.to(tl.bfloat16), mask=mr[:, None])
-    tl.store(o + 64, a_o.to(tl.bfloat16), mask=mr[:, None])
+    store_bf16_split(o_ptr + r * K + kb * 128, a, s, mr[:, None], 128)
 
 
 def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, o_ptr, N, XS, NB, 
         tl.store(q_ptr + row * N + cols, q, mask=m)
         tl.store(s_ptr + row * NB + blk, s, mask=blk < NB)
         if SPLIT:
-            store_bf16_split(o_ptr + row * N, blk, q, s, m, QB)
+            store_bf16_split(o_ptr + row * N + blk * QB, q, s, m, QB)
 
 
 @implement("rms_norm_quant", "triton")
