@@ -251,6 +251,19 @@ def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
 
 
 @triton.jit
+def store_act_quant(v, q_row, s_row, o_row, blk, m, NB, QB: tl.constexpr, SPLIT: tl.constexpr):
+    """act_quant of R blocks of a row, v [R, QB] float32 (`quant_e4m3_rows`), stored: the codes of block blk[i]
+    at q_row + blk[i] * QB, its scale at s_row + blk[i]; SPLIT (QB 128) also the FP4 experts' input form at
+    o_row (`store_bf16_split`). m [R, 1]: the blocks < NB. The norm, hc and SwiGLU kernels that quantise
+    their output for the next GEMM all store through here."""
+    q, s = quant_e4m3_rows(v)
+    tl.store(q_row + blk[:, None] * QB + tl.arange(0, QB)[None, :], q, mask=m)
+    tl.store(s_row + blk, s, mask=blk < NB)
+    if SPLIT:
+        store_bf16_split(o_row + blk * QB, q, s, m, QB)
+
+
+@triton.jit
 def e2m1_x2p14(code):
     """4-bit e2m1 codes (int32, 0..15) -> float32 value * 2^-14, exactly, in 6 integer/convert ops.
 

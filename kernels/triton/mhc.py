@@ -32,7 +32,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import norm
-from ._common import dot_f32, p2, pdl, pdl_wait, quant_e4m3_rows, sms, split_k, store_bf16_split, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, store_act_quant, tf32_exact
 
 
 @triton.jit
@@ -203,11 +203,7 @@ def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_
         yn = nw.to(tl.float32) * yn
     yc = yn.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * D + cols, yc, mask=m)
-    q, sc = quant_e4m3_rows(yc.to(tl.float32))
-    tl.store(q_ptr + t * D + cols, q, mask=m)
-    tl.store(s_ptr + t * NB + blk, sc, mask=blk < NB)
-    if SPLIT:
-        store_bf16_split(o_ptr + t * D + blk * QB, q, sc, m, QB)
+    store_act_quant(yc.to(tl.float32), q_ptr + t * D, s_ptr + t * NB, o_ptr + t * D, blk, m, NB, QB, SPLIT)
 
 
 TILE_TOKENS = 64

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import dot_f32, key_index, p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, sms, sort_key, split_k, tf32_exact
-from ._common import store_bf16_split, tile_counters, unit_last_stride
+from ._common import dot_f32, key_index, p2, pdl, pdl_wait, rows_2d, sms, sort_key, split_k, tf32_exact
+from ._common import store_act_quant, tile_counters, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -299,11 +299,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, o_ptr, N, NB, SG, SU
     g = tl.load(g_ptr + r * SG + cols, mask=m, other=0.0)
     u = tl.load(u_ptr + r * SU + cols, mask=m, other=0.0)
     y = _swiglu_f32(g, u, tl.load(w_ptr + r), limit, CLAMP, WEIGHT)
-    q, s = quant_e4m3_rows(y.to(Y_DTYPE).to(tl.float32))
-    tl.store(q_ptr + r * N + cols, q, mask=m)
-    tl.store(s_ptr + r * NB + blk, s, mask=blk < NB)
-    if SPLIT:
-        store_bf16_split(o_ptr + r * N + blk * QB, q, s, m, QB)
+    store_act_quant(y.to(Y_DTYPE).to(tl.float32), q_ptr + r * N, s_ptr + r * NB, o_ptr + r * N, blk, m, NB, QB, SPLIT)
 
 
 @implement("swiglu", "triton")

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import p2, pdl, pdl_wait, quant_e4m3_rows, rows_2d, store_bf16_split
+from ._common import p2, pdl, pdl_wait, rows_2d, store_act_quant
 
 
 @triton.jit
@@ -83,11 +83,7 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, o_ptr, N, XS, NB, 
         m = blk[:, None] < NB
         yc = _normed(x_row, w_ptr, cols, m, r, HAS_W).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * N + cols, yc, mask=m)
-        q, s = quant_e4m3_rows(yc.to(tl.float32))
-        tl.store(q_ptr + row * N + cols, q, mask=m)
-        tl.store(s_ptr + row * NB + blk, s, mask=blk < NB)
-        if SPLIT:
-            store_bf16_split(o_ptr + row * N + blk * QB, q, s, m, QB)
+        store_act_quant(yc.to(tl.float32), q_ptr + row * N, s_ptr + row * NB, o_ptr + row * N, blk, m, NB, QB, SPLIT)
 
 
 @implement("rms_norm_quant", "triton")
