@@ -109,7 +109,9 @@ def _print(report: dict, con: Console) -> None:
     pops = report.get("prefill_ops")
     if pops:
         fp8 = report.get("matmul_fp8_flops")
-        t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms): compute ops, achieved rate "
+        host = f", host issue {pops['host_issue_ms']:.1f} ms" if "host_issue_ms" in pops else ""
+        t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms device{host}): compute ops, "
+                        f"achieved rate "
                         f"vs measured fp8 {fp8 / 1e12 if fp8 else float('nan'):.0f} / bf16 "
                         f"{report['matmul_flops'] / 1e12:.0f} TFLOP/s")
         for c in ("op", "calls", "ms", "share", "TFLOP/s", "of ceiling"):
@@ -140,6 +142,8 @@ def _print(report: dict, con: Console) -> None:
                   f"{d['ratio_engine_bytes']:.1f}", f"{f['distinct_experts_per_layer']:.1f}",
                   gb(d["peak_mem_bytes"]) if "peak_mem_bytes" in d else "-")
     con.print(t)
+    if report.get("fp8_prefill_gemm"):
+        con.print(f"prefill FP8 GEMMs (M >= 65): {report['fp8_prefill_gemm']}", highlight=False)
     if report.get("fallbacks"):
         con.print(f"ops on the torch reference (no {report['backend']} kernel): {', '.join(report['fallbacks'])}",
                   highlight=False)

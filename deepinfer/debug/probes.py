@@ -192,6 +192,22 @@ def _pdl_check(cuda: bool) -> dict:
             "detail": f"supported by this Triton; used on sm_90+ CUDA devices (here: {here})"}
 
 
+def _vendor_gemm_check(cuda: bool) -> dict:
+    """Which GEMM the Triton backend's `fp8_gemm` runs at prefill-sized M here (`deepinfer_kernels.triton.
+    gemm_vendor`): cuBLASLt's block-scaled FP8 GEMM on sm_90, else the Triton TMA kernel, with the reason."""
+    row = {"check": "prefill FP8 GEMM", "mode": "in process", "value": None}
+    try:
+        from deepinfer_kernels.triton import gemm_vendor as gv
+
+        why = gv.unavailable(torch.device("cuda") if cuda else torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001 - reported as the row's failure
+        return {**row, "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"}
+    if why is None:
+        return {**row, "status": "pass", "value": "cublaslt",
+                "detail": "cuBLASLt block-scaled FP8 (1x128 / 128x128 scales) for M >= %d" % gv.MIN_M}
+    return {**row, "status": "pass", "value": "triton", "detail": f"Triton TMA kernel: {why}"}
+
+
 def probe_triton() -> dict:
     inst = triton_install()
     out = {"probe": "triton", "install": inst, "checks": [], "ok": False}
@@ -233,6 +249,7 @@ def probe_triton() -> dict:
         c["mode"] = f"compile only ({how})"
     out["checks"] += cc
     out["checks"].append(_pdl_check(cuda))
+    out["checks"].append(_vendor_gemm_check(cuda))
     out["interpreter"] = need_interp
     out["ok"] = all(c["status"] != "fail" for c in out["checks"])
     return out

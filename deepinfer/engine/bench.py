@@ -615,6 +615,17 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": tv}
 
 
+def _fp8_prefill_gemm(device: torch.device) -> str | None:
+    """What ran the prefill-sized FP8 GEMMs (`fp8_gemm`, M >= 65) of the Triton backend: "cublaslt" or
+    "triton: <why not cuBLASLt>"; None for other backends."""
+    if ops.backend != "triton":
+        return None
+    from deepinfer_kernels.triton import gemm_vendor
+
+    why = gemm_vendor.unavailable(device)
+    return "cublaslt" if why is None else f"triton: {why}"
+
+
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     """Run every measurement of `deepinfer bench`; returns the JSON-able report."""
     from deepinfer.engine.loader import OptionError, resolve_device, resolve_numerics
@@ -690,6 +701,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             log(f"timing the compute ops of one {opts.prompt_len}-token prefill ...")
             report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate)
     report["fallbacks"] = sorted(ops.fallbacks)
+    report["fp8_prefill_gemm"] = _fp8_prefill_gemm(device)
     if device.type == "cuda":
         report["peak_mem_bytes"] = max([d.get("peak_mem_bytes", 0) for d in report["decode"]]
                                        + [torch.cuda.max_memory_allocated(device)])

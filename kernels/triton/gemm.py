@@ -33,6 +33,10 @@ dequantised weight): decode sizes stream the FP8 weight (`_fp8w_group_kernel`: e
 in registers, exact, the block's partial times its power-of-two scale); prefill dequantises into a per-call
 bf16 scratch for cuBLAS's bmm.
 
+fp8_gemm at prefill on sm_90 goes to cuBLASLt's block-scaled FP8 GEMM (`gemm_vendor`: the same numerics at 69-87 %
+of the FP8 rate where the kernel below reaches ~50 %), for the shapes it takes; every other prefill GEMM, and every
+one under DEEPINFER_FP8_GEMM=triton, runs the TMA kernel.
+
 fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA tensor descriptors and the
 fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block
 accumulate in the tensor core, then the block's partial is scaled into the fp32 accumulator). This is
@@ -54,6 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deepinfer.ops.reference import grouped_bmm
 from deepinfer.ops.registry import implement
 
+from . import gemm_vendor
 from ._common import INTERPRET as _INTERPRET
 from ._common import dot_f32, e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import sms as _sms
@@ -173,6 +178,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     M, K = a.shape
     N = w.size(0)
     a, a_s, w, w_s = a.contiguous(), a_s.float().contiguous(), w.contiguous(), w_s.float().contiguous()
+    if N and gemm_vendor.shape_ok(a, w, out_dtype) and gemm_vendor.unavailable(a.device) is None:
+        return gemm_vendor.fp8_gemm_block_scaled(a, a_s, w, w_s, out_dtype)  # prefill on sm_90: cuBLASLt
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
