@@ -220,6 +220,15 @@ class Attention:
             qr = ops.rms_norm(qa, self.q_norm, self.eps)
         qr = (qr, qrq)
         slots = None
+        # decode, SWA and HCA: the kv norm, the cache write and the window's slots depend on kva and the
+        # positions only, so they run on the branch stream beside wq_b and the q head norm (~4-6 us of small
+        # launches off the main chain); CSA keeps them here: its branch already carries the indexer
+        kv_on_branch = decode and self.indexer is None
+        bkv = fork(x, on=kv_on_branch, lane="kv")
+        if kv_on_branch:
+            with bkv:
+                kv = self._decode_kv(kva, ctx, cos, sin)
+                slots = self._window_slots(ctx)
         bi = fork(x, on=indexer_on_branch, lane="indexer")
         if indexer_on_branch:
             with bi:  # the top-k entries as decode slots
@@ -228,13 +237,10 @@ class Attention:
         # the q head norm and the kv norm, each with the RoPE of its last rd dims, in one launch
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
-        kv = ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd)
-        # the cache's form; packing is the QAT of the no-RoPE dims (values as fp8_fake_quant). Decode packs in
-        # the cache write (`kv_store` with rope_dim: one launch), prefill here.
-        if self.fp8_kv and ctx.prefill:
-            kv = ops.kv_pack(kv, rd)
-        elif self.numerics.official and not self.fp8_kv:  # QAT: the cache's no-RoPE dims live in FP8
-            kv = torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+        if ctx.prefill:
+            kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd), ctx)
+        elif not kv_on_branch:
+            kv = self._decode_kv(kva, ctx, cos, sin)
         tap(n + ".q", q)
         if is_active():
             tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if self.fp8_kv and not ctx.prefill else kv, q.dtype))
@@ -243,7 +249,7 @@ class Attention:
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
         else:
-            o = self._decode(x, q, kv, ctx, (br, bk, bi), slots, compress=not entry_on_branch)
+            o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, compress=not entry_on_branch)
         o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
@@ -334,30 +340,47 @@ class Attention:
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
         return o
 
-    def _decode(self, x, q, kv, ctx: StepContext, branches: tuple, slots: torch.Tensor | None,
+    def _cache_form(self, kv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """kv after its norm and RoPE -> the form the cache holds. Packing is the QAT of the no-RoPE dims (values
+        as fp8_fake_quant): decode packs in the cache write (`kv_store` with rope_dim: one launch), prefill here."""
+        rd = self.rd
+        if self.fp8_kv and ctx.prefill:
+            return ops.kv_pack(kv, rd)
+        if self.numerics.official and not self.fp8_kv:  # QAT: the cache's no-RoPE dims live in FP8
+            return torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
+        return kv
+
+    def _decode_kv(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
+        """Decode: kva [B, 1, hd] -> the kv norm with the RoPE of its last rd dims, written to the ring slot
+        pos % win of each row (the FP8 layout packed on the way). Returns the normed kv (debug taps)."""
+        kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
+        pos, win = ctx.pos, self.win
+        ops.kv_store(self.kv_cache, ctx.rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
+                     rope_dim=self.rd if self.fp8_kv else 0)
+        return kv
+
+    def _window_slots(self, ctx: StepContext) -> torch.Tensor:
+        """The decode slots of SWA and HCA layers (one launch, shared by the layers of one shape): ring slots
+        holding a position <= pos, then (HCA) every complete compressed entry."""
+        pos, rows, win, N = ctx.pos, ctx.rows, self.win, self.kv_cache.size(1)
+        if self.compressor is not None:
+            return ctx.memo(("slots", win, N, self.ratio),
+                            lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
+        return ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
+
+    def _decode(self, x, q, ctx: StepContext, branches: tuple, slots: torch.Tensor | None,
                 compress: bool) -> torch.Tensor:
         """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
         batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
-        kv_cache[rows] first, without copying every row's whole cache each step. The indexer's `slots` (CSA)
-        and, unless `compress`, the compressor's entry (HCA) were issued on `branches` (`__call__`); joined
-        here. `compress`: the compressor's step runs here, on this stream."""
-        pos, rows = ctx.pos, ctx.rows
+        kv_cache[rows] first, without copying every row's whole cache each step. This step's kv is in the cache
+        (`_decode_kv`). The indexer's `slots` (CSA), or the window's (SWA / HCA, with the kv write), and unless
+        `compress` the compressor's entry (HCA) were issued on `branches` (`__call__`); joined here.
+        `compress`: the compressor's step runs here, on this stream."""
         B, _, H, D = q.shape
-        win, N = self.win, self.kv_cache.size(1)
-        ops.kv_store(self.kv_cache, rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
-                     rope_dim=self.rd if self.fp8_kv else 0)  # FP8 layout: packed on the way
         if compress and self.compressor is not None:
             self.compressor.decode(x, ctx)
-        # the slots (one launch): ring slots holding a position <= pos, then the compressed entries --
-        # CSA: the indexer's top-k (per layer), HCA: every complete entry (shared by layers of one shape)
-        if slots is not None:
-            gidx = slots
-        elif self.compressor is not None:
-            gidx = ctx.memo(("slots", win, N, self.ratio),
-                            lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
-        else:
-            gidx = ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
-        for br in branches:  # the compressor's entry is in the cache, the indexer's slots are done
+        gidx = slots if slots is not None else self._window_slots(ctx)
+        for br in branches:  # the kv and the compressor's entry are in the cache, the slots are done
             gidx = br.join(gidx)
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
         return o.view(B, 1, H, D)
