@@ -464,6 +464,13 @@ def build_moe_combine(d: Dims, phase: str, g, device):
             Variant("summed", (routed.float().sum(1, keepdim=True), shared, torch.bfloat16), {})]
 
 
+def build_moe_combine_post(d: Dims, phase: str, g, device):
+    (local, _) = build_moe_combine(d, phase, g, device)
+    (post,) = build_hc_post(d, phase, g, device)
+    _, res, p, c = post.args
+    return [Variant("layer", (*local.args[:2], res.bfloat16(), p, c), {})]
+
+
 POISON = float("nan")
 
 

@@ -218,9 +218,11 @@ class MoE:
         self.dispatch = self.dispatch_local
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None,
-                 decode: bool = False) -> torch.Tensor:
+                 decode: bool = False, then=None) -> torch.Tensor:
         """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]. decode: the
-        shared expert runs on a second stream beside the routing and the routed experts (`branch`)."""
+        shared expert runs on a second stream beside the routing and the routed experts (`branch`).
+        then: a function of (routed [T, k, D], shared [T, D]) that takes the place of `moe_combine` and whose
+        result is returned -- the caller's next step fused with the combine (`Block`: `moe_combine_post`)."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         br = fork(xt, on=decode, lane="shared_expert")
@@ -232,6 +234,8 @@ class MoE:
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
         routed = self.dispatch(xt, weights, idx, xq)  # [T, k, D] (or [T, 1, D] summed)
+        if then is not None:
+            return then(routed, br.join(shared))
         return ops.moe_combine(routed, br.join(shared), x.dtype).view(shape)
 
     def wants_split(self, tokens: int) -> bool:

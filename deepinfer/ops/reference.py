@@ -574,6 +574,19 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
     return (routed.float().sum(1) + shared.float()).to(out_dtype)
 
 
+@defop("moe_combine_post")
+def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's output straight into its mHC post-mix: `hc_post(moe_combine(routed, shared, residual.dtype),
+    residual, post, comb)`, the sub-layer output rounded to the streams' dtype in between as the two ops do.
+
+    routed [T, k, D], shared [T, D] (T = B·S), residual [B, S, hc, D], post [B, S, hc], comb [B, S, hc, hc] ->
+    the new streams [B, S, hc, D] in residual's dtype."""
+    B, S, _, D = residual.shape
+    x = moe_combine(routed, shared, residual.dtype).view(B, S, D)
+    return hc_post(x, residual, post, comb)
+
+
 # ------------------------------------------------------------------------------------------- caches
 @defop("kv_store", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
 def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,

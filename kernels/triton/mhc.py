@@ -15,7 +15,7 @@ no atomics):
    Sinkhorn in registers (a few hundred flops, redundantly per D tile so no third launch), stores
    post / comb from the first D tile, and collapses its D tile: y = sum_j pre_j x_j.
 
-hc_post: one program per (token, D block).
+hc_post: one program per (token, D block); `moe_combine_post` the same with the MoE's combine in front.
 
 hc_pre(..., side=branch) (decode): the apply launch collapses y only, and a second apply launch of one
 program per token, issued under `side` (a second stream), computes post and comb: the 20 Sinkhorn rounds
@@ -33,6 +33,7 @@ from deepinfer.ops.registry import implement
 
 from . import norm
 from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, store_act_quant, tf32_exact
+from ._common import unit_last_stride
 
 
 @triton.jit
@@ -362,15 +363,10 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, HC, D, BHC: tl.constexpr, BD: tl.constexpr):
-    pdl_wait()
-    t = tl.program_id(0).to(tl.int64)
-    db = tl.program_id(1)
+def _post_mix(x, res_ptr, post_ptr, comb_ptr, y_ptr, t, d, md, HC, D, BHC: tl.constexpr):
+    """New streams of token t at columns d from the sub-layer output x [BD] (fp32): post_k x + Σ_j comb[j, k] res_j."""
     j = tl.arange(0, BHC)
     mj = j < HC
-    d = db * BD + tl.arange(0, BD)
-    md = d < D
-    x = tl.load(x_ptr + t * D + d, mask=md, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + t * HC + j, mask=mj, other=0.0).to(tl.float32)
     comb = tl.load(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], mask=mj[:, None] & mj[None, :],
                    other=0.0).to(tl.float32)  # [j, k]
@@ -382,6 +378,40 @@ def _hc_post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, HC, D, BHC: tl.co
              mask=mj[:, None] & md[None, :])
 
 
+@triton.jit
+def _hc_post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, HC, D, BHC: tl.constexpr, BD: tl.constexpr):
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = d < D
+    x = tl.load(x_ptr + t * D + d, mask=md, other=0.0).to(tl.float32)
+    _post_mix(x, res_ptr, post_ptr, comb_ptr, y_ptr, t, d, md, HC, D, BHC)
+
+
+@triton.jit
+def _moe_combine_post_kernel(r_ptr, s_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, HC, D, K, RT, RK, ST,
+                             BHC: tl.constexpr, BD: tl.constexpr):
+    """`moe_combine` then `hc_post` for token t's D block: the routed rows in pair order plus the shared row in
+    fp32 (`_moe_combine_kernel`'s sum), rounded to the streams' dtype as that launch stores it, then the post-mix
+    of `_hc_post_kernel`: the bits of the two launches, in one."""
+    pdl_wait()
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = d < D
+    acc = tl.zeros([BD], tl.float32)
+    for k in range(0, K):
+        acc += tl.load(r_ptr + t * RT + k * RK + d, mask=md, other=0.0).to(tl.float32)
+    acc += tl.load(s_ptr + t * ST + d, mask=md, other=0.0).to(tl.float32)
+    x = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    _post_mix(x, res_ptr, post_ptr, comb_ptr, y_ptr, t, d, md, HC, D, BHC)
+
+
+def _post_bd(HC: int, D: int) -> tuple[int, int]:
+    """(BHC, BD) of the post-mix launches: the [hc, hc, BD] product stays ~2048 values a program."""
+    BHC = p2(HC)
+    return BHC, max(16, min(p2(D), 2048 // (BHC * BHC) if BHC > 1 else 1024))
+
+
 @implement("hc_post", "triton")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     B, S, HC, D = residual.shape
@@ -389,7 +419,25 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     y = torch.empty(B, S, HC, D, dtype=x.dtype, device=x.device)
     if B * S == 0:
         return y
-    BHC = p2(HC)
-    BD = max(16, min(p2(D), 2048 // (BHC * BHC) if BHC > 1 else 1024))
+    BHC, BD = _post_bd(HC, D)
     _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, **pdl())
+    return y
+
+
+@implement("moe_combine_post", "triton")
+def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> torch.Tensor:
+    """One launch where `moe_combine` and `hc_post` took two (decode: one ~2 us launch and its boundary fewer per
+    MoE sub-layer on the batch-1 critical path); routed and shared read through their row strides."""
+    B, S, HC, D = residual.shape
+    T, K, _ = routed.shape
+    routed, shared = unit_last_stride(routed), unit_last_stride(shared)
+    residual, post, comb = residual.contiguous(), post.contiguous(), comb.contiguous()
+    y = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
+    if T == 0:
+        return y
+    BHC, BD = _post_bd(HC, D)
+    _moe_combine_post_kernel[(T, triton.cdiv(D, BD))](routed, shared, residual, post, comb, y, HC, D, K,
+                                                      routed.stride(0), routed.stride(1), shared.stride(0),
+                                                      BHC=BHC, BD=BD, **pdl())
     return y
