@@ -632,6 +632,30 @@ def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype,
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 1, 20, 192, 64, 300, torch.float32),  # split: in the combine
+                                                (3, 1, 16, 160, 32, 200, torch.float16),
+                                                (2, 3, 5, 128, 64, 13, torch.float32)])  # one split: rope launch
+def test_sparse_attn_fp8_out_rope(seed, B, S, H, D, rd, K, dtype):
+    """out_rope: the output's last rd dims de-rotated, against the reference, and the bits of the attention
+    followed by the rope kernel in place (the two launches the combine's ROPE form replaces)."""
+    g = gen(seed)
+    N = 50
+    q = randn(g, B, S, H, D, dtype=dtype)
+    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
+    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
+    idx = torch.randint(-1, N, (B, S, K), generator=g).to(DEV)
+    ang = torch.rand(B, S, rd // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    sink = randn(g, H, scale=3.0)
+    out, ref = run_both("sparse_attn_fp8", q, packed, sink, idx, D ** -0.5, rd, out_rope=(cos, sin))
+    check("sparse_attn_fp8", out, ref)
+    two = TK.attention.sparse_attn_fp8(q, packed, sink, idx, D ** -0.5, rd)
+    TK.rope.rope(two[..., -rd:], cos, sin, inverse=True, out=two[..., -rd:])
+    assert torch.equal(out, two)
+    assert not torch.equal(out[..., -rd:], TK.attention.sparse_attn_fp8(q, packed, sink, idx, D ** -0.5, rd)[..., -rd:])
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 def _hc_inputs(g, hc, D, dtype, n_mix, S=3):
     x = randn(g, 2, S, hc, D, dtype=dtype)

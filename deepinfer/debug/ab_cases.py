@@ -371,8 +371,13 @@ def build_sparse_attn_fp8(d: Dims, phase: str, g, device):
     v = build_sparse_attn(d, phase, g, "cpu")[0]
     q, kv, sink, idx, scale = v.args
     packed = kv_pack(_kv_entries(g, kv.shape[:2], d), d.rope_dim)
-    return [Variant(v.name, (q.to(device), packed.to(device), sink.to(device), idx.to(device), scale, d.rope_dim),
-                    v.kwargs)]
+    args = (q.to(device), packed.to(device), sink.to(device), idx.to(device), scale, d.rope_dim)
+    out = [Variant(v.name, args, v.kwargs)]
+    if phase == "decode":  # the model's decode form: the output's RoPE removed in the same op
+        ang = torch.rand(*q.shape[:2], d.rope_dim // 2, generator=g) * 6.283
+        out.append(Variant(v.name + "_out_rope", args, {**v.kwargs, "out_rope": (ang.cos().to(device),
+                                                                               ang.sin().to(device))}))
+    return out
 
 
 def build_kv_unpack(d: Dims, phase: str, g, device):

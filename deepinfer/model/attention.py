@@ -248,9 +248,10 @@ class Attention:
             o = self._extend(x, q, kv, qr, ctx)
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
-        else:
+        else:  # the FP8 layout's decode attention also removes the output's RoPE (in its combine launch)
             o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, compress=not entry_on_branch)
-        o = rope_tail_(o, rd, cos, sin, inverse=True)
+        if ctx.prefill or not self.fp8_kv:
+            o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
 
@@ -273,13 +274,14 @@ class Attention:
         """Cache-form rows -> [..., head_dim] values (debug taps)."""
         return ops.kv_unpack(kv, self.hd, self.rd, dtype) if self.fp8_kv else kv
 
-    def _attend(self, q, kv, idx, decode: bool = False) -> torch.Tensor:
+    def _attend(self, q, kv, idx, decode: bool = False, out_rope: tuple | None = None) -> torch.Tensor:
         """Sparse attention over cache-form rows kv [B, N, ·]. FP8 layout: decode reads it in place (each
-        query gathers its own ~K rows once); prefill decodes the N rows once to q's dtype first, since
-        reading in place would dequantise every gathered row once per query token and head block (S·K·H/BH
-        row decodes instead of N: 36 ms against 12 ms per flash prefill of 4096, H200)."""
+        query gathers its own ~K rows once) and, given out_rope (cos, sin), also de-rotates the output's RoPE
+        dims; prefill decodes the N rows once to q's dtype first, since reading in place would dequantise every
+        gathered row once per query token and head block (S·K·H/BH row decodes instead of N: 36 ms against 12
+        ms per flash prefill of 4096, H200)."""
         if self.fp8_kv and decode:
-            return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd)
+            return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd, out_rope=out_rope)
         if self.fp8_kv:
             kv = ops.kv_unpack(kv, self.hd, self.rd, q.dtype)
         return ops.sparse_attn(q, kv, self.sink, idx, self.scale)
@@ -382,5 +384,7 @@ class Attention:
         gidx = slots if slots is not None else self._window_slots(ctx)
         for br in branches:  # the kv and the compressor's entry are in the cache, the slots are done
             gidx = br.join(gidx)
-        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True)
+        cos, sin = ctx.rope_at_positions(self.rope_kind)  # [B, 1, rd/2]: one "token" of the flattened batch each
+        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True,
+                         out_rope=(cos.view(1, B, -1), sin.view(1, B, -1)) if self.fp8_kv else None)
         return o.view(B, 1, H, D)

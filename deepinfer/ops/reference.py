@@ -424,10 +424,15 @@ def kv_unpack(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.d
 
 @defop("sparse_attn_fp8", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
 def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                    rope_dim: int) -> torch.Tensor:
+                    rope_dim: int, out_rope: tuple | None = None) -> torch.Tensor:
     """`sparse_attn` reading the FP8 KV layout: kv uint8 [B, N, W] (`kv_pack` of [B, N, D] entries whose
-    rope part is in q's dtype) -> [B, S, H, D], equal to `sparse_attn` on the unpacked entries."""
-    return sparse_attn(q, kv_unpack(kv, q.size(-1), rope_dim, q.dtype), sink, idx, scale)
+    rope part is in q's dtype) -> [B, S, H, D], equal to `sparse_attn` on the unpacked entries.
+    out_rope (cos, sin) [B, S, rope_dim/2]: the output's last rope_dim dims then de-rotated, `rope(...,
+    inverse=True)` of the output in its dtype (the attention output's RoPE removal, fused by backends)."""
+    o = sparse_attn(q, kv_unpack(kv, q.size(-1), rope_dim, q.dtype), sink, idx, scale)
+    if out_rope is not None:
+        o[..., -rope_dim:] = rope(o[..., -rope_dim:], *out_rope, inverse=True)
+    return o
 
 
 # ---------------------------------------------------------------------------------------------- mHC

@@ -37,8 +37,9 @@ from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 from deepinfer.ops.registry import implement
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, p2, pdl, pdl_wait
+from ._common import e8m0_f32, p2, pdl, pdl_wait, rows_2d
 from ._common import sms as _sms
+from .rope import rope as rope_op
 
 
 
@@ -113,11 +114,15 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
 
 
 @triton.jit
-def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS,
-                                BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr):
+def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLITS, cos_ptr, sin_ptr, CS, SS,
+                                R0, HALF, BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr,
+                                ROPE: tl.constexpr = False):
     """Merge the splits' (m, l, acc) of token bs, heads h, BSP splits per load: the few splits of a decode
     call arrive in one round of loads instead of one dependent round per split (the loop form took
-    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0."""
+    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0.
+    ROPE (`out_rope`): the output's pairs R0 .. R0 + HALF - 1 (its last 2 HALF dims) de-rotated by the token's
+    cos / sin rows (stride CS / SS) -- from the output rounded to its dtype, with `_rope_kernel`'s FMAs, so
+    the bits of the rope launch it replaces; the other pairs pass through (cos 1, sin 0: exact)."""
     pdl_wait()
     bs = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -144,6 +149,15 @@ def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLI
                        other=0.0)
         acc += tl.sum(w[:, :, None] * part, 0)
     o = acc / l[:, None]
+    if ROPE:
+        x0, x1 = tl.split(tl.reshape(o.to(o_ptr.dtype.element_ty).to(tl.float32), [BH, BD // 2, 2]))
+        i = tl.arange(0, BD // 2) - R0
+        mi = (i >= 0) & (i < HALF)
+        c = tl.load(cos_ptr + bs * CS + i, mask=mi, other=1.0).to(tl.float32)
+        sn = -tl.load(sin_ptr + bs * SS + i, mask=mi, other=0.0).to(tl.float32)  # inverse: rotate by -theta
+        y0 = tl.fma(x0, c[None, :], -(x1 * sn[None, :]))
+        y1 = tl.fma(x0, sn[None, :], x1 * c[None, :])
+        o = tl.reshape(tl.join(y0, y1), [BH, BD])
     tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=mh[:, None] & md[None, :])
 
@@ -200,9 +214,11 @@ def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
     return BH, BK, nw, ns, max(1, triton.cdiv(KSEL, chunk)), chunk
 
 
-def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
+def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope=None):
     """Both ops: kv [B, N, D] entries, or (packed) uint8 [B, N, W] FP8-layout rows with kvr the same storage
-    viewed in q's dtype and packed = (W, W in q elements, rope offset in q elements, no-RoPE dims)."""
+    viewed in q's dtype and packed = (W, W in q elements, rope offset in q elements, no-RoPE dims).
+    out_rope (cos, sin, rd): the output's last rd dims de-rotated -- in the combine launch when the slots are
+    split (decode), else by the rope kernel in place after the attention."""
     B, S, H, D = q.shape
     KSEL = idx.size(-1)
     o = torch.empty_like(q)
@@ -217,14 +233,24 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0)):
     if splits == 1:
         _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
                                              float(scale), *packed, **meta, **pdl())
+        if out_rope is not None:
+            cos, sin, rd = out_rope
+            tail = o[..., D - rd:]
+            rope_op(tail, cos, sin, inverse=True, out=tail)
         return o
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
                                               float(scale), *packed, **meta, **pdl())
     BHc, BSP = _combine_tiles(splits, H, BD)
-    _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits,
-                                                              BH=BHc, BD=BD, BSP=BSP, num_warps=4, **pdl())
+    rope = (o, o, 0, 0, 0, 0)
+    if out_rope is not None:
+        cos, sin, rd = out_rope
+        cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows of the gathered tables
+        rope = (cos, sin, cos.stride(0), sin.stride(0), (D - rd) // 2, rd // 2)
+    _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits, *rope,
+                                                              BH=BHc, BD=BD, BSP=BSP, ROPE=out_rope is not None,
+                                                              num_warps=4, **pdl())
     return o
 
 
@@ -238,7 +264,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 @implement("sparse_attn_fp8", "triton")
 def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                    rope_dim: int) -> torch.Tensor:
+                    rope_dim: int, out_rope: tuple | None = None) -> torch.Tensor:
     D = q.size(-1)
     W = kv_packed_width(D, rope_dim, q.dtype)
     assert kv.dtype == torch.uint8 and kv.size(-1) == W, \
@@ -248,7 +274,8 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     packed = (W, W // es, kv_rope_offset(D, rope_dim) // es, D - rope_dim)
     # fp32 dots under the interpreter too: its bf16 tl.dot is wrong, and the tile is dequantised here anyway
     ieee = q.dtype == torch.float32 or _INTERPRET
-    return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed)
+    return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed,
+                   None if out_rope is None else (*out_rope, rope_dim))
 
 
 @triton.jit
