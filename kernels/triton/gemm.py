@@ -34,8 +34,8 @@ in registers, exact, the block's partial times its power-of-two scale); prefill 
 bf16 scratch for cuBLAS's bmm.
 
 fp8_gemm at prefill on sm_90 goes to cuBLASLt's block-scaled FP8 GEMM (`gemm_vendor`: the same numerics at 69-87 %
-of the FP8 rate at M 4096, where the kernel below reaches ~50 %), for the shapes it takes; every other prefill GEMM, and every
-one under DEEPINFER_FP8_GEMM=triton, runs the TMA kernel.
+of the FP8 rate at M 4096, where the kernel below reaches ~50 %), for the shapes it takes; every other prefill
+GEMM, and every one under DEEPINFER_FP8_GEMM=triton, runs the TMA kernel.
 
 fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA tensor descriptors and the
 fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block

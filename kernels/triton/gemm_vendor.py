@@ -54,7 +54,8 @@ def _unavailable(index: int, m: str) -> str | None:
         return f"torch {torch.__version__} has no block-scaled F.scaled_mm"
     cap = torch.cuda.get_device_capability(index)
     if m == "auto" and cap != (9, 0):
-        return f"sm_{cap[0]}{cap[1]}: cuBLASLt's block-scaled FP8 GEMM was measured on sm_90 only (DEEPINFER_FP8_GEMM=cublas)"
+        return (f"sm_{cap[0]}{cap[1]}: cuBLASLt's block-scaled FP8 GEMM was measured on sm_90 only "
+                "(DEEPINFER_FP8_GEMM=cublas)")
     return None
 
 
