@@ -32,6 +32,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import norm
+from .moe import combined_row
 from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, store_act_quant, tf32_exact
 from ._common import unit_last_stride
 
@@ -398,10 +399,7 @@ def _moe_combine_post_kernel(r_ptr, s_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, H
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     md = d < D
-    acc = tl.zeros([BD], tl.float32)
-    for k in range(0, K):
-        acc += tl.load(r_ptr + t * RT + k * RK + d, mask=md, other=0.0).to(tl.float32)
-    acc += tl.load(s_ptr + t * ST + d, mask=md, other=0.0).to(tl.float32)
+    acc = combined_row(r_ptr, s_ptr, t, d, md, K, RT, RK, ST, BD)
     x = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
     _post_mix(x, res_ptr, post_ptr, comb_ptr, y_ptr, t, d, md, HC, D, BHC)
 

@@ -224,16 +224,23 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 @triton.jit
+def combined_row(r_ptr, s_ptr, t, c, m, K, RT, RK, ST, BD: tl.constexpr):
+    """Token t's MoE output at columns c (mask m), fp32: Σ_j routed[t, j] in pair order, then + shared[t] (rows by
+    strides RT / RK / ST). `_moe_combine_kernel` and `mhc._moe_combine_post_kernel`: one sum, the same bits."""
+    acc = tl.zeros([BD], tl.float32)
+    for j in range(0, K):
+        acc += tl.load(r_ptr + t * RT + j * RK + c, mask=m, other=0.0).to(tl.float32)
+    return acc + tl.load(s_ptr + t * ST + c, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _moe_combine_kernel(r_ptr, s_ptr, y_ptr, K, D, RT, RK, ST, BD: tl.constexpr):
-    # program (token t, channel block): Σ_j routed[t, j] in pair order, then + shared[t], in fp32
+    # program (token t, channel block)
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BD + tl.arange(0, BD)
     m = c < D
-    acc = tl.zeros([BD], tl.float32)
-    for j in range(0, K):
-        acc += tl.load(r_ptr + t * RT + j * RK + c, mask=m, other=0.0).to(tl.float32)
-    acc += tl.load(s_ptr + t * ST + c, mask=m, other=0.0).to(tl.float32)
+    acc = combined_row(r_ptr, s_ptr, t, c, m, K, RT, RK, ST, BD)
     tl.store(y_ptr + t * D + c, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
