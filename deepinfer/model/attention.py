@@ -234,7 +234,7 @@ class Attention:
             with bi:  # the top-k entries as decode slots
                 slots = ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1),
                                          self.indexer(x, qr, ctx, n + ".indexer", w=w_ix, early=bk))
-        # the q head norm and the kv norm, each with the RoPE of its last rd dims, in one launch
+        # the q head norm with the RoPE of its last rd dims in one launch (the kv norm: `_decode_kv`, or below)
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
         if ctx.prefill:
