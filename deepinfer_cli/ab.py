@@ -77,6 +77,8 @@ def ab_cmd(
         rep = compare_dir(compare, backend, ops_regex, do_bench, device, progress)
     else:
         rep = run_ab(backend, ref, ops_regex, shapes, seed, dump, do_bench, device, progress)
+    vendor = _vendor_note(rep)
+    note = "\n".join(n for n in (note, vendor) if n) or None
     if as_json:
         d = rep.to_dict()
         d["note"] = note
@@ -85,6 +87,19 @@ def ab_cmd(
         _print_table(rep, note, do_bench)
     if not rep.ok:
         raise typer.Exit(1)
+
+
+def _vendor_note(rep) -> str | None:
+    """Which GEMM the Triton backend's fp8_gemm cases ran at prefill sizes, when it was not the Triton kernel."""
+    if rep.backend != "triton" or not any(r.op == "fp8_gemm" and r.status != "skip" for r in rep.results):
+        return None
+    import torch
+    from deepinfer_kernels.triton import gemm_vendor
+
+    if gemm_vendor.unavailable(torch.device(rep.device)) is not None:
+        return None
+    return (f"fp8_gemm cases of >= {gemm_vendor.MIN_M} rows ran cuBLASLt's block-scaled FP8 GEMM (gemm_vendor; "
+            "DEEPINFER_FP8_GEMM=triton runs them on the Triton kernel)")
 
 
 def _print_table(rep, note, do_bench: bool) -> None:
