@@ -96,7 +96,7 @@ def _vendor_note(rep) -> str | None:
     import torch
     from deepinfer_kernels.triton import gemm_vendor
 
-    if gemm_vendor.unavailable(torch.device(rep.device)) is not None:
+    if gemm_vendor.used_for(torch.device(rep.device)) != "cublaslt":
         return None
     return (f"fp8_gemm cases of >= {gemm_vendor.MIN_M} rows ran cuBLASLt's block-scaled FP8 GEMM (gemm_vendor; "
             "DEEPINFER_FP8_GEMM=triton runs them on the Triton kernel)")

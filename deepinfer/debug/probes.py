@@ -199,13 +199,13 @@ def _vendor_gemm_check(cuda: bool) -> dict:
     try:
         from deepinfer_kernels.triton import gemm_vendor as gv
 
-        why = gv.unavailable(torch.device("cuda") if cuda else torch.device("cpu"))
+        used = gv.used_for(torch.device("cuda") if cuda else torch.device("cpu"))
     except Exception as e:  # noqa: BLE001 - reported as the row's failure
         return {**row, "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"}
-    if why is None:
-        return {**row, "status": "pass", "value": "cublaslt",
+    if used == "cublaslt":
+        return {**row, "status": "pass", "value": used,
                 "detail": "cuBLASLt block-scaled FP8 (1x128 / 128x128 scales) for M >= %d" % gv.MIN_M}
-    return {**row, "status": "pass", "value": "triton", "detail": f"Triton TMA kernel: {why}"}
+    return {**row, "status": "pass", "value": "triton", "detail": f"Triton TMA kernel: {used.split(': ', 1)[1]}"}
 
 
 def probe_triton() -> dict:

@@ -622,8 +622,7 @@ def _fp8_prefill_gemm(device: torch.device) -> str | None:
         return None
     from deepinfer_kernels.triton import gemm_vendor
 
-    why = gemm_vendor.unavailable(device)
-    return "cublaslt" if why is None else f"triton: {why}"
+    return gemm_vendor.used_for(device)
 
 
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:

@@ -248,9 +248,9 @@ class Attention:
             o = self._extend(x, q, kv, qr, ctx)
         elif ctx.prefill:
             o = self._prefill(x, q, kv, qr, ctx)
-        else:  # the FP8 layout's decode attention also removes the output's RoPE (in its combine launch)
-            o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, compress=not entry_on_branch)
-        if ctx.prefill or not self.fp8_kv:
+        else:  # decode removes the output's RoPE in the attention op (`_attend`)
+            o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, (cos, sin), compress=not entry_on_branch)
+        if ctx.prefill:
             o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
@@ -275,16 +275,17 @@ class Attention:
         return ops.kv_unpack(kv, self.hd, self.rd, dtype) if self.fp8_kv else kv
 
     def _attend(self, q, kv, idx, decode: bool = False, out_rope: tuple | None = None) -> torch.Tensor:
-        """Sparse attention over cache-form rows kv [B, N, ·]. FP8 layout: decode reads it in place (each
-        query gathers its own ~K rows once) and, given out_rope (cos, sin), also de-rotates the output's RoPE
-        dims; prefill decodes the N rows once to q's dtype first, since reading in place would dequantise every
-        gathered row once per query token and head block (S·K·H/BH row decodes instead of N: 36 ms against 12
-        ms per flash prefill of 4096, H200)."""
+        """Sparse attention over cache-form rows kv [B, N, ·]; given out_rope (cos, sin), the output's RoPE dims
+        de-rotated too (the FP8 layout's decode op does it in its combine launch). FP8 layout: decode reads it in
+        place (each query gathers its own ~K rows once); prefill decodes the N rows once to q's dtype first, since
+        reading in place would dequantise every gathered row once per query token and head block (S·K·H/BH row
+        decodes instead of N: 36 ms against 12 ms per flash prefill of 4096, H200)."""
         if self.fp8_kv and decode:
             return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd, out_rope=out_rope)
         if self.fp8_kv:
             kv = ops.kv_unpack(kv, self.hd, self.rd, q.dtype)
-        return ops.sparse_attn(q, kv, self.sink, idx, self.scale)
+        o = ops.sparse_attn(q, kv, self.sink, idx, self.scale)
+        return o if out_rope is None else rope_tail_(o, self.rd, *out_rope, inverse=True)
 
     def _select(self, x, qr, ctx: StepContext, n_entries: int) -> torch.Tensor:
         """Compressed entries each query attends: [B, S, k] entry indices (-1 = none). CSA: the indexer's
@@ -370,21 +371,22 @@ class Attention:
                             lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
         return ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
 
-    def _decode(self, x, q, ctx: StepContext, branches: tuple, slots: torch.Tensor | None,
+    def _decode(self, x, q, ctx: StepContext, branches: tuple, slots: torch.Tensor | None, rope: tuple,
                 compress: bool) -> torch.Tensor:
         """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
         batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
         kv_cache[rows] first, without copying every row's whole cache each step. This step's kv is in the cache
         (`_decode_kv`). The indexer's `slots` (CSA), or the window's (SWA / HCA, with the kv write), and unless
         `compress` the compressor's entry (HCA) were issued on `branches` (`__call__`); joined here.
-        `compress`: the compressor's step runs here, on this stream."""
+        `compress`: the compressor's step runs here, on this stream. rope: this step's (cos, sin) [B, 1, rd/2],
+        whose inverse the output gets (in the attention op)."""
         B, _, H, D = q.shape
         if compress and self.compressor is not None:
             self.compressor.decode(x, ctx)
         gidx = slots if slots is not None else self._window_slots(ctx)
         for br in branches:  # the kv and the compressor's entry are in the cache, the slots are done
             gidx = br.join(gidx)
-        cos, sin = ctx.rope_at_positions(self.rope_kind)  # [B, 1, rd/2]: one "token" of the flattened batch each
+        out_rope = tuple(t.view(1, B, -1) for t in rope)  # one "token" of the flattened batch per row
         o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True,
-                         out_rope=(cos.view(1, B, -1), sin.view(1, B, -1)) if self.fp8_kv else None)
+                         out_rope=out_rope)
         return o.view(B, 1, H, D)

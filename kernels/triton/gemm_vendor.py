@@ -67,6 +67,13 @@ def unavailable(device: torch.device) -> str | None:
     return _unavailable(index, mode())
 
 
+def used_for(device: torch.device) -> str:
+    """What runs `fp8_gemm`'s prefill-sized GEMMs on `device`: "cublaslt", or "triton: <why not cuBLASLt>" (what
+    `deepinfer bench`, `probe triton` and `ab` report)."""
+    why = unavailable(device)
+    return "cublaslt" if why is None else f"triton: {why}"
+
+
 def shape_ok(a: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """A [M, K] and W [N, K] in the layout cuBLASLt's block-scaled GEMM takes, at prefill-sized M."""
     M, K = a.shape

@@ -197,10 +197,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         BT, BE, BD = (32 if T <= 64 else 64), 64, 32
     else:
         BT = max(2, p2(T))
-        if BT == 2:
-            BD, per_sm = ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM
-        else:
-            BD = 128
+        BD, per_sm = (ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM) if BT == 2 else (128, per_sm)
         BD = max(16, min(p2(D), BD))
         BE = max(2, min(p2(E), 8192 // (BT * BD)))
     tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
