@@ -87,6 +87,10 @@ def slice_config(cfg: ModelConfig, n: int) -> ModelConfig:
 _SPEC = re.compile(r"(flash|pro)(?:-slice:(\d+))?")
 
 
+class PresetError(ValueError):
+    """A `--preset` value that names no model (the message names the option; no config.json is involved)."""
+
+
 def preset_config(spec: str) -> ModelConfig:
     """`tiny` | `flash` | `pro` | `flash-slice:N` | `pro-slice:N` -> ModelConfig."""
     s = (spec or "").strip().lower()
@@ -94,6 +98,8 @@ def preset_config(spec: str) -> ModelConfig:
         return tiny_config()
     m = _SPEC.fullmatch(s)
     if not m:
-        raise ConfigError(f"--preset {spec!r}: expected tiny, flash, pro, flash-slice:N or pro-slice:N")
+        raise PresetError(f"--preset {spec!r}: expected tiny, flash, pro, flash-slice:N or pro-slice:N")
     cfg = flash_config() if m[1] == "flash" else pro_config()
+    if m[2] and not 1 <= int(m[2]) <= cfg.n_layers:
+        raise PresetError(f"--preset {spec!r}: N must be 1..{cfg.n_layers}, the layers of {cfg.name}")
     return slice_config(cfg, int(m[2])) if m[2] else cfg

@@ -46,6 +46,8 @@ def dist_check_cmd(
     """
     if steps < 0:
         raise UserError(f"--steps {steps}: must be >= 0")
+    if nproc < 0:
+        raise UserError(f"--nproc {nproc}: must be >= 0 (0 runs this process as the only rank, or as a torchrun rank)")
 
     if nproc and "WORLD_SIZE" not in os.environ:
         args = [prompt, "--steps", str(steps), "--rtol", str(rtol), "--ep-transport", transport,

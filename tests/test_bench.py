@@ -17,7 +17,7 @@ from deepinfer.engine.bench import BenchOptions, expected_distinct, floors, hf_n
 from deepinfer.engine.random_weights import random_state
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import Numerics
-from deepinfer.presets import flash_config, preset_config, pro_config, slice_config
+from deepinfer.presets import PresetError, flash_config, preset_config, pro_config, slice_config
 from deepinfer.tiny import _fp32_kept
 from deepinfer_cli.app import app
 
@@ -41,8 +41,10 @@ def test_preset_parsing():
     assert s.n_layers == 4 and s.n_mtp_layers == 1 and s.dim == 4096 and s.name == "v4-flash-slice4"
     assert preset_config("pro-slice:3").dim == 7168
     for bad in ("flash-slice:0", "flash-slice:44", "pro-slice:x", "llama", ""):
-        with pytest.raises(ConfigError):
+        with pytest.raises(PresetError, match="--preset"):
             preset_config(bad)
+    with pytest.raises(ConfigError):  # the library call names the slice, not an option
+        slice_config(flash_config(), 0)
 
 
 def test_release_shapes():
@@ -184,6 +186,10 @@ def test_cli_bad_options():
                  ["bench", "--peer", "vllm", "--device", "cpu", "--batch", "1"]):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
+    res = CliRunner().invoke(app, ["bench", "--preset", "flash-slice:0", "--device", "cpu"])
+    # one line naming the option and the range, no hint about a config.json the user never gave
+    assert res.exit_code == 2 and "--preset 'flash-slice:0': N must be 1..43" in res.output, res.output
+    assert "config.json" not in res.output
 
 
 def test_op_flops_count_useful_work_only():

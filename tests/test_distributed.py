@@ -254,5 +254,16 @@ def test_cli_dist_check_nproc_2():
     assert p.stdout.count(" same") == 2
 
 
+def test_cli_dist_check_bad_options():
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.app import app
+
+    for args, line in ((["--nproc", "-1"], "error: --nproc -1: must be >= 0"),
+                       (["--steps", "-2"], "error: --steps -2: must be >= 0")):
+        res = CliRunner().invoke(app, ["dist-check", "x", *args])
+        assert res.exit_code == 2 and line in res.output, res.output
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])
