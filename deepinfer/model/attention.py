@@ -244,14 +244,13 @@ class Attention:
         tap(n + ".q", q)
         if is_active():
             tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if self.fp8_kv and not ctx.prefill else kv, q.dtype))
+        # each path removes the output's RoPE with its attention (`_attend`)
         if ctx.prefill and ctx.start:
-            o = self._extend(x, q, kv, qr, ctx)
+            o = self._extend(x, q, kv, qr, ctx, (cos, sin))
         elif ctx.prefill:
-            o = self._prefill(x, q, kv, qr, ctx)
-        else:  # decode removes the output's RoPE in the attention op (`_attend`)
+            o = self._prefill(x, q, kv, qr, ctx, (cos, sin))
+        else:
             o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, (cos, sin), compress=not entry_on_branch)
-        if ctx.prefill:
-            o = rope_tail_(o, rd, cos, sin, inverse=True)
         tap(n + ".core", o)
         return self.wo_b(self._wo_a(o))
 
@@ -274,18 +273,17 @@ class Attention:
         """Cache-form rows -> [..., head_dim] values (debug taps)."""
         return ops.kv_unpack(kv, self.hd, self.rd, dtype) if self.fp8_kv else kv
 
-    def _attend(self, q, kv, idx, decode: bool = False, out_rope: tuple | None = None) -> torch.Tensor:
-        """Sparse attention over cache-form rows kv [B, N, ·]; given out_rope (cos, sin), the output's RoPE dims
-        de-rotated too (the FP8 layout's decode op does it in its combine launch). FP8 layout: decode reads it in
-        place (each query gathers its own ~K rows once); prefill decodes the N rows once to q's dtype first, since
-        reading in place would dequantise every gathered row once per query token and head block (S·K·H/BH row
-        decodes instead of N: 36 ms against 12 ms per flash prefill of 4096, H200)."""
+    def _attend(self, q, kv, idx, out_rope: tuple, decode: bool = False) -> torch.Tensor:
+        """Sparse attention over cache-form rows kv [B, N, ·], the output's RoPE dims de-rotated by out_rope
+        (cos, sin) [B, S, rd/2] (the FP8 layout's decode op does it in its combine launch). FP8 layout: decode
+        reads it in place (each query gathers its own ~K rows once); prefill decodes the N rows once to q's dtype
+        first, since reading in place would dequantise every gathered row once per query token and head block
+        (S·K·H/BH row decodes instead of N: 36 ms against 12 ms per flash prefill of 4096, H200)."""
         if self.fp8_kv and decode:
             return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd, out_rope=out_rope)
         if self.fp8_kv:
             kv = ops.kv_unpack(kv, self.hd, self.rd, q.dtype)
-        o = ops.sparse_attn(q, kv, self.sink, idx, self.scale)
-        return o if out_rope is None else rope_tail_(o, self.rd, *out_rope, inverse=True)
+        return rope_tail_(ops.sparse_attn(q, kv, self.sink, idx, self.scale), self.rd, *out_rope, inverse=True)
 
     def _select(self, x, qr, ctx: StepContext, n_entries: int) -> torch.Tensor:
         """Compressed entries each query attends: [B, S, k] entry indices (-1 = none). CSA: the indexer's
@@ -298,7 +296,9 @@ class Attention:
 
         return ctx.memo(("hca", self.ratio, n_entries), visible)
 
-    def _prefill(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+    def _prefill(self, x, q, kv, qr, ctx: StepContext, rope: tuple) -> torch.Tensor:
+        """The prompt from position 0: window + selected compressed entries; rope: the tokens' (cos, sin), whose
+        inverse the output gets (`_attend`)."""
         B, S, _ = x.shape
         dev = x.device
         idx = _window_idx_prefill(S, self.win, dev).unsqueeze(0).expand(B, -1, -1)
@@ -310,7 +310,7 @@ class Attention:
             kv_all = torch.cat([kv, entries], 1)
             sel = self._select(x, qr, ctx, entries.size(1))
             idx = torch.cat([idx, torch.where(sel >= 0, sel + S, -1)], -1)
-        o = self._attend(q, kv_all, idx)
+        o = self._attend(q, kv_all, idx, rope)
         # ring buffer: the last min(S, win) positions at slot p % win
         keep = min(S, self.win)
         p = torch.arange(S - keep, S, device=dev)
@@ -318,10 +318,10 @@ class Attention:
         ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].flatten(0, 1))
         return o
 
-    def _extend(self, x, q, kv, qr, ctx: StepContext) -> torch.Tensor:
+    def _extend(self, x, q, kv, qr, ctx: StepContext, rope: tuple) -> torch.Tensor:
         """A later prompt chunk of one row (B == 1) at positions p0 .. p0+S-1: the window reads earlier
         positions from the ring and the chunk's own keys; entries come from the cache after the
-        compressor has pooled the windows this chunk completes."""
+        compressor has pooled the windows this chunk completes. rope: as `_prefill`."""
         B, S, _ = x.shape
         assert B == 1, "chunked prefill runs one row at a time"
         p0, win, dev = ctx.start, self.win, x.device
@@ -337,7 +337,7 @@ class Attention:
             parts.append(entries)
             sel = self._select(x, qr, ctx, n)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + win + S, -1)], -1)
-        o = self._attend(q, torch.cat(parts, 1), idx)
+        o = self._attend(q, torch.cat(parts, 1), idx, rope)
         keep = min(S, win)  # ring: the chunk's last positions (earlier ones stay where they are)
         p = torch.arange(p0 + S - keep, p0 + S, device=dev)
         ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
@@ -387,6 +387,6 @@ class Attention:
         for br in branches:  # the kv and the compressor's entry are in the cache, the slots are done
             gidx = br.join(gidx)
         out_rope = tuple(t.view(1, B, -1) for t in rope)  # one "token" of the flattened batch per row
-        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, decode=True,
-                         out_rope=out_rope)
+        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, out_rope,
+                         decode=True)
         return o.view(B, 1, H, D)
