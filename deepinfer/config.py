@@ -80,6 +80,9 @@ class ModelConfig:
     # storage formats of the official layout
     weight_dtype: str = "fp8"  # "fp8" (e4m3 + ue8m0 128x128 scales) or "bf16"
     expert_dtype: str = "fp4"  # "fp4" (e2m1 + ue8m0 per-32 scales), "fp8" or "bf16"
+    # the longest sequence (prompt + generation) the model serves; not architectural (no weight depends on
+    # it), so it is outside the fingerprint. V4's config.json: max_position_embeddings 1048576.
+    max_position_embeddings: int = field(default=1 << 20, compare=False)
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -99,6 +102,24 @@ class ModelConfig:
             raise ConfigError(f"n_heads*head_dim {self.n_heads * self.head_dim} not divisible by o_groups {self.o_groups}")
         if self.n_shared_experts != 1:
             raise ConfigError(f"n_shared_experts={self.n_shared_experts}: V4 has exactly one shared expert")
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+                 "num_attention_heads": self.n_heads, "head_dim": self.head_dim, "q_lora_rank": self.q_lora_rank,
+                 "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank, "sliding_window": self.window_size,
+                 "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+                 "index_topk": self.index_topk, "moe_intermediate_size": self.moe_inter_dim,
+                 "n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.n_activated_experts,
+                 "hc_mult": self.hc_mult, "max_position_embeddings": self.max_position_embeddings}
+        for k, v in sizes.items():
+            if v < 1:
+                raise ConfigError(f"{k} = {v}: must be at least 1")
+        if self.n_activated_experts > self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok = {self.n_activated_experts} exceeds n_routed_experts = "
+                              f"{self.n_routed_experts}")
+        if self.weight_dtype == "fp8":  # 128x128 weight blocks and per-128 activation blocks tile every GEMM
+            for k in ("hidden_size", "q_lora_rank", "o_lora_rank", "moe_intermediate_size"):
+                if sizes[k] % 128:
+                    raise ConfigError(f"{k} = {sizes[k]}: must be a multiple of 128 (FP8 weights are stored in "
+                                      "128x128 blocks with one scale each)")
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -118,6 +139,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("name")
+        d.pop("max_position_embeddings")
         return d
 
     def fingerprint(self) -> str:
@@ -169,6 +191,7 @@ class ModelConfig:
             "rms_norm_eps": self.norm_eps,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "max_position_embeddings": self.max_position_embeddings,
             "expert_dtype": self.expert_dtype,
             "quantization_config": {
                 "activation_scheme": "dynamic",
@@ -187,6 +210,34 @@ def _kind_of_ratio(r: int) -> str:
     return "swa" if r == 0 else ("csa" if r == 4 else "hca")
 
 
+MODEL_TYPES = ("deepseek_v4",)
+
+
+def _typed(v, typ, path: str, key: str):
+    """v as int / float, or a ConfigError naming the key (a bool or a string is not a number here)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and isinstance(v, float)
+                                                                   and not v.is_integer()):
+        raise ConfigError(f"{path}: {key} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
+    return typ(v)
+
+
+def _int(d: dict, path: str, *keys) -> int:
+    v = _req(d, path, *keys)
+    return _typed(v, int, path, next(k for k in keys if k in d and d[k] is not None))
+
+
+def _float(d: dict, path: str, *keys) -> float:
+    v = _req(d, path, *keys)
+    return _typed(v, float, path, next(k for k in keys if k in d and d[k] is not None))
+
+
+def _opt(d: dict, path: str, typ, default, *keys):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return _typed(d[k], typ, path, k)
+    return default
+
+
 def _req(d: dict, path: str, *keys):
     for k in keys:
         if k in d and d[k] is not None:
@@ -200,15 +251,20 @@ def config_from_dict(d: dict, path: str = "config.json", n_mtp_layers: int | Non
         raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
     try:
         return _config_from_dict(d, path, n_mtp_layers)
-    except ConfigError:
-        raise
+    except ConfigError as e:  # __post_init__'s checks know the key, not the file
+        if str(e).startswith(path):
+            raise
+        raise ConfigError(f"{path}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:  # a wrongly typed value
         raise ConfigError(f"{path}: malformed value ({e})") from None
 
 
 def _config_from_dict(d: dict, path: str, n_mtp_layers: int | None) -> ModelConfig:
-    n_layers = int(_req(d, path, "num_hidden_layers", "n_layers"))
-    n_mtp = int(d.get("num_nextn_predict_layers", d.get("n_mtp_layers", 1))) if n_mtp_layers is None else n_mtp_layers
+    mt = d.get("model_type")
+    if mt is not None and mt not in MODEL_TYPES:
+        raise ConfigError(f"{path}: model_type {mt!r} is not DeepSeek-V4 (expected {' or '.join(MODEL_TYPES)})")
+    n_layers = _int(d, path, "num_hidden_layers", "n_layers")
+    n_mtp = _opt(d, path, int, 1, "num_nextn_predict_layers", "n_mtp_layers") if n_mtp_layers is None else n_mtp_layers
 
     # attention schedule
     if d.get("layer_types") is not None:
@@ -239,19 +295,19 @@ def _config_from_dict(d: dict, path: str, n_mtp_layers: int | None) -> ModelConf
             raise ConfigError(f"{path}: mlp_layer_types must list 'hash_moe'/'moe' for each of {n_layers} layers")
         hash_layers = tuple(t == "hash_moe" for t in mlt)
     else:
-        nh = int(d.get("num_hash_layers", d.get("n_hash_layers", 0)))
+        nh = _opt(d, path, int, 0, "num_hash_layers", "n_hash_layers")
         hash_layers = tuple(i < nh for i in range(n_layers))
 
     # RoPE
-    rope_theta = float(d.get("rope_theta", 10000.0))
-    compress_theta = float(_req(d, path, "compress_rope_theta")) if "rope_parameters" not in d or not isinstance(
+    rope_theta = _opt(d, path, float, 10000.0, "rope_theta")
+    compress_theta = _float(d, path, "compress_rope_theta") if "rope_parameters" not in d or not isinstance(
         (d.get("rope_parameters") or {}).get("compress"), dict) else None
     yarn = None
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
         main, comp = rp.get("main") or {}, rp["compress"]
         rope_theta = float(main.get("rope_theta", rope_theta))
-        compress_theta = float(_req(comp, f"{path} rope_parameters.compress", "rope_theta"))
+        compress_theta = _float(comp, f"{path} rope_parameters.compress", "rope_theta")
         if comp.get("rope_type", comp.get("type", "default")) == "yarn":
             yarn = comp
     elif isinstance(d.get("rope_scaling"), dict):
@@ -262,15 +318,16 @@ def _config_from_dict(d: dict, path: str, n_mtp_layers: int | None) -> ModelConf
         yarn = {"factor": d["rope_factor"], "original_max_position_embeddings": d.get("original_seq_len", 0),
                 "beta_fast": d.get("beta_fast", 32), "beta_slow": d.get("beta_slow", 1)}
     if yarn is not None:
-        rope_factor = float(_req(yarn, f"{path} yarn", "factor"))
-        original = int(_req(yarn, f"{path} yarn", "original_max_position_embeddings", "original_seq_len"))
-        beta_fast, beta_slow = float(yarn.get("beta_fast", 32)), float(yarn.get("beta_slow", 1))
+        rope_factor = _float(yarn, f"{path} yarn", "factor")
+        original = _int(yarn, f"{path} yarn", "original_max_position_embeddings", "original_seq_len")
+        beta_fast = _opt(yarn, f"{path} yarn", float, 32.0, "beta_fast")
+        beta_slow = _opt(yarn, f"{path} yarn", float, 1.0, "beta_slow")
     else:
         rope_factor, original, beta_fast, beta_slow = 1.0, 0, 32.0, 1.0
 
-    head_dim = int(_req(d, path, "head_dim"))
+    head_dim = _int(d, path, "head_dim")
     if "qk_rope_head_dim" in d or "rope_head_dim" in d:
-        rope_head_dim = int(_req(d, path, "qk_rope_head_dim", "rope_head_dim"))
+        rope_head_dim = _int(d, path, "qk_rope_head_dim", "rope_head_dim")
     elif d.get("partial_rotary_factor") is not None:
         rope_head_dim = int(head_dim * float(d["partial_rotary_factor"]))
     else:
@@ -288,17 +345,17 @@ def _config_from_dict(d: dict, path: str, n_mtp_layers: int | None) -> ModelConf
     eos = eos[0] if isinstance(eos, list) else eos
 
     return ModelConfig(
-        vocab_size=int(_req(d, path, "vocab_size")),
-        dim=int(_req(d, path, "hidden_size", "dim")),
+        vocab_size=_int(d, path, "vocab_size"),
+        dim=_int(d, path, "hidden_size", "dim"),
         n_layers=n_layers,
         n_mtp_layers=n_mtp,
-        n_heads=int(_req(d, path, "num_attention_heads", "n_heads")),
+        n_heads=_int(d, path, "num_attention_heads", "n_heads"),
         head_dim=head_dim,
         rope_head_dim=rope_head_dim,
-        q_lora_rank=int(_req(d, path, "q_lora_rank")),
-        o_groups=int(_req(d, path, "o_groups")),
-        o_lora_rank=int(_req(d, path, "o_lora_rank")),
-        window_size=int(_req(d, path, "sliding_window", "window_size")),
+        q_lora_rank=_int(d, path, "q_lora_rank"),
+        o_groups=_int(d, path, "o_groups"),
+        o_lora_rank=_int(d, path, "o_lora_rank"),
+        window_size=_int(d, path, "sliding_window", "window_size"),
         attn_kinds=tuple(kinds),
         compress_ratios=tuple(ratios),
         rope_theta=rope_theta,
@@ -307,25 +364,27 @@ def _config_from_dict(d: dict, path: str, n_mtp_layers: int | None) -> ModelConf
         original_seq_len=original,
         beta_fast=beta_fast,
         beta_slow=beta_slow,
-        index_n_heads=int(_req(d, path, "index_n_heads")),
-        index_head_dim=int(_req(d, path, "index_head_dim")),
-        index_topk=int(_req(d, path, "index_topk")),
-        moe_inter_dim=int(_req(d, path, "moe_intermediate_size", "moe_inter_dim")),
-        n_routed_experts=int(_req(d, path, "n_routed_experts")),
-        n_shared_experts=int(d.get("n_shared_experts", 1)),
-        n_activated_experts=int(_req(d, path, "num_experts_per_tok", "n_activated_experts")),
+        index_n_heads=_int(d, path, "index_n_heads"),
+        index_head_dim=_int(d, path, "index_head_dim"),
+        index_topk=_int(d, path, "index_topk"),
+        moe_inter_dim=_int(d, path, "moe_intermediate_size", "moe_inter_dim"),
+        n_routed_experts=_int(d, path, "n_routed_experts"),
+        n_shared_experts=_opt(d, path, int, 1, "n_shared_experts"),
+        n_activated_experts=_int(d, path, "num_experts_per_tok", "n_activated_experts"),
         hash_layers=hash_layers,
         score_func=str(d.get("scoring_func", d.get("score_func", "sqrtsoftplus"))),
-        route_scale=float(d.get("routed_scaling_factor", d.get("route_scale", 1.0))),
-        swiglu_limit=float(d.get("swiglu_limit", 0.0)),
-        hc_mult=int(d.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(d.get("hc_eps", 1e-6)),
-        norm_eps=float(d.get("rms_norm_eps", d.get("norm_eps", 1e-6))),
+        route_scale=_opt(d, path, float, 1.0, "routed_scaling_factor", "route_scale"),
+        swiglu_limit=_opt(d, path, float, 0.0, "swiglu_limit"),
+        hc_mult=_opt(d, path, int, 4, "hc_mult"),
+        hc_sinkhorn_iters=_opt(d, path, int, 20, "hc_sinkhorn_iters"),
+        hc_eps=_opt(d, path, float, 1e-6, "hc_eps"),
+        norm_eps=_opt(d, path, float, 1e-6, "rms_norm_eps", "norm_eps"),
         bos_token_id=int(d.get("bos_token_id", 0) if d.get("bos_token_id") is not None else 0),
         eos_token_id=int(eos if eos is not None else 1),
         weight_dtype=weight_dtype,
         expert_dtype=expert_dtype,
+        max_position_embeddings=_opt(d, path, int, int(original * rope_factor) if original else 1 << 20,
+                                     "max_position_embeddings"),
     )
 
 

@@ -29,8 +29,10 @@ _MAX_SHARD_BYTES = 96 << 20
 
 def tiny_model_dir() -> str:
     """Where the tiny model lives: $DEEPINFER_HOME/models, else $XDG_CACHE_HOME/deepinfer/models, else ~/.cache."""
-    if os.environ.get("DEEPINFER_HOME"):
-        root = os.environ["DEEPINFER_HOME"]
+    from deepinfer import settings
+
+    if settings.path("DEEPINFER_HOME"):
+        root = settings.path("DEEPINFER_HOME")
     elif os.environ.get("XDG_CACHE_HOME"):
         root = os.path.join(os.environ["XDG_CACHE_HOME"], "deepinfer")
     else:

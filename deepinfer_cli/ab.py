@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from deepinfer import settings
+from deepinfer.outpath import check_output_dir
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, handle_errors
 
@@ -23,7 +25,7 @@ def _prepare_interpreter(backend: str, compare: bool) -> str | None:
 
     if torch.cuda.is_available():
         return None
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if settings.triton_interpreted():
         return "no CUDA device: Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by the caller)"
     if "triton" in sys.modules:
         raise UserError("no CUDA device and triton was already imported without TRITON_INTERPRET=1, so its "
@@ -38,7 +40,7 @@ def _fmt(x, spec=".2e") -> str:
 
 @handle_errors
 def ab_cmd(
-    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang | torch."),
+    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang (no kernels yet: nothing to test) | torch."),
     ref: str = typer.Option("torch", "--ref", help="Reference backend (torch = the plain-PyTorch spec)."),
     ops_regex: str = typer.Option(None, "--ops", help="Only ops whose name matches this regular expression."),
     shapes: str = typer.Option("all", "--shapes", help="tiny | flash | pro | all (comma-separated). Flash/Pro "
@@ -62,6 +64,8 @@ def ab_cmd(
     """
     if dump and compare:
         raise UserError("--dump and --compare are exclusive")
+    if dump:
+        dump = check_output_dir(dump, "--dump")
     note = _prepare_interpreter(backend, bool(compare))
     from deepinfer.debug.ab import compare_dir, run_ab
 
@@ -128,7 +132,8 @@ def _print_table(rep, note, do_bench: bool) -> None:
         reason = r.reason or ("" if r.status == "pass" else "; ".join(m["detail"] for m in r.outputs if not m["ok"]))
         if r.status != "pass" and reason:
             problems.append((r, reason))
-        row = [f"{r.op} {r.shapes}/{r.phase}/{r.variant}", r.summary, w.get("dtype") or "-", _fmt(w.get("rel_err")),
+        row = [f"{r.op} {r.shapes}/{r.phase}/{r.variant}" + (" \\[bf16→fp16]" if r.ran_as else ""), r.summary,
+               w.get("dtype") or "-", _fmt(w.get("rel_err")),
                _fmt(w.get("max_abs")), "-" if not r.outputs else ("yes" if all(m["bitwise"] for m in r.outputs) else "no"),
                "-" if tol is None else f"{tol[0]:g}/{tol[1]:g}", f"[{style.get(r.status, '')}]{r.status.upper()}[/]"]
         if do_bench:
@@ -146,6 +151,8 @@ def _print_table(rep, note, do_bench: bool) -> None:
         con.print(f"not implemented in {rep.backend} (not tested): {', '.join(rep.not_implemented)}", highlight=False)
     if note:
         con.print(note, highlight=False)
+    if rep.dtype_note():
+        con.print(f"[yellow]note:[/yellow] {_esc(rep.dtype_note())}", highlight=False)
     if rep.dumped:
         con.print(f"cases written to {rep.dumped}/ (replay elsewhere: deepinfer ab --backend BACKEND --compare "
                   f"{rep.dumped})", highlight=False)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from deepinfer.engine.bench import BenchOptions, run_bench
 from deepinfer.engine.loader import OptionError
+from deepinfer.outpath import atomic_write, check_output
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
@@ -69,11 +70,9 @@ def _peer_cell(report: dict) -> str:
 
 
 def record(path: str, report: dict, command: str) -> None:
-    """Append one row for `report` to the markdown table in `path` (created with its header if missing)."""
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(DOC_HEADER)
+    """Append one row for `report` to the markdown table in `path` (created with its header if missing);
+    the file is rewritten through a rename, so an interrupted write never leaves half a row."""
+    head = "" if os.path.isfile(path) else DOC_HEADER
     pf, dec = report["prefill"], report["decode"]
     last = dec[-1]
     cells = [
@@ -84,8 +83,7 @@ def record(path: str, report: dict, command: str) -> None:
         f"{last['tokens_per_s']:.0f} @{last['batch']}",
         f"{report['peak_mem_bytes'] / GiB:.1f}" if report.get("peak_mem_bytes") else "-", _peer_cell(report),
     ]
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("| " + " | ".join(c.replace("\n", " ") for c in cells) + " |\n")
+    atomic_write(path, head + "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |\n", append=True)
 
 
 def _print(report: dict, con: Console) -> None:
@@ -191,6 +189,8 @@ def bench_cmd(
     """
     if model and preset:
         raise OptionError("--model and --preset are exclusive")
+    if record_to:
+        check_output(record_to, "--record")
     opts = BenchOptions(preset=None if model else (preset or "tiny"), model=model, batches=_parse_batches(batch),
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,

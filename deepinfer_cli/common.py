@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
 
+from deepinfer import settings
 from deepinfer.engine.loader import LoadedModel, load_model, resolve_device
 from deepinfer.ops import ops
+from deepinfer_cli.errors import UserError
 
 MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
                      "Default: the embedded deepinfer-tiny.")
-BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang "
+BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang (tilelang has no "
+                       "kernels yet: every op falls back to the torch reference, and --strict refuses it) "
                        "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")
 STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the backend is an error.")
 NUMERICS = typer.Option("official", "--numerics", help="official (FP8/FP4 QAT simulation) | exact (dequantised).")
@@ -32,6 +34,14 @@ def read_prompt(prompt: str | None) -> str:
     return prompt
 
 
+def check_prompt(text: str, mode: str = "raw", where: str = "PROMPT") -> None:
+    """An empty raw prompt would run from BOS alone: refuse it rather than answer a question nobody asked
+    (a chat prompt still has its template around an empty message)."""
+    if mode == "raw" and text == "":
+        raise UserError(f"{where}: the prompt is empty (nothing but BOS would be fed); give some text, or - "
+                        "to read it from stdin")
+
+
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
           device: str | None, progress: bool = True, flaggems: str | None = None) -> LoadedModel:
     """Choose the backend (before any compute, so --strict fails early), enable a FlagGems allow-list
@@ -40,10 +50,14 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
 
     dev = resolve_device(device)
     ops.configure(backend or None, strict if strict else None)
-    interpreted = ops.backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreted = ops.backend == "triton" and settings.triton_interpreted()
     if ops.backend != "torch" and dev.type != "cuda" and not interpreted:
         from deepinfer.ops.registry import BackendError
 
         raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
+    if interpreted and dev.type != "cuda" and dtype == "bfloat16":
+        raise UserError("--backend triton under TRITON_INTERPRET=1 with --dtype bfloat16: Triton's interpreter "
+                           "computes a bf16 tl.dot wrongly (logits off by 70-140 %), so this run would lie; use "
+                           "--dtype float32 or float16 here, or run bf16 on a GPU")
     enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress)

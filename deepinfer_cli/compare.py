@@ -12,9 +12,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deepinfer.debug.compare import STATS, Report, Tol, Tolerances, compare_dumps, fmt
+from deepinfer.debug.compare import Report, Tol, Tolerances, compare_dumps, fmt
+from deepinfer.outpath import atomic_write, check_output
 from deepinfer_cli.console import console
-from deepinfer_cli.errors import UserError, handle_errors
+from deepinfer_cli.errors import handle_errors
 
 _STYLE = {"pass": "green", "fail": "bold red", "shape": "bold red", "skip": "dim", "only_a": "yellow",
           "only_b": "yellow"}
@@ -54,6 +55,8 @@ def render(rep: Report, con: Console, show_passing: bool = True) -> None:
     if rep.only_b:
         con.print(f"[yellow]only in B ({len(rep.only_b)}):[/yellow] {', '.join(rep.only_b[:10])}"
                   + (" ..." if len(rep.only_b) > 10 else ""), highlight=False)
+    for w in rep.warnings:
+        con.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     style = "green" if rep.passed else "bold red"
     con.print(f"[{style}]{rep.first_line()}[/{style}]  ({rep.n_failed} of {len(rep.compared)} fail)",
               highlight=False)
@@ -81,17 +84,14 @@ def compare_cmd(
 
     Example: deepinfer compare dumps/h200.h5 dumps/cpu-ref.h5 --rtol 2e-2 --atol 1e-2
     """
-    if stat not in STATS:
-        raise UserError(f"--stat {stat!r}: choose {' | '.join(STATS)}")
-    if not 0 < quantile < 1:
-        raise UserError(f"--quantile {quantile}: must be in (0, 1)")
-    default = Tol(rtol=rtol, atol=atol, stat=stat, quantile=quantile, min_overlap=min_overlap)
+    if report:
+        check_output(report, "--report")
+    default = Tol(rtol=rtol, atol=atol, stat=stat, quantile=quantile, min_overlap=min_overlap).check()
     tols = Tolerances.load(tolerances, default) if tolerances else Tolerances(default)
     rep = compare_dumps(a, b, tols, name_filter, require_all)
     data = rep.to_dict()
     if report:
-        with open(report, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, ensure_ascii=False)
+        atomic_write(report, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     if as_json:
         print(json.dumps(data, ensure_ascii=False))
     else:

@@ -50,6 +50,19 @@ def dist_check_cmd(
         raise UserError(f"--nproc {nproc}: must be >= 0 (0 runs this process as the only rank, or as a torchrun rank)")
 
     if nproc and "WORLD_SIZE" not in os.environ:
+        # what every rank would refuse, refused once here, before torchrun starts N copies of the error
+        from deepinfer.config import load_config
+        from deepinfer.engine.loader import resolve_model_dir
+
+        text = common.read_prompt(prompt)
+        common.check_prompt(text)
+        cfg = load_config(resolve_model_dir(model, progress=False))
+        try:
+            D.expert_range(0, nproc, cfg.n_routed_experts)
+        except ValueError as e:
+            raise UserError(f"--nproc {nproc}: {e}") from None
+        if prompt == "-":  # stdin is read once, here: the ranks get the text
+            prompt = text
         args = [prompt, "--steps", str(steps), "--rtol", str(rtol), "--ep-transport", transport,
                 "--numerics", numerics, "--dtype", dtype]
         for flag, val in (("--model", model), ("--backend", backend), ("--device", device)):
@@ -57,6 +70,7 @@ def dist_check_cmd(
                 args += [flag, val]
         raise typer.Exit(_relaunch(nproc, args))
     text = common.read_prompt(prompt)
+    common.check_prompt(text)
     par = D.init_distributed(device)
     chosen = D.choose_transport(par, transport)
     if chosen.name != "all_to_all":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import tempfile
 
 import torch
 import typer
@@ -13,6 +14,7 @@ from rich.console import Console
 from deepinfer.debug.dumper import parse_layers, run_dump, save
 from deepinfer.debug.fingerprint import run_fingerprint
 from deepinfer.debug.h5schema import DumpReader
+from deepinfer.outpath import check_output
 from deepinfer_cli import common
 from deepinfer_cli.errors import UserError, handle_errors
 
@@ -22,6 +24,37 @@ def default_path(model: str, backend: str, numerics: str, dtype: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", model) or "model"
     return os.path.join("dumps", f"{safe}_{backend}_{numerics}-{dtype}_{stamp}.h5")
+
+
+def _save_or_rescue(run, path: str, attrs: dict, con: Console) -> str:
+    """Write the dump; if the write fails after the run (disk full, the directory removed meanwhile), the
+    computed tensors go to a file in the temporary directory instead, and the message names both."""
+    try:
+        save(run, path, attrs)
+        return path
+    except OSError as e:
+        rescue = os.path.join(tempfile.gettempdir(), f"deepinfer-rescued-{os.getpid()}-{os.path.basename(path)}")
+        try:
+            save(run, rescue, attrs)
+        except OSError:
+            raise UserError(f"--out {path}: writing failed ({e.strerror or e}), and so did the rescue copy "
+                            f"{rescue}") from None
+        con.print(f"[yellow]warning:[/yellow] --out {path}: writing failed ({e.strerror or e}); the dump was "
+                  f"saved to {rescue} instead", highlight=False)
+        return rescue
+
+
+def check_dump_fits(lm, prompt_len: int, steps: int, layers) -> None:
+    """A dump keeps every prompt position's logits ([T, V] float32) and every tap in host memory: refuse,
+    with the numbers, a prompt whose logits alone would not fit in the memory available."""
+    from deepinfer.engine.memory import available_bytes, fmt_bytes
+
+    need = prompt_len * lm.cfg.vocab_size * 4 * 2  # the logits on the device and their host copy
+    have = available_bytes("cpu")
+    if need > 0.8 * have:
+        raise UserError(f"prompt of {prompt_len} tokens: a dump stores its {prompt_len} x {lm.cfg.vocab_size} "
+                        f"float32 logits ({fmt_bytes(need)} with the host copy), more than the "
+                        f"{fmt_bytes(have)} of memory available; dump a shorter prompt")
 
 
 def _follow_tokens(path: str, steps: int) -> list[int]:
@@ -59,24 +92,30 @@ def dump_cmd(
     Example: deepinfer dump "北京是" --layers 0-1 --steps 4 --out dumps/ref.h5
     """
     text = common.read_prompt(prompt)
+    common.check_prompt(text, "chat" if chat else "raw")
     if steps < 0:
         raise UserError(f"--steps {steps}: must be >= 0")
+    if out is not None:  # checked before any work; the default path's dumps/ is created when missing
+        check_output(out, "--out")
     torch.manual_seed(seed)
     lm = common.setup(model, backend, strict, numerics, dtype, device, flaggems=flaggems)
     sel = parse_layers(layer, layers, lm.cfg.n_layers)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
+    check_dump_fits(lm, len(ids), steps, sel)
     forced = _follow_tokens(follow, steps) if follow else None
     # forced[i] is what the reference fed to decode step i+1, i.e. its token i
     run = run_dump(lm.model, ids, steps, sel, force_tokens=forced)
     path = out or default_path(lm.cfg.name, common.ops.backend, numerics, dtype)
+    if out is None:
+        check_output(path, "--out", create_parents=True)
     attrs = run_fingerprint(device=lm.model.device, backend=common.ops.backend, numerics=numerics, dtype=dtype,
                             model_path=lm.model_dir, model_name=lm.cfg.name,
                             config_fingerprint=lm.cfg.fingerprint(), prompt=text, seed=seed,
                             steps=steps, layers="all" if sel is None else ",".join(map(str, sel)),
                             prompt_mode="chat" if chat else "raw", followed=follow or "",
                             fallback_ops=",".join(sorted(common.ops.fallbacks)))
-    save(run, path, attrs)
     con = Console(stderr=True)
+    path = _save_or_rescue(run, path, attrs, con)
     size = os.path.getsize(path)
     con.print(f"wrote {path}: {len(run.records) + 1} tensors, {size / 1e6:.1f} MB; "
               f"{len(ids)} prompt tokens, {steps} decode steps, generated {run.tokens}", highlight=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import typer
@@ -12,10 +11,13 @@ import typer
 from deepinfer.checkpoint import CheckpointError
 from deepinfer.config import ConfigError
 from deepinfer.engine.loader import OptionError
+from deepinfer.outpath import OutputPathError
 from deepinfer.ops.registry import BackendError
 from deepinfer.tokenizer import TokenizerError
 
-KNOWN = (CheckpointError, ConfigError, OptionError, BackendError, TokenizerError, FileNotFoundError, ValueError)
+KNOWN = (CheckpointError, ConfigError, OptionError, BackendError, TokenizerError, OutputPathError,
+         FileNotFoundError, ValueError)
+INTERNAL_EXIT = 3  # a bug of ours, not the user's input: one line, and --debug shows where
 HINTS = {
     CheckpointError: "check the model directory, or run without --model to use deepinfer-tiny",
     ConfigError: "the model's config.json must describe a DeepSeek-V4 model",
@@ -24,7 +26,9 @@ HINTS = {
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("DEEPINFER_DEBUG", "") not in ("", "0")
+    from deepinfer import settings
+
+    return settings.flag("DEEPINFER_DEBUG")
 
 
 class UserError(Exception):
@@ -64,5 +68,37 @@ def handle_errors(fn):
                     print(f"hint: {hint}", file=sys.stderr)
                 raise typer.Exit(2)
             raise fail(msg, hint)
+        except MemoryError as e:
+            if debug_enabled():
+                raise
+            raise fail(f"out of memory ({_first_line(e) or 'MemoryError'})", "a shorter prompt, fewer "
+                       "--max-new-tokens or fewer rows") from None
+        except OSError as e:  # a file or device problem the command did not anticipate: still the user's
+            if debug_enabled():
+                raise
+            where = f"{e.filename}: " if e.filename else ""
+            raise fail(f"{where}{e.strerror or _first_line(e)}") from None
+        except Exception as e:
+            if debug_enabled():
+                raise
+            if _is_oom(e):
+                raise fail(f"out of memory: {_first_line(e)}", "a shorter prompt, fewer --max-new-tokens or "
+                           "fewer rows") from None
+            print(f"error: internal error: {type(e).__name__}: {_first_line(e)} (a bug in deepinfer; "
+                  "run again with --debug for the traceback)", file=sys.stderr)
+            raise typer.Exit(INTERNAL_EXIT) from None
 
     return wrapper
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0][:300] if s else ""
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import typer
 from rich.table import Table
@@ -44,9 +45,10 @@ def generate_cmd(
                                   "prompts wait for a free row. Default: min(64, number of prompts)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs for the decode step (graphs are only "
                                "attempted on CUDA with a kernel backend; the torch reference always runs eager)."),
-    prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Prefill at most N prompt tokens per step "
+    prefill_chunk: int = typer.Option(None, "--prefill-chunk", help="Prefill at most N prompt tokens per step "
                                       "(long prompts continue over several steps while the others keep "
-                                      "decoding); 0: whole prompts."),
+                                      "decoding); 0: whole prompts. Default: whole prompts when they fit in "
+                                      "memory, else a chunk sized from the free memory."),
 ):
     """Generate a completion (or many: --input-file, continuously batched).
 
@@ -56,7 +58,7 @@ def generate_cmd(
         raise typer.BadParameter("--chat and --think are exclusive")
     if max_batch is not None and max_batch < 1:
         raise UserError(f"--max-batch {max_batch}: must be at least 1")
-    if prefill_chunk < 0:
+    if prefill_chunk is not None and prefill_chunk < 0:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), logprobs=logprobs)
@@ -68,13 +70,18 @@ def generate_cmd(
         items = read_input_file(input_file, base, mode)
     else:
         items = [(common.read_prompt(prompt), mode, base)]
+        common.check_prompt(items[0][0], mode)
     lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems)
     tok = lm.tokenizer
     ids = [tok.encode_prompt(text, m) for text, m, _ in items]
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"
+    stream = None
+    if input_file is None and not as_json and sys.stdout.isatty():
+        stream = TextStream(items[0][0], tok.decode, base.stop)
     try:
         res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, tok.decode,
-                       max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk)
+                       max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk,
+                       on_token=None if stream is None else stream.on_token)
     except GraphCaptureError as e:
         raise fail(str(e)) from None
     if input_file is not None:
@@ -86,7 +93,10 @@ def generate_cmd(
         print(json.dumps(_json_obj(lm, numerics, dtype, text, c, res, logprobs), ensure_ascii=False))
         return
     con = console()
-    con.print(text + c.text, markup=False, highlight=False)
+    if stream is not None:
+        stream.finish(c.text)
+    else:
+        con.print(text + c.text, markup=False, highlight=False)
     t = Table(title=f"{lm.cfg.name} · {common.ops.backend} · {numerics}/{dtype}", show_lines=False)
     for col in ("#", "id", "text", "logprob", "margin"):
         t.add_column(col, justify="right" if col != "text" else "left")
@@ -100,6 +110,32 @@ def generate_cmd(
     con.print(t)
     con.print(f"{len(c.token_ids)} tokens, finish: {c.finish_reason}; prefill {res.prefill_s * 1e3:.0f} ms, "
               f"decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+
+
+class TextStream:
+    """Prints a completion to the terminal as its tokens come. Text is written once it is settled: not
+    ending in a partial UTF-8 sequence (the tokenizer's U+FFFD), and, with stop strings, held back by the
+    longest stop's length so a stop string is never printed before `finish` cuts it."""
+
+    def __init__(self, prompt: str, decode, stops: tuple):
+        self.decode, self.hold = decode, max((len(s) for s in stops), default=0)
+        self.shown = 0
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+
+    def on_token(self, index: int, c) -> None:
+        text = self.decode(c.token_ids)
+        end = len(text) - self.hold
+        while end > self.shown and text[end - 1] == "\ufffd":
+            end -= 1
+        if end > self.shown:
+            sys.stdout.write(text[self.shown:end])
+            sys.stdout.flush()
+            self.shown = end
+
+    def finish(self, final: str) -> None:
+        sys.stdout.write(final[self.shown:] + "\n")
+        sys.stdout.flush()
 
 
 def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
@@ -187,6 +223,7 @@ def read_input_file(path: str, base: SamplingParams, mode: str) -> list[tuple[st
             p.check()
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
+        common.check_prompt(obj["prompt"], m, where)
         out.append((obj["prompt"], m, p))
     return out
 

@@ -9,11 +9,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, MarginResult, from_dumps, parse_spec, plot,
-                                    run_margin, sparkline)
+from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, DEFAULT_TOL, MarginResult, check_thresholds,
+                                    from_dumps, parse_spec, plot, run_margin, sparkline)
+from deepinfer.outpath import check_output
 from deepinfer_cli import common
 from deepinfer_cli.console import console
-from deepinfer_cli.errors import UserError, handle_errors
+from deepinfer_cli.errors import handle_errors
 
 
 def render(res: MarginResult, con: Console, token_text=None) -> None:
@@ -34,8 +35,12 @@ def render(res: MarginResult, con: Console, token_text=None) -> None:
     fd = s["first_disagreement"]
     con.print(f"agreement {s['agreement']:.1%} ({res.n - len(s['disagreements'])}/{res.n}); first disagreement: "
               f"{'none' if fd is None else f'pos {fd}'}; Δmargin mean {s['delta_mean']:+.3f} std {s['delta_std']:.3f}; "
-              f"noise band {res.k:g}·std = {s['noise_band']:.3f}; near-ties {s['near_ties']}, "
+              f"noise band {s['noise_band']:.3f} (from {s['band_source']}); near-ties {s['near_ties']}, "
               f"divergences {s['divergences']}", highlight=False)
+    style = {"agree": "green", "near-ties": "yellow"}.get(s["verdict"], "bold red")
+    off = (f"; logits far off at {s['logits_off']} position(s): relative error up to "
+           f"{s['max_logits_rel_err']:.2f} > --tol {s['tol']:g}") if s["logits_off"] else ""
+    con.print(f"[{style}]verdict: {s['verdict']}[/{style}]{off}", highlight=False)
 
 
 @handle_errors
@@ -45,7 +50,14 @@ def margin_cmd(
     steps: int = typer.Option(16, "--steps", "-n", help="Greedy positions to compare (prefill + steps-1 decodes)."),
     ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
     test: str = typer.Option(DEFAULT_TEST, "--test", help="Test SPEC (teacher-forced on the reference's tokens)."),
-    k: float = typer.Option(2.0, "--k", help="Near-tie threshold: ref margin <= k·std(Δmargin)."),
+    k: float = typer.Option(2.0, "--k", help="Noise band multiplier: k·std(Δmargin) of the reference's noise "
+                            "run, and k·√2·u·max|logit| for the logits' rounding."),
+    tol: float = typer.Option(DEFAULT_TOL, "--tol", help="Logits relative error beyond which a position is "
+                              "far off, so the run is divergent whatever its margins."),
+    band: float = typer.Option(None, "--band", help="Noise band in logits (near-tie: ref margin <= band), "
+                               "instead of the measured one."),
+    noise: bool = typer.Option(True, "--noise/--no-noise", help="Run the reference once more in the test's "
+                               "dtype (or the other 16-bit dtype) to measure its own noise for the band."),
     dumps: Optional[Tuple[str, str]] = typer.Option(None, "--from-dumps", help="TEST.h5 REF.h5 made with "
                                                      "dump --steps (REF second, as in compare)."),
     chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
@@ -53,16 +65,20 @@ def margin_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ):
     """Top-1 agreement and logit margins of a test configuration against a reference, position by position.
+    Exit code 0 when they agree or differ only at near-ties, 1 when divergent (a flip outside the noise band,
+    or logits far off), 2 on bad input.
 
     Example: deepinfer margin "北京是" --steps 16 --ref numerics=exact,dtype=float32 --test numerics=official,dtype=bfloat16
     """
-    if k < 0:
-        raise UserError(f"--k {k}: must be >= 0")
+    check_thresholds(k, tol, band)
+    if plot_path:
+        check_output(plot_path, "--plot")
     token_text = None
     if dumps:
-        res, _ = from_dumps(dumps[0], dumps[1], k)
+        res, _ = from_dumps(dumps[0], dumps[1], k, tol, band)
     else:
         text = common.read_prompt(prompt)
+        common.check_prompt(text, "chat" if chat else "raw")
         rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
         # The reference loads first: its tokenizer encodes the prompt, and run_margin reuses it.
         ref_lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"],
@@ -75,7 +91,7 @@ def margin_cmd(
             return common.setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"],
                                 progress=not as_json).model
 
-        res, _ = run_margin(ids, steps, rs, ts, load, k)
+        res, _ = run_margin(ids, steps, rs, ts, load, k, tol, band, noise)
         token_text = ref_lm.tokenizer.token_text
     if plot_path:
         plot(res, plot_path)
@@ -86,6 +102,8 @@ def margin_cmd(
         render(res, con, token_text)
         if plot_path:
             con.print(f"plot: {plot_path}", highlight=False)
+    if res.verdict == "divergent":
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

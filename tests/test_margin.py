@@ -43,9 +43,11 @@ def test_measure_by_hand():
     assert r.delta_mean == pytest.approx(0.2 / 3)
     std = torch.tensor([0.5, -0.3, 0.0], dtype=torch.float64).std().item()
     assert r.delta_std == pytest.approx(std)
-    assert p1.label == "near-tie"  # 0.1 <= 2·std
-    s = measure(ref, test, k=0.1).summary()
-    assert s["divergences"] == 1 and s["near_ties"] == 0
+    # the band is never the test's own std(Δmargin): here the logits' bf16 rounding, 2·√2·2^-8·5 = 0.055
+    assert r.band == pytest.approx(2 * 2 ** 0.5 * 2 ** -8 * 5) and r.band != 2 * r.delta_std
+    assert p1.label == "divergence" and r.verdict == "divergent"  # ref margin 0.1 > 0.055
+    s = measure(ref, test, band=0.2).summary()  # a user band of 0.2 logits covers the 0.1 flip
+    assert s["divergences"] == 0 and s["near_ties"] == 1 and s["verdict"] == "near-ties"
     assert signed_margin(torch.tensor([1.0, 3.0, 2.0]), 2) == -1.0
     line = sparkline([p.delta for p in r.positions], [not p.agree for p in r.positions])
     assert len(line) == 3 and line[1] == "✗"

@@ -49,6 +49,21 @@ class Tol:
     min_overlap: float = 1.0
     skip: bool = False
 
+    def check(self, where: str = "") -> "Tol":
+        """Raise ValueError naming the option (or the rule) for a tolerance that cannot mean anything."""
+        pre = f"{where}: " if where else ""
+        for k in ("rtol", "atol"):
+            v = getattr(self, k)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{pre}--{k} {v}: must be a finite number >= 0")
+        if not 0 < self.quantile < 1:
+            raise ValueError(f"{pre}--quantile {self.quantile}: must be in (0, 1)")
+        if not 0 <= self.min_overlap <= 1:
+            raise ValueError(f"{pre}--min-overlap {self.min_overlap}: must be in [0, 1]")
+        if self.stat not in STATS:
+            raise ValueError(f"{pre}--stat {self.stat!r}: choose {' | '.join(STATS)}")
+        return self
+
 
 @dataclass
 class Rule:
@@ -94,6 +109,7 @@ class Tolerances:
                 raise ValueError(f"{where}: {k}={v!r} is not a valid value") from None
         if out.get("stat", "elemwise") not in STATS:
             raise ValueError(f"{where}: stat {out['stat']!r}: choose {'|'.join(STATS)}")
+        Tol(**{k: v for k, v in out.items()}).check(where)
         return Rule(pat, out)
 
     @classmethod
@@ -287,13 +303,21 @@ def compare_float(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
 def set_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per row (all leading axes), |A∩B| / |B| with -1 entries ignored; 1 where B's row is empty and A's
     too, 0 where only B's is. a, b [..., k] (k may differ) -> [rows] float64."""
-    A, B = a.reshape(-1, a.size(-1) if a.dim() else 1).long(), b.reshape(-1, b.size(-1) if b.dim() else 1).long()
+    A, B = _rows(a), _rows(b)
     out = torch.empty(B.size(0), dtype=torch.float64)
     for i in range(B.size(0)):
         sa = set(A[i].tolist()) - {-1}
         sb = set(B[i].tolist()) - {-1}
         out[i] = len(sa & sb) / len(sb) if sb else (1.0 if not sa else 0.0)
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., k] -> [rows, k] int64. k may be 0 (a CSA layer before its first compressed entry selects
+    nothing), which `reshape(-1, 0)` cannot infer: the row count comes from the leading axes."""
+    if x.dim() == 0:
+        return x.reshape(1, 1).long()
+    return x.reshape(math.prod(x.shape[:-1]), x.size(-1)).long()
 
 
 def compare_index(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
@@ -305,8 +329,8 @@ def compare_index(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
     if bool(bad.any()):
         r = int(ov.argmin())
         row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(r), b.shape[:-1])] if b.dim() > 1 else [r]
-        row.note = f"row {row.worst_index}: {sorted(set(a.reshape(-1, a.size(-1))[r].tolist()) - {-1})} vs " \
-                   f"{sorted(set(b.reshape(-1, b.size(-1))[r].tolist()) - {-1})}"
+        row.note = f"row {row.worst_index}: {sorted(set(_rows(a)[r].tolist()) - {-1})} vs " \
+                   f"{sorted(set(_rows(b)[r].tolist()) - {-1})}"
     row.status = "fail" if bool(bad.any()) else "pass"
     return row
 
@@ -355,6 +379,7 @@ class Report:
     only_b: list[str] = field(default_factory=list)
     fingerprint_diff: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what could not be checked (missing taps, attributes)
 
     @property
     def compared(self) -> list[Row]:
@@ -375,7 +400,9 @@ class Report:
     def first_line(self) -> str:
         r = self.first_divergence
         if r is None:
-            return f"all {len(self.compared)} compared tensors pass"
+            n = [x for x in self.compared if x.status != "skip"]
+            skipped = len(self.compared) - len(n)
+            return f"all {len(n)} compared tensors pass" + (f" ({skipped} skipped by rule)" if skipped else "")
         return f"first divergence: {r.name}, {r.summary()}"
 
     def to_dict(self) -> dict:
@@ -386,7 +413,7 @@ class Report:
             "n_compared": len(self.compared), "n_failed": self.n_failed,
             "only_in_a": self.only_a, "only_in_b": self.only_b,
             "fingerprint_diff": {k: list(v) for k, v in self.fingerprint_diff.items()},
-            "settings": self.settings,
+            "settings": self.settings, "warnings": self.warnings,
             "rows": [_json_row(r) for r in self.rows],
         }
 
@@ -398,6 +425,32 @@ def _json_row(r: Row) -> dict:
         if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
             d[k] = str(v)
     return d
+
+
+class NothingCompared(ValueError):
+    """No tensor pair was compared (an empty dump, a filter that matches nothing, disjoint names): not a
+    pass, and not a verdict either, so exit code 2."""
+
+
+# what a dump made by `deepinfer dump` always holds: without them the pairing cannot be checked
+EXPECTED_TENSORS = ("input_ids", "logits")
+EXPECTED_ATTRS = ("config_fingerprint", "prompt", "backend", "numerics", "dtype")
+
+
+def unchecked(ra: DumpReader, rb: DumpReader) -> list[str]:
+    """One warning per tensor or fingerprint attribute that a `deepinfer dump` file has and one of these
+    lacks: the comparison goes on, but says what it could not check."""
+    out = []
+    for side, r in (("A", ra), ("B", rb)):
+        miss_t = [n for n in EXPECTED_TENSORS if n not in r]
+        miss_a = [k for k in EXPECTED_ATTRS if r.attrs.get(k) in (None, "")]
+        if miss_t:
+            out.append(f"{side} ({r.path}) has no {' or '.join(miss_t)} tensor"
+                       + (": the prompts cannot be checked to be the same" if "input_ids" in miss_t else ""))
+        if miss_a:
+            out.append(f"{side} ({r.path}) lacks fingerprint attribute(s) {', '.join(miss_a)}: "
+                       "not a `deepinfer dump` file, or written by hand")
+    return out
 
 
 def check_pairable(ra: DumpReader, rb: DumpReader) -> None:
@@ -425,7 +478,8 @@ def compare_dumps(path_a: str, path_b: str, tolerances: Tolerances | None = None
         check_pairable(ra, rb)
         rep = Report(path_a, path_b, fingerprint_diff=differing(ra.attrs, rb.attrs),
                      settings={**asdict(tolerances.default), "filter": name_filter or "",
-                               "rules": len(tolerances.rules), "require_all": require_all})
+                               "rules": len(tolerances.rules), "require_all": require_all},
+                     warnings=unchecked(ra, rb))
         # Forward-pass order: B's capture order (the reference), A-only names by A's order after them.
         names = [n for n in rb.names() if flt is None or flt.search(n)]
         extra = [n for n in ra.names() if n not in rb and (flt is None or flt.search(n))]
@@ -440,8 +494,15 @@ def compare_dumps(path_a: str, path_b: str, tolerances: Tolerances | None = None
             ma = ra.meta(n)
             rep.only_a.append(n)
             rep.rows.append(Row(n, ma["order"], status="only_a", shape_a=ma["shape"], dtype_a=ma["dtype"]))
+        if not any(r.status != "skip" for r in rep.compared):
+            na, nb = len(ra.names()), len(rb.names())
+            why = (f"A has {na} and B {nb} tensors" if not (na and nb) else
+                   f"--filter {name_filter!r} matches none of their names" if flt is not None and not names + extra
+                   else "every shared name is skipped by a tolerance rule" if rep.compared
+                   else "the two dumps share no tensor name")
+            raise NothingCompared(f"nothing compared ({why}): no comparison is not a pass")
     return rep
 
 
-__all__ = ["DumpError", "PairingError", "Report", "Row", "Tol", "Tolerances", "compare_dumps",
+__all__ = ["DumpError", "NothingCompared", "PairingError", "Report", "Row", "Tol", "Tolerances", "compare_dumps",
            "compare_tensors", "set_overlap", "max_ulp"]

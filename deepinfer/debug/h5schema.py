@@ -11,7 +11,8 @@ and the `dtype` attribute says how to reinterpret them, so every dtype decodes b
 Non-empty arrays are chunked and gzip+shuffle compressed.
 
 `DumpWriter` writes to a temporary file next to the target and renames it only when the `with` block
-ends cleanly: an exception or an interrupt never leaves a partial file at the target path.
+ends cleanly: an exception or an interrupt never leaves a partial file at the target path. The target
+must be a regular file or a new name in an existing directory (`deepinfer.outpath.check_output`).
 Nothing here knows about the model, so `deepinfer ab --dump` can reuse it for kernel outputs.
 """
 
@@ -22,6 +23,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from deepinfer.outpath import check_output, temp_path
 
 FORMAT = "deepinfer-dump"
 FORMAT_VERSION = 1
@@ -107,15 +110,14 @@ class DumpWriter:
         self.path = os.fspath(path)
         self.attrs = dict(attrs or {})
         self.compression = compression
-        d, base = os.path.split(os.path.abspath(self.path))
-        self.tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.path)
         self._f = None
         self._order = 0
 
     def __enter__(self) -> "DumpWriter":
         import h5py
 
-        os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
+        check_output(self.path, "dump file")  # never a directory or a device node; parents must exist
         self._f = h5py.File(self.tmp, "w")
         try:
             self._f.attrs["format"] = FORMAT
@@ -144,11 +146,6 @@ class DumpWriter:
         for k, v in attrs.items():
             ds.attrs[k] = _attr_value(v)
         self._order += 1
-
-    def set_attrs(self, **attrs) -> None:
-        """Add root attributes (e.g. results known only after the run)."""
-        for k, v in attrs.items():
-            self._f.attrs[k] = _attr_value(v)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         f, self._f = self._f, None

@@ -7,8 +7,18 @@ are the prompt's last logits (i = 0) or decode step i's logits, predicting gener
 
 Per position: each side's top-1 and own margin m = top1 - top2 logit, and
   Δmargin = m_test(ref token) - m_ref,  m_test(ref token) = test[ref top-1] - max over other tokens of test,
-which equals m_test - m_ref where the top-1 agrees and goes negative where it flips. A disagreement
-is a near-tie when m_ref <= k·std(Δmargin): the reference itself was within the measured noise.
+which equals m_test - m_ref where the top-1 agrees and goes negative where it flips.
+
+The verdict never takes its yardstick from the test (a worse test must not widen its own excuse):
+
+* the noise band, in logits, is the largest of: the rounding of the logits themselves, k·√2·u·max|logit|
+  with u the unit roundoff of the coarser compute dtype; the reference's own dtype noise, k·std(Δmargin)
+  of a *noise run* -- the reference configuration re-run (teacher-forced) in the test's dtype, or in the
+  other 16-bit dtype when both sides share one; or the band the user gives (`--band`, which replaces both);
+* a flip is a near-tie when the reference's margin lies inside the band and the logits are not far off,
+  else a divergence;
+* a position whose logits are far off (relative error ‖test - ref‖/‖ref‖ above `tol`, default 0.5: half
+  the logit vector is error) is divergent whatever its margins, and so is the run.
 """
 
 from __future__ import annotations
@@ -50,7 +60,20 @@ class Position:
     agree: bool
     logits_rel_err: float
     forced: bool = True  # False: the inputs of the two sides differed before this position (free-running)
-    label: str = ""  # for disagreements: near-tie | divergence
+    label: str = ""  # near-tie | divergence (a flip), or "logits off" (agrees, but far off)
+    logits_max: float = 0.0  # max |ref logit|, for the rounding band
+
+
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+DEFAULT_TOL = 0.5
+
+
+def noise_dtype(ref_dtype: str, test_dtype: str) -> str | None:
+    """The dtype of the noise run: the test's where it differs from the reference's, else the other
+    16-bit type (bf16 <-> fp16); None for float32 against float32 (its rounding band is the noise)."""
+    if test_dtype != ref_dtype:
+        return test_dtype
+    return {"bfloat16": "float16", "float16": "bfloat16"}.get(ref_dtype)
 
 
 @dataclass
@@ -59,6 +82,11 @@ class MarginResult:
     test: str
     k: float
     positions: list[Position] = field(default_factory=list)
+    tol: float = DEFAULT_TOL  # logits relative error beyond which a position is far off
+    unit_roundoff: float = 2.0 ** -8  # of the coarser compute dtype of the two sides
+    noise_std: float | None = None  # std(Δmargin) of the noise run (reference vs itself in another dtype)
+    noise: str = ""  # what the noise run was
+    user_band: float | None = None  # --band: replaces the measured band
 
     @property
     def n(self) -> int:
@@ -85,20 +113,55 @@ class MarginResult:
         return math.sqrt(sum((p.delta - m) ** 2 for p in self.positions) / (self.n - 1))
 
     @property
+    def rounding_band(self) -> float:
+        mx = max((p.logits_max for p in self.positions), default=0.0)
+        return self.k * math.sqrt(2) * self.unit_roundoff * mx
+
+    @property
     def band(self) -> float:
-        return self.k * self.delta_std
+        if self.user_band is not None:
+            return self.user_band
+        return max(self.rounding_band, self.k * (self.noise_std or 0.0))
+
+    @property
+    def band_source(self) -> str:
+        if self.user_band is not None:
+            return "--band"
+        if self.noise_std is not None and self.k * self.noise_std >= self.rounding_band:
+            return f"noise run ({self.noise})"
+        return "logit rounding"
+
+    @property
+    def logits_off(self) -> list[Position]:
+        return [p for p in self.positions if not (p.logits_rel_err <= self.tol)]  # NaN is off
+
+    @property
+    def verdict(self) -> str:
+        """agree | near-ties (every flip inside the band) | divergent (a flip outside it, or logits off)."""
+        self.classify()
+        if any(p.label in ("divergence", "logits off") for p in self.positions):
+            return "divergent"
+        return "near-ties" if any(p.label == "near-tie" for p in self.positions) else "agree"
 
     def classify(self) -> None:
+        band = self.band
         for p in self.positions:
-            p.label = "" if p.agree else ("near-tie" if p.ref_margin <= self.band else "divergence")
+            off = not (p.logits_rel_err <= self.tol)
+            if p.agree:
+                p.label = "logits off" if off else ""
+            else:
+                p.label = "near-tie" if p.ref_margin <= band and not off else "divergence"
 
     def summary(self) -> dict:
         self.classify()
         dis = [p for p in self.positions if not p.agree]
         return {
             "ref": self.ref, "test": self.test, "positions": self.n, "agreement": self.agreement,
-            "first_disagreement": self.first_disagreement, "delta_mean": self.delta_mean,
-            "delta_std": self.delta_std, "k": self.k, "noise_band": self.band,
+            "verdict": self.verdict, "first_disagreement": self.first_disagreement, "delta_mean": self.delta_mean,
+            "delta_std": self.delta_std, "k": self.k, "noise_band": self.band, "band_source": self.band_source,
+            "rounding_band": self.rounding_band, "noise_std": self.noise_std, "noise_run": self.noise,
+            "tol": self.tol, "logits_off": len(self.logits_off),
+            "max_logits_rel_err": max((p.logits_rel_err for p in self.positions), default=0.0),
             "near_ties": sum(p.label == "near-tie" for p in dis),
             "divergences": sum(p.label == "divergence" for p in dis),
             "disagreements": [{"pos": p.pos, "ref_token": p.ref_token, "test_token": p.test_token,
@@ -124,17 +187,35 @@ def signed_margin(logits: torch.Tensor, token: int) -> float:
 
 
 def measure(ref_logits: list[torch.Tensor], test_logits: list[torch.Tensor], k: float = 2.0, ref: str = "",
-            test: str = "", forced: list[bool] | None = None) -> MarginResult:
-    """Per-position logits [V] of both sides -> MarginResult (classified)."""
-    res = MarginResult(ref, test, k)
+            test: str = "", forced: list[bool] | None = None, tol: float = DEFAULT_TOL,
+            unit_roundoff: float = 2.0 ** -8, band: float | None = None) -> MarginResult:
+    """Per-position logits [V] of both sides -> MarginResult (classified). `unit_roundoff` of the coarser
+    compute dtype sets the rounding band; `band` (logits) replaces every measured band."""
+    check_thresholds(k, tol, band)
+    res = MarginResult(ref, test, k, tol=tol, unit_roundoff=unit_roundoff, user_band=band)
     for i, (lr, lt) in enumerate(zip(ref_logits, test_logits)):
         tr, mr = top2(lr)
         tt, mt = top2(lt)
         d = (lt.double() - lr.double()).norm() / lr.double().norm().clamp_min(1e-300)
         res.positions.append(Position(i, tr, tt, mr, mt, signed_margin(lt, tr) - mr, tr == tt, float(d),
-                                      True if forced is None else forced[i]))
+                                      True if forced is None else forced[i],
+                                      logits_max=float(lr.float().abs().max())))
     res.classify()
     return res
+
+
+def check_thresholds(k: float, tol: float, band: float | None) -> None:
+    for name, v in (("--k", k), ("--tol", tol)) + ((("--band", band),) if band is not None else ()):
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} {v}: must be a finite number >= 0")
+
+
+def attach_noise(res: MarginResult, ref_logits: list[torch.Tensor], noise_logits: list[torch.Tensor],
+                 what: str) -> None:
+    """The reference's own dtype noise: std(Δmargin) of the reference against itself in another dtype."""
+    n = measure(ref_logits, noise_logits, res.k)
+    res.noise_std, res.noise = n.delta_std, what
+    res.classify()
 
 
 @torch.inference_mode()
@@ -159,12 +240,15 @@ def decode_logits(model, prompt_ids: list[int], steps: int, force: list[int] | N
     return out, toks
 
 
-def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dict, load, k: float = 2.0
+def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dict, load, k: float = 2.0,
+               tol: float = DEFAULT_TOL, band: float | None = None, noise: bool = True
                ) -> tuple[MarginResult, list[int]]:
     """`load(spec) -> model` loads (and configures the backend for) one side. The backend is process-global,
-    so it is switched before each side runs; the reference runs first and fixes the tokens."""
+    so it is switched before each side runs; the reference runs first and fixes the tokens. With `noise`
+    (and no `band`), the reference configuration runs once more in `noise_dtype` for its own noise."""
     from deepinfer.ops import ops
 
+    check_thresholds(k, tol, band)
     ref_model = load(ref_spec)
     ops.configure(ref_spec.get("backend") or None)
     ref_logits, toks = decode_logits(ref_model, prompt_ids, steps)
@@ -172,13 +256,27 @@ def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dic
     test_model = load(test_spec)
     ops.configure(test_spec.get("backend") or None)
     test_logits, _ = decode_logits(test_model, prompt_ids, steps, force=toks)
-    return measure(ref_logits, test_logits, k, spec_str(ref_spec), spec_str(test_spec)), toks
+    del test_model
+    rd, td = ref_spec.get("dtype") or "bfloat16", test_spec.get("dtype") or "bfloat16"
+    u = max(UNIT_ROUNDOFF.get(rd, 2.0 ** -8), UNIT_ROUNDOFF.get(td, 2.0 ** -8))
+    res = measure(ref_logits, test_logits, k, spec_str(ref_spec), spec_str(test_spec), tol=tol,
+                  unit_roundoff=u, band=band)
+    nd = noise_dtype(rd, td)
+    if noise and band is None and nd is not None:
+        nspec = {**ref_spec, "dtype": nd}
+        noise_model = load(nspec)
+        ops.configure(nspec.get("backend") or None)
+        noise_logits, _ = decode_logits(noise_model, prompt_ids, steps, force=toks)
+        attach_noise(res, ref_logits, noise_logits, spec_str(nspec))
+    return res, toks
 
 
-def from_dumps(path_test: str, path_ref: str, k: float = 2.0) -> tuple[MarginResult, list[int]]:
+def from_dumps(path_test: str, path_ref: str, k: float = 2.0, tol: float = DEFAULT_TOL,
+               band: float | None = None) -> tuple[MarginResult, list[int]]:
     """Two dumps made with --steps (the second is the reference, as in compare): the prompt's last logits
     and each step's logits. Positions after the first step whose input token differs are marked not
-    teacher-forced (make the test dump with `dump --follow REF.h5` to force them)."""
+    teacher-forced (make the test dump with `dump --follow REF.h5` to force them). There is no noise run
+    here: the band is the logits' rounding in the dumps' dtypes, or `band`."""
     from deepinfer.debug.compare import check_pairable
     from deepinfer.debug.h5schema import DumpError, DumpReader
 
@@ -202,8 +300,10 @@ def from_dumps(path_test: str, path_ref: str, k: float = 2.0) -> tuple[MarginRes
             if i >= 1 and it[i - 1] != ir[i - 1]:
                 ok = False
             forced.append(ok)
+        u = max(UNIT_ROUNDOFF.get(str(r.attrs.get("dtype", "")), 2.0 ** -8) for r in (rt, rr))
         res = measure(lr[:n], lt[:n], k, ref=f"{path_ref} ({rr.attrs.get('numerics', '')}/{rr.attrs.get('dtype', '')})",
-                      test=f"{path_test} ({rt.attrs.get('numerics', '')}/{rt.attrs.get('dtype', '')})", forced=forced)
+                      test=f"{path_test} ({rt.attrs.get('numerics', '')}/{rt.attrs.get('dtype', '')})", forced=forced,
+                      tol=tol, unit_roundoff=u, band=band)
         return res, [int(lr[i].argmax()) for i in range(n)]
 
 
@@ -244,13 +344,19 @@ def plot(res: MarginResult, path: str) -> None:
     a1.set_ylabel("top1 − top2 logit")
     a1.legend(fontsize=8)
     m, band = res.delta_mean, res.band
-    a2.axhspan(m - band, m + band, color="gray", alpha=0.25, label=f"mean ± {res.k:g}·std")
+    a2.axhspan(m - band, m + band, color="gray", alpha=0.25, label=f"mean ± noise band ({res.band_source})")
     a2.axhline(m, color="gray", lw=1)
     a2.plot(x, [p.delta for p in res.positions], "o-", color="C2", label="Δmargin")
     a2.set_xlabel("generated position")
     a2.set_ylabel("Δmargin")
     a2.legend(fontsize=8)
-    fig.suptitle(f"agreement {res.agreement:.0%}, Δmargin mean {m:+.3f} std {res.delta_std:.3f}")
+    fig.suptitle(f"{res.verdict}: agreement {res.agreement:.0%}, Δmargin mean {m:+.3f} std {res.delta_std:.3f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    from deepinfer.outpath import atomic_write
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    atomic_write(path, buf.getvalue())

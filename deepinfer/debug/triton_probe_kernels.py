@@ -16,11 +16,12 @@ mode of this process is the wrong one.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from deepinfer import settings
+
+INTERPRET = settings.triton_interpreted()
 
 import torch  # noqa: E402
 import triton  # noqa: E402

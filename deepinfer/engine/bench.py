@@ -681,6 +681,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     report["prefill"] = pf
 
     report["decode"] = []
+    # one untimed decode of the first batch size: first-call costs (allocator growth, thread pools, the
+    # CPU reference's weight working copies, compiles) must not land in the first row's ms/step
+    time_decode(model, cfg, batches[0], min(opts.prompt_len, 16), 2, device, opts.seed, graphs=False)
     for B in batches:
         log(f"decode: batch {B}, {opts.gen_len} steps ...")
         d = time_decode(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed, graphs=graphs)

@@ -8,11 +8,14 @@ prompt. Sampling and logprobs go through the op registry (`sample`, `logprobs`).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.memory import (CHUNK_BUDGET, MemoryRefused, auto_prefill_chunk, available_bytes,
+                                     cache_bytes, check_fits)
 from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.model.transformer import Transformer
@@ -31,7 +34,11 @@ class SamplingParams:
     logprobs: int = 0  # top-N alternatives to report per token (the chosen token's logprob always)
     ignore_eos: bool = False
 
-    def check(self) -> None:
+    def check(self, vocab_size: int | None = None) -> None:
+        for k in ("temperature", "top_p"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"--{k.replace('_', '-')} {v}: must be a finite number")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
         if self.temperature < 0:
@@ -42,6 +49,9 @@ class SamplingParams:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.logprobs < 0:
             raise ValueError(f"--logprobs {self.logprobs}: must be >= 0")
+        if vocab_size is not None and self.logprobs > vocab_size:
+            raise ValueError(f"--logprobs {self.logprobs}: more alternatives than the {vocab_size} tokens of "
+                             "the vocabulary")
 
 
 @dataclass
@@ -81,8 +91,8 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
 
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              eos_id: int, decode_text=None, max_batch: int | None = None, graphs: bool = False,
-             prefill_chunk: int = 0,
-             pad_to_buckets: bool = False) -> GenerationResult:
+             prefill_chunk: int | None = None,
+             pad_to_buckets: bool = False, on_token=None) -> GenerationResult:
     """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings.
 
     params: one `SamplingParams` for every prompt, or a list with one per prompt.
@@ -90,8 +100,11 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     prompts wait and are admitted as sequences finish (continuous batching, `engine.scheduler`).
     graphs: replay the decode step from CUDA graphs (CUDA only; ignored on other devices).
     prefill_chunk: prefill at most this many prompt tokens per scheduler step (0: whole prompts), so
-    running sequences keep decoding while a long prompt is prefilled; the tokens are the same.
+    running sequences keep decoding while a long prompt is prefilled; the tokens are the same. None:
+    sized from the free memory (`engine.memory.auto_prefill_chunk`: whole prompts when they fit).
+    A request that cannot fit (the model's context, the caches) is refused before anything is allocated.
     pad_to_buckets: run the graph mode's bucket/padding/spare-row path eagerly (testing).
+    on_token(index, completion): called after each token is recorded (streaming output).
     """
     B = len(prompts)
     if B == 0:
@@ -100,7 +113,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     if len(plist) != B:
         raise ValueError(f"{len(plist)} SamplingParams for {B} prompts: give one, or one per prompt")
     for p in plist:
-        p.check()
+        p.check(model.cfg.vocab_size)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: the prompt needs at least one token")
     slots = min(B, 64) if max_batch is None else max_batch
@@ -108,13 +121,21 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         raise ValueError(f"--max-batch {slots}: must be at least 1")
     slots = min(slots, B)
     max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist))
+    prefill_chunk = plan_memory(model, prompts, slots + 1, max_len, prefill_chunk)
     if model.rows < slots + 1 or model.max_seq_len < max_len:  # + 1: the runner's spare (padding) row
         model.allocate(max(slots + 1, model.rows), max(max_len, model.max_seq_len))
     runner = _runner(model, slots, graphs, pad_to_buckets)
     runner.capture()  # graph mode: before any prefill, so a capture error costs nothing
 
     comps = [Completion(list(pr)) for pr in prompts]
-    sched = Scheduler(model, runner, eos_id, _record,
+    record = _record
+    if on_token is not None:
+        index = {id(c): i for i, c in enumerate(comps)}
+
+        def record(c, *a):
+            _record(c, *a)
+            on_token(index[id(c)], c)
+    sched = Scheduler(model, runner, eos_id, record,
                       lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots,
                       prefill_chunk=prefill_chunk)
     for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
@@ -126,6 +147,25 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
             if c.finish_reason == "stop":
                 c.text = _cut_at_stop(c.text, p.stop)
     return GenerationResult(comps, st.prefill_s, st.decode_s, st.decode_tokens)
+
+
+def plan_memory(model: Transformer, prompts: list[list[int]], rows: int, max_len: int,
+                prefill_chunk: int | None) -> int:
+    """Refuse what cannot run (past the model's context, caches beyond the free memory) -> the prefill
+    chunk to use (None: sized from the free memory)."""
+    cfg = model.cfg
+    longest = max(len(p) for p in prompts)
+    if max_len > cfg.max_position_embeddings:
+        raise MemoryRefused(f"a prompt of {longest} tokens plus --max-new-tokens makes {max_len} positions, "
+                            f"more than the model's context of {cfg.max_position_embeddings}")
+    rows, max_len = max(rows, model.rows), max(max_len, model.max_seq_len)
+    dtype, fp8 = model.numerics.dtype, model.numerics.official
+    held = cache_bytes(cfg, model.rows, model.max_seq_len, dtype, fp8) if model.rows else 0
+    if prefill_chunk is None:
+        budget = CHUNK_BUDGET * max(0, available_bytes(model.device) - cache_bytes(cfg, rows, max_len, dtype, fp8))
+        prefill_chunk = auto_prefill_chunk(cfg, longest, max_len, int(budget))
+    check_fits(cfg, rows, max_len, dtype, fp8, min(prefill_chunk or longest, longest), model.device, held)
+    return prefill_chunk
 
 
 _RUNNERS: "weakref.WeakKeyDictionary[Transformer, DecodeRunner]" = weakref.WeakKeyDictionary()

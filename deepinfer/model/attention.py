@@ -167,6 +167,8 @@ class Attention:
         if self.kind == "csa":
             self.indexer = Indexer(cfg, W, prefix + "indexer.", self.ratio, numerics)
         self.fp8_kv = numerics.official  # the cache in the FP8 layout (see the module docstring)
+        # the q head norm rounds where the implementation each numerics follows rounds (`head_norm`)
+        self.q_norm_form = "official_q" if numerics.official else "transformers_q"
         if self.compressor is not None:
             self.compressor.fp8_cache = self.fp8_kv
         self.kv_cache = None
@@ -236,7 +238,7 @@ class Attention:
                                          self.indexer(x, qr, ctx, n + ".indexer", w=w_ix, early=bk))
         # the q head norm with the RoPE of its last rd dims in one launch (the kv norm: `_decode_kv`, or below)
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
-        q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd)
+        q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd, form=self.q_norm_form)
         if ctx.prefill:
             kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd), ctx)
         elif not kv_on_branch:

@@ -25,10 +25,9 @@ order), or with DEEPINFER_BRANCHES=0 (read per fork: A/B in fresh processes, tes
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from deepinfer import settings
 from deepinfer.debug.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
@@ -39,7 +38,7 @@ _open: list["Branch"] = []  # branches whose `with` block is being issued (inner
 
 def enabled(x: torch.Tensor) -> bool:
     """Would `fork(x)` run on a second stream: x on CUDA, no debug capture, DEEPINFER_BRANCHES not 0."""
-    return x.is_cuda and not is_active() and os.environ.get(ENV, "1") != "0"
+    return x.is_cuda and not is_active() and settings.flag(ENV)
 
 
 def _stream(device: torch.device, lane: str) -> torch.cuda.Stream:
@@ -106,7 +105,7 @@ def lane_stream(lane: str) -> str:
     flash-slice:4, fresh processes on one machine: batch 1 0.994 / 0.996 ms per step against 0.974 / 0.973
     with one stream, batch 64 5.994 against 5.971): the main chain is latency-bound, and every kernel running
     beside it slows it."""
-    mode = os.environ.get(LANES_ENV, "")
+    mode = settings.choice(LANES_ENV)
     if mode == "1":
         return lane
     return "hc" if lane == "hc" and mode != "0" else "side"

@@ -147,9 +147,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     -> [M, N] out_dtype. Scales are powers of two, so scaling before the product is exact.
     """
     M, K = a.shape
-    N = w.size(0)
     af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
-    wf = w.float() * _expand_block_scale(scale_f32(w_s), N, K)
+    wf = _fp8_weight_f32(w, w_s)
     return (af @ wf.t()).to(out_dtype)
 
 
@@ -163,7 +162,7 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     """
     K = a.size(-1)
     af = a.float() * a_s.repeat_interleave(128, -1)[:, :K]
-    wf = fp4_unpack(w) * scale_f32(w_s).repeat_interleave(32, -1)
+    wf = _fp4_weight_f32(w, w_s)
     return (af @ wf.t()).to(out_dtype)
 
 
@@ -196,7 +195,56 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     x's dtype): F.linear(x.to(out_dtype), w.to(out_dtype)). out_dtype float32 with bf16 x and W is the
     official compressor's x.float() @ W.float() without either copy in the kernels."""
     dt = out_dtype or x.dtype
-    return F.linear(x.to(dt), w.to(dt))
+    if w.dtype != dt and w.device.type == "cpu" and w.numel() >= 1 << 22:
+        # the LM head on a CPU: its kept fp32 copy transposed ([K, N] contiguous) runs ~1.5x faster in
+        # MKL's sgemm at a few rows than F.linear's [N, K] (same products, fp32 accumulation)
+        wt = _keep(w, f"_deepinfer_{str(dt)[6:]}_t", lambda: w.to(dt).t().contiguous())
+        return torch.matmul(x.to(dt), wt)
+    return F.linear(x.to(dt), _working_copy(w, dt))
+
+
+# On a CPU the reference keeps the float32 working copy of a stored weight (the bf16 LM head read as fp32,
+# an FP8 / FP4 weight dequantised) on the weight tensor itself, so it lives exactly as long as the weight
+# (weights never change in place). Recomputing them every decode step was ~75 % of deepinfer-tiny's CPU
+# step time. The values are the ones the conversion computes each call; a cap bounds the extra memory.
+WORKING_CAP = 2 << 30
+_working_bytes = 0
+
+
+def _keep(w: torch.Tensor, key: str, make) -> torch.Tensor:
+    global _working_bytes
+    if w.device.type != "cpu":
+        return make()
+    c = getattr(w, key, None)
+    if c is None:
+        c = make()
+        if _working_bytes + c.nbytes > WORKING_CAP:
+            return c
+        _working_bytes += c.nbytes
+        setattr(w, key, c)
+    return c
+
+
+def _working_copy(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """w in dt (kept on CPU: `_keep`)."""
+    if w.dtype == dt:
+        return w
+    return _keep(w, f"_deepinfer_{str(dt)[6:]}", lambda: w.to(dt))
+
+
+def _fp8_weight_f32(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight [..., N, K] with its 128x128 block scales, dequantised to float32 (kept on CPU)."""
+    N, K = w.shape[-2:]
+    if w.dim() == 3:
+        return _keep(w, "_deepinfer_deq", lambda: torch.stack([
+            w[j].float() * _expand_block_scale(scale_f32(w_s[j]), N, K) for j in range(w.size(0))]))
+    return _keep(w, "_deepinfer_deq", lambda: w.float() * _expand_block_scale(scale_f32(w_s), N, K))
+
+
+def _fp4_weight_f32(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """An FP4 weight [..., N, K/2] int8 with per-32 scales, dequantised to float32 (kept on CPU)."""
+    return _keep(w, "_deepinfer_deq", lambda: fp4_unpack(w.view(torch.int8)) *
+                 scale_f32(w_s).repeat_interleave(32, -1))
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -226,15 +274,46 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 # bf16: one ulp of the norm's output (its rsqrt may differ from torch's in the last fp32 bits and flip a bf16
 # rounding) moves a rotated value by up to one ulp of the pair's larger input, ~2^-5 for normalised values < 4,
 # even where the rotated value itself is near 0
+NORM_FORMS = ("module", "official_q", "transformers_q")
+
+
+def head_norm(x: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """The unweighted per-head RMSNorm of V4's queries, rounded where each implementation rounds (x's dtype
+    out; in float32 the three forms agree):
+
+    * "module": the RMSNorm module's form, fp32 throughout and one rounding (`rms_norm(x, None, eps)`);
+    * "official_q": DeepSeek's inference/model.py, Attention.forward (release 60d8d707),
+      `q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)` on wq_b's output in the compute
+      dtype: the square, the mean, the + eps, the rsqrt and the product each rounded to x's dtype;
+    * "transformers_q": transformers' DeepseekV4UnweightedRMSNorm, `x * torch.rsqrt(x.float().square()
+      .mean(-1, keepdim=True) + eps).to(x.dtype)`: the scale in fp32 rounded once, the product in x's dtype.
+    """
+    if form == "module":
+        return rms_norm(x, None, eps)
+    if form == "official_q":
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    if form == "transformers_q":
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    raise ValueError(f"head norm form {form!r}: choose {', '.join(NORM_FORMS)}")
+
+
 @defop("rms_norm_rope", tol={"bfloat16": (2e-2, 2.0**-5)})
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  rd: int) -> torch.Tensor:
+                  rd: int, form: str = "module") -> torch.Tensor:
     """`rms_norm`, then `rope` of the last `rd` dims of its output (V4 keeps the RoPE dims last): the q head
     norm, the kv norm and the compressors' entry norm are each followed by this rotation.
 
     x [B, S, H, d] or [B, S, d] (any strides), weight [d] or None, cos / sin [B, S, rd/2] -> x's shape and
-    dtype. The rotation reads the norm's output in x's dtype, as the two ops in turn do.
+    dtype. The rotation reads the norm's output in x's dtype, as the two ops in turn do. `form` (weight
+    None only): where the norm rounds, `head_norm`'s forms.
     """
+    if form != "module":
+        if weight is not None:
+            raise ValueError(f"rms_norm_rope form {form!r} is the unweighted q head norm: weight must be None")
+        y = head_norm(x, eps, form).contiguous()
+        tail = y[..., -rd:]
+        tail.copy_(rope(tail, cos, sin))
+        return y
     y = rms_norm(x, weight, eps)
     tail = y[..., -rd:]
     tail.copy_(rope(tail, cos, sin))
@@ -436,7 +515,7 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
 
 
 # ---------------------------------------------------------------------------------------------- mHC
-@defop("hc_pre")
+@defop("hc_pre", tol={"float32": (1e-5, 1e-5)})
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, hc_eps: float, iters: int, side=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre-mix: mixes from the RMS-normalised streams, Sinkhorn comb, collapse with `pre`.
@@ -630,6 +709,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     B, V = logits.shape
     lf = logits.float()
     greedy = lf.argmax(-1)  # first maximal index on ties
+    if logits.device.type == "cpu" and temperature.shape == (B,) and not bool((temperature > 0).any()):
+        return greedy  # all greedy: skip the sort (on a CPU the check costs no device sync)
     t = temperature.float().clamp_min(1e-5).unsqueeze(-1)
     scaled = lf / t
     sorted_l, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
@@ -693,11 +774,19 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     """
     P, N = a.size(0), w.size(1)
     out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
+    # on a CPU every expert's weight is dequantised once and kept (`_keep`: what fp8_gemm / fp4_gemm compute
+    # per expert); on a GPU per expert, as the experts present need (all of V4-Pro's at once are 31 GiB)
+    kept = w.device.type == "cpu" and w.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8)
+    if kept:
+        wf = _fp8_weight_f32(w, w_s) if w.dtype == torch.float8_e4m3fn else _fp4_weight_f32(w, w_s)
+        af = a.float() * a_s.repeat_interleave(128, -1)[:, :a.size(-1)]
     for j in torch.unique(e).tolist():
         if j < 0:
             continue
         (p,) = torch.where(e == j)
-        if w.dtype == torch.float8_e4m3fn:
+        if kept:
+            out[p] = (af[p] @ wf[j].t()).to(out_dtype)
+        elif w.dtype == torch.float8_e4m3fn:
             out[p] = fp8_gemm(a[p], a_s[p], w[j], w_s[j], out_dtype=out_dtype)
         elif w.dtype in (torch.int8, torch.uint8):
             out[p] = fp4_gemm(a[p], a_s[p], w[j].view(torch.int8), w_s[j], out_dtype=out_dtype)

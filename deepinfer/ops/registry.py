@@ -13,7 +13,6 @@ importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -104,7 +103,9 @@ def backend_available(backend: str) -> tuple[bool, str]:
 
 def default_backend() -> str:
     """`DEEPINFER_BACKEND`, else triton on CUDA when Triton imports, else torch."""
-    env = os.environ.get("DEEPINFER_BACKEND")
+    from deepinfer import settings
+
+    env = settings.choice("DEEPINFER_BACKEND")
     if env:
         return env
     try:
@@ -132,7 +133,9 @@ class Dispatcher:
 
     def configure(self, backend: str | None = None, strict: bool | None = None) -> "Dispatcher":
         backend = backend or default_backend()
-        strict = bool(int(os.environ.get("DEEPINFER_STRICT", "0") or 0)) if strict is None else strict
+        from deepinfer import settings
+
+        strict = settings.flag("DEEPINFER_STRICT") if strict is None else strict
         load_backend(backend)
         self.backend, self.strict = backend, strict
         self._cache.clear()

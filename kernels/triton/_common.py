@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer import settings
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = settings.triton_interpreted()
 """Kernels run by Triton's CPU interpreter (whose bf16 tl.dot is wrong: callers feed it fp32)."""
 
 PDL_ENV = "DEEPINFER_PDL"
-_PDL_ON = os.environ.get(PDL_ENV, "1") != "0"
+_PDL_ON = settings.flag(PDL_ENV)
 try:  # a Triton with grid dependency control (3.6 and 3.9 have it); releases or forks without it launch plainly
     from triton.language.extra.cuda import gdc_wait
     from triton.language.target_info import cuda_capability_geq

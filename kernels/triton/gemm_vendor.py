@@ -18,7 +18,6 @@ Triton kernels (A/B runs, other GPUs); `=cublas` uses cuBLASLt on any CUDA GPU w
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +30,9 @@ _MODES = ("auto", "cublas", "triton")
 
 def mode() -> str:
     """DEEPINFER_FP8_GEMM: auto (cuBLASLt on sm_90), cublas (on any CUDA GPU that has it) or triton."""
-    m = os.environ.get("DEEPINFER_FP8_GEMM", "auto").strip().lower() or "auto"
-    if m not in _MODES:
-        raise ValueError(f"DEEPINFER_FP8_GEMM={m!r}: expected one of {', '.join(_MODES)}")
-    return m
+    from deepinfer import settings
+
+    return settings.choice("DEEPINFER_FP8_GEMM") or "auto"
 
 
 def _cuda_version() -> tuple[int, int]:

@@ -59,7 +59,6 @@ gemm.py).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -432,7 +431,9 @@ def _asm_ok(device: torch.device) -> bool:
     """The packed PTX FP4 decode: compiled (not the interpreter), NVIDIA (PTX: not a ROCm build), sm_90+
     (mul.rn.bf16x2), and not switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode
     runs: same values)."""
-    return not _INTERPRET and os.environ.get("DEEPINFER_FP4_ASM", "1") != "0" and sm90_nvidia(device)
+    from deepinfer import settings
+
+    return not _INTERPRET and settings.flag("DEEPINFER_FP4_ASM") and sm90_nvidia(device)
 
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.device

@@ -106,8 +106,29 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
 
 
 @triton.jit
+def _head_rsqrt(x_row, N, eps, FORM: tl.constexpr, BLOCK: tl.constexpr):
+    """The q head norm's scale where the reference's `head_norm` rounds (FORM 1 official_q: the square,
+    mean, + eps and rsqrt each in x's dtype; 2 transformers_q: the fp32 scale rounded once), returned in
+    fp32 holding a value of x's dtype, so `_normed`'s fp32 product rounded to x's dtype is the dtype's product."""
+    dt = x_row.dtype.element_ty
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n0 in range(0, N, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if FORM == 1:
+            acc += (x * x).to(dt).to(tl.float32)
+        else:
+            acc += x * x
+    if FORM == 1:
+        m = (tl.sum(acc, 0) / N).to(dt).to(tl.float32)
+        m = (m + eps).to(dt).to(tl.float32)
+        return tl.math.rsqrt(m).to(dt).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(acc, 0) / N + eps).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, SS, eps, HALF, HAS_W: tl.constexpr,
-                          BLOCK: tl.constexpr, BR: tl.constexpr):
+                          BLOCK: tl.constexpr, BR: tl.constexpr, FORM: tl.constexpr = 0):
     """Row `row` (token row // H): `_rms_norm_kernel`'s y for the first N - 2·HALF columns; the last 2·HALF
     (the RoPE pairs) are y cast to y's dtype and rotated as `_rope_kernel` rotates them -- the two kernels'
     bits in one launch. The pairs load as one contiguous [BR, 2] tile split in registers (stride-2 loads
@@ -117,7 +138,10 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, S
     t = row // H
     x_row = x_ptr + row * XS
     y_row = y_ptr + row * N
-    r = _row_rsqrt(x_row, N, eps, BLOCK)
+    if FORM == 0:
+        r = _row_rsqrt(x_row, N, eps, BLOCK)
+    else:
+        r = _head_rsqrt(x_row, N, eps, FORM, BLOCK)
     nope = N - 2 * HALF
     _store_normed(x_row, w_ptr, y_row, nope, r, HAS_W, BLOCK)
     i = tl.arange(0, BR)
@@ -133,8 +157,11 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, S
 
 @implement("rms_norm_rope", "triton")
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  rd: int) -> torch.Tensor:
+                  rd: int, form: str = "module") -> torch.Tensor:
     N = x.size(-1)
+    FORM = _FORMS[form]
+    if FORM and weight is not None:
+        raise ValueError(f"rms_norm_rope form {form!r} is the unweighted q head norm: weight must be None")
     assert rd % 2 == 0 and 0 < rd <= N, f"rms_norm_rope: rd {rd} must be even and within the last dim {N}"
     H = x.size(2) if x.dim() == 4 else 1
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -144,5 +171,9 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
     cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows: views of a gathered table
     _rms_norm_rope_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, cos, sin, y, N, x2.stride(0), H,
                                          cos.stride(0), sin.stride(0), float(eps), rd // 2,
-                                         HAS_W=weight is not None, BLOCK=min(p2(N), 4096), BR=p2(rd // 2), **pdl())
+                                         HAS_W=weight is not None, BLOCK=min(p2(N), 4096), BR=p2(rd // 2), FORM=FORM,
+                                         **pdl())
     return y
+
+
+_FORMS = {"module": 0, "official_q": 1, "transformers_q": 2}

@@ -1,0 +1,147 @@
+"""Memory before compute: what a request will hold, what the machine has, and the prefill chunk that fits.
+
+A long prompt prefilled whole holds transients that grow with (chunk tokens x context): the indexer's
+scores [chunk, entries] per index head, each query's gathered keys [chunk, topk + window, head_dim] and the
+attention scores per head. Prefilling in chunks bounds them by the chunk, so `auto_prefill_chunk` picks the
+largest chunk whose transients fit in a share of the free memory, and `check_fits` refuses up front, with the
+numbers, what cannot fit at any chunk (the caches themselves, or the rope tables of an absurd length).
+
+The estimates are upper bounds in the reference's float32 working precision; kernels hold less.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from deepinfer.config import ModelConfig
+
+GiB = 1 << 30
+
+
+class MemoryRefused(ValueError):
+    """A request that cannot fit in the memory available: the message has the numbers (exit code 2)."""
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _cgroup_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+        except OSError:
+            continue
+        if v.isdigit() and int(v) < 1 << 60:
+            return int(v)
+    return None
+
+
+def available_bytes(device: str | torch.device = "cpu") -> int:
+    """Free memory for this process: CUDA's free bytes on a GPU; on a CPU the smallest of MemAvailable,
+    the cgroup's limit and the address-space rlimit (a `ulimit -v` is a limit too)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    cands = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    cands.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    cg = _cgroup_limit()
+    if cg is not None:
+        cands.append(cg)
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft not in (resource.RLIM_INFINITY, -1):
+            cands.append(max(0, soft - _vm_size()))
+    except (ImportError, ValueError, OSError):
+        pass
+    return min(cands) if cands else 8 * GiB
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cache_bytes(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool) -> int:
+    """Bytes `Transformer.allocate(rows, max_seq_len)` allocates: every attention layer's window ring and
+    compressed entries, the indexer keys, the compressor states, and the two rope tables."""
+    from deepinfer.ops.reference import kv_packed_width
+
+    el = torch.empty((), dtype=dtype).element_size()
+    total = 2 * max_seq_len * cfg.rope_head_dim * 4  # two tables of [L, 2, rd/2] float32
+    for r in cfg.compress_ratios[: cfg.n_layers + (1 if cfg.n_mtp_layers else 0)]:
+        n_entries = max_seq_len // r + 1 if r else 0
+        width = kv_packed_width(cfg.head_dim, cfg.rope_head_dim, dtype) if fp8_kv else cfg.head_dim * el
+        total += rows * (cfg.window_size + n_entries) * width
+        if r:
+            coff = 2 if r == 4 else 1
+            total += 2 * rows * coff * r * coff * cfg.head_dim * 4
+        if r == 4:  # CSA: the indexer's key cache and its compressor
+            total += rows * n_entries * cfg.index_head_dim * el + 2 * rows * 2 * r * 2 * cfg.index_head_dim * 4
+    return total
+
+
+def prefill_token_bytes(cfg: ModelConfig, context: int, all_logits: bool = False) -> int:
+    """Transient bytes per prefilled token at `context` positions (float32 upper bound): the indexer's
+    scores over every compressed entry, the gathered keys and scores of the attention, the residual
+    streams and the MoE's activations; the logits when every position keeps them."""
+    csa = any(r == 4 for r in cfg.compress_ratios)
+    entries = context // 4 + 1 if csa else 0
+    sel = cfg.window_size + (min(cfg.index_topk, entries) if csa else 0) + context // max(
+        [r for r in cfg.compress_ratios if r] or [context or 1])
+    per = 4 * cfg.index_n_heads * entries * 3 if csa else 0  # scores, their weighting, the top-k's copy
+    per += 4 * sel * (cfg.head_dim * 2 + cfg.n_heads * 3)  # gathered kv (+ its dequantised copy), scores
+    per += 4 * cfg.hc_mult * cfg.dim * 8 + 4 * cfg.n_heads * cfg.head_dim * 4
+    per += 4 * cfg.n_activated_experts * cfg.moe_inter_dim * 6 + 4 * cfg.q_lora_rank * 4
+    per += 4 * cfg.vocab_size * (2 if all_logits else 0)
+    return per
+
+
+# Share of the free memory one prefill chunk's transients may take: the rest is the caches, the weights'
+# working copies and the allocator's slack.
+CHUNK_BUDGET = 0.25
+CHUNKS = (8192, 4096, 2048, 1024, 512, 256, 128)
+
+
+def auto_prefill_chunk(cfg: ModelConfig, prompt_len: int, context: int, budget: int) -> int:
+    """The prefill chunk for a prompt of `prompt_len` tokens: 0 (whole) when its transients fit in
+    `budget`, else the largest of CHUNKS that fits; the smallest when none does (`check_fits` then
+    decides whether to refuse)."""
+    if prompt_len * prefill_token_bytes(cfg, context) <= budget:
+        return 0
+    for c in CHUNKS:
+        if c < prompt_len and c * prefill_token_bytes(cfg, context) <= budget:
+            return c
+    return CHUNKS[-1]
+
+
+def check_fits(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool, chunk: int,
+               device, held: int = 0) -> None:
+    """Refuse (MemoryRefused, with the numbers) a request whose caches plus one prefill chunk's transients
+    do not fit in the memory `device` has free; `held` bytes are already allocated and reused."""
+    need_cache = max(0, cache_bytes(cfg, rows, max_seq_len, dtype, fp8_kv) - held)
+    need_chunk = chunk * prefill_token_bytes(cfg, max_seq_len)
+    have = available_bytes(device)
+    if need_cache + need_chunk > 0.9 * have:
+        raise MemoryRefused(
+            f"{rows} sequence(s) of up to {max_seq_len} positions need {fmt_bytes(need_cache)} of caches and "
+            f"rope tables plus {fmt_bytes(need_chunk)} for a prefill chunk of {chunk} tokens, but "
+            f"{fmt_bytes(have)} of memory is available on {device}; use fewer --max-new-tokens, a shorter "
+            "prompt or fewer rows (--max-batch)")

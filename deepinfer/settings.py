@@ -1,0 +1,76 @@
+"""Every environment variable deepinfer reads, with its type, default and meaning: the one place they are
+parsed (the README's settings table lists the same). Read at call time unless a setting says otherwise,
+so a test or an A/B can change one in a fresh process or between calls.
+
+A malformed value is an error naming the variable, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # "flag" (0 = off, anything else on) | "choice" | "path" | "str"
+    default: str
+    doc: str
+    choices: tuple = ()
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("DEEPINFER_HOME", "path", "", "where deepinfer-tiny is created (else $XDG_CACHE_HOME/deepinfer, "
+            "else ~/.cache/deepinfer)"),
+    Setting("DEEPINFER_BACKEND", "choice", "", "kernel backend when --backend is not given (default: triton "
+            "on CUDA, else torch)", ("", "torch", "triton", "tilelang")),
+    Setting("DEEPINFER_STRICT", "flag", "0", "any op without a kernel in the backend is an error (--strict)"),
+    Setting("DEEPINFER_DEBUG", "flag", "0", "tracebacks instead of one-line errors (--debug)"),
+    Setting("DEEPINFER_BRANCHES", "flag", "1", "decode issues independent work on side streams (CUDA); 0: "
+            "everything on one stream"),
+    Setting("DEEPINFER_BRANCH_LANES", "choice", "", "side streams of the decode branches: unset, hc's Sinkhorn "
+            "comb apart and the rest on one; 0: all on one; 1: a stream per lane (measured slower)", ("", "0", "1")),
+    Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
+            "when deepinfer_kernels.triton is imported"),
+    Setting("DEEPINFER_FP8_GEMM", "choice", "auto", "prefill-sized FP8 GEMMs on sm_90: auto (cuBLASLt's "
+            "block-scaled GEMM), cublas, or triton (the Triton kernel)", ("auto", "cublas", "triton")),
+    Setting("DEEPINFER_FP4_ASM", "flag", "1", "the FP4 expert GEMM's inline-PTX FP4 decode on sm_90 "
+            "(0: the portable Triton decode)"),
+    Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
+            "by Triton when a kernel module is imported"),
+)}
+
+
+def _raw(name: str) -> str:
+    s = SETTINGS[name]
+    return os.environ.get(name, s.default).strip()
+
+
+def flag(name: str) -> bool:
+    """A flag: unset -> its default; "0" or "" -> off; "1" (or any other non-zero number) -> on."""
+    v = _raw(name)
+    if v in ("", "0"):
+        return False
+    if v.lower() in ("1", "true", "yes", "on") or v.isdigit():
+        return True
+    if v.lower() in ("false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={v!r}: expected 0 or 1")
+
+
+def choice(name: str) -> str:
+    s = SETTINGS[name]
+    v = _raw(name).lower()
+    if v not in s.choices:
+        raise ValueError(f"{name}={v!r}: choose one of {', '.join(c for c in s.choices if c) or '(unset)'}")
+    return v
+
+
+def path(name: str) -> str:
+    return _raw(name)
+
+
+def triton_interpreted() -> bool:
+    """Is this process running Triton kernels in the CPU interpreter (TRITON_INTERPRET set and non-zero)?"""
+    return flag("TRITON_INTERPRET")

@@ -1,0 +1,357 @@
+"""The toolkit never crashes and never lies (issue of 2026-12-01): the faults a new user hit, by class.
+
+Each test names the class it guards; each was checked to fail with the fix it covers taken out.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from deepinfer_cli.app import app
+
+runner = CliRunner()
+
+
+def _one_line_error(r, code: int = 2) -> str:
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    err = [ln for ln in lines if ln.startswith("error:")]
+    assert len(err) == 1, r.output
+    return err[0]
+
+
+# ------------------------------------------------------------------ compare on ordinary dumps
+@pytest.fixture(scope="module")
+def short_dump(tmp_path_factory, tiny_dir):
+    """A 3-token prompt: layer 1 (CSA, ratio 4) has no compressed entry yet, so its top-k sets are empty."""
+    p = tmp_path_factory.mktemp("d") / "a.h5"
+    r = runner.invoke(app, ["dump", "北京是", "-o", str(p)])
+    assert r.exit_code == 0, r.output
+    return p
+
+
+def test_compare_short_prompt_dump(short_dump):
+    from deepinfer.debug.h5schema import DumpReader
+
+    with DumpReader(short_dump) as rd:
+        empty = [n for n in rd.names() if n.endswith(".topk") and 0 in rd.meta(n)["shape"]]
+    assert empty, "the fixture must hold an empty index tensor, else this test tests nothing"
+    r = runner.invoke(app, ["compare", str(short_dump), str(short_dump)])
+    assert r.exit_code == 0, r.output
+    assert "compared tensors pass" in r.output
+
+
+def test_set_overlap_of_empty_rows():
+    from deepinfer.debug.compare import set_overlap
+
+    a = torch.empty(3, 0, dtype=torch.long)
+    assert set_overlap(a, a).tolist() == [1.0, 1.0, 1.0]
+    assert set_overlap(torch.empty(2, 4, 0), torch.empty(2, 4, 0)).shape == (8,)
+
+
+def test_dumps_readme_walkthrough(tmp_path, tiny_dir):
+    """dumps/README.md's commands, as written there (paths moved to tmp), end to end."""
+    ref, test = tmp_path / "ref.h5", tmp_path / "h200.h5"
+    steps = [
+        ["dump", "北京是", "--steps", "4", "--numerics", "exact", "--dtype", "float32", "-o", str(ref)],
+        ["dump", "北京是", "--steps", "4", "--follow", str(ref), "-o", str(test)],
+        ["show", str(test), "--filter", r"layers\.3\."],
+    ]
+    for args in steps:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, (args, r.output)
+    r = runner.invoke(app, ["compare", str(test), str(ref), "--rtol", "2e-2", "--atol", "1e-2"])
+    assert r.exit_code in (0, 1) and "Traceback" not in r.output, r.output
+    assert "first divergence" in r.output or "compared tensors pass" in r.output
+    r = runner.invoke(app, ["margin", "--from-dumps", str(test), str(ref)])
+    assert r.exit_code in (0, 1) and "verdict:" in r.output, r.output
+
+
+def test_nothing_compared_is_not_a_pass(tmp_path, short_dump):
+    from deepinfer.debug.h5schema import write_dump
+
+    write_dump(tmp_path / "empty.h5", {})
+    _one_line_error(runner.invoke(app, ["compare", str(tmp_path / "empty.h5"), str(tmp_path / "empty.h5")]))
+    line = _one_line_error(runner.invoke(app, ["compare", str(short_dump), str(short_dump), "--filter", "zzz"]))
+    assert "nothing compared" in line
+
+
+def test_compare_says_what_it_could_not_check(tmp_path):
+    from deepinfer.debug.h5schema import write_dump
+
+    write_dump(tmp_path / "bare.h5", {"x": torch.ones(3)})
+    r = runner.invoke(app, ["compare", str(tmp_path / "bare.h5"), str(tmp_path / "bare.h5"), "--json"])
+    assert r.exit_code == 0, r.output
+    warnings = json.loads(r.stdout)["warnings"]
+    assert any("input_ids" in w for w in warnings) and any("fingerprint" in w for w in warnings)
+
+
+@pytest.mark.parametrize("opt", [["--rtol", "-1"], ["--rtol", "nan"], ["--atol", "inf"], ["--quantile", "1"],
+                                 ["--min-overlap", "2"]])
+def test_compare_bad_tolerances(short_dump, opt):
+    line = _one_line_error(runner.invoke(app, ["compare", str(short_dump), str(short_dump), *opt]))
+    assert opt[0] in line
+
+
+# ------------------------------------------------------------------------- one line, exit 2
+@pytest.mark.parametrize("args,words", [
+    (["generate", "x", "-n", "2", "--logprobs", "200000"], "--logprobs"),
+    (["generate", "x", "-n", "1000000000"], "context"),
+    (["generate", "x", "-n", "99999999999999999999"], "context"),
+    (["generate", "x", "-t", "nan"], "--temperature"),
+    (["generate", "x", "-t", "inf"], "--temperature"),
+    (["generate", "x", "--top-p", "nan"], "--top-p"),
+    (["generate", ""], "empty"),
+    (["dump", ""], "empty"),
+    (["margin", "x", "--k", "nan"], "--k"),
+    (["margin", "x", "--tol", "-1"], "--tol"),
+    (["dist-check", "--nproc", "3"], "--nproc 3"),
+])
+def test_bad_input_one_line(tiny_dir, args, words):
+    assert words in _one_line_error(runner.invoke(app, args))
+
+
+def test_internal_error_is_one_line_exit_3(monkeypatch, short_dump):
+    import deepinfer_cli.compare as cc
+
+    def boom(*a, **k):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(cc, "compare_dumps", boom)
+    r = runner.invoke(app, ["compare", str(short_dump), str(short_dump)])
+    assert "planted bug" in _one_line_error(r, 3) and "--debug" in r.output
+
+
+def test_input_file_empty_prompt_names_the_line(tmp_path, tiny_dir):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    assert "line 2" in _one_line_error(runner.invoke(app, ["generate", "--input-file", str(f)]))
+
+
+# ------------------------------------------------------------------------------ output paths
+def test_output_paths_checked_before_any_work(tmp_path, tiny_dir, monkeypatch):
+    import deepinfer_cli.common as common
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(common, "setup", no_model)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = {str(tmp_path): "is a directory", str(fifo): "not a regular file", "/dev/null": "not a regular file",
+             str(tmp_path / "no" / "x.h5"): "does not exist"}
+    for path, words in cases.items():
+        line = _one_line_error(runner.invoke(app, ["dump", "x", "-o", path]))
+        assert words in line and "--out" in line, line
+    assert not (tmp_path / "no").exists(), "parents must not be created"
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n], "temp files left behind"
+    for args in (["margin", "x", "--plot", str(tmp_path)], ["compare", "a", "b", "--report", str(fifo)],
+                 ["bench", "--record", str(tmp_path / "no" / "p.md")]):
+        _one_line_error(runner.invoke(app, args))
+
+
+def test_stale_temp_files_are_cleaned(tmp_path):
+    from deepinfer.debug.h5schema import write_dump
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs: what a SIGKILLed dump leaves
+    stale = tmp_path / f".x.h5.tmp-{dead.pid}"
+    stale.write_bytes(b"partial")
+    alive = tmp_path / f".x.h5.tmp-{os.getppid()}"  # a running process's file is left alone
+    alive.write_bytes(b"in progress")
+    write_dump(tmp_path / "x.h5", {"t": torch.ones(2)})
+    assert not stale.exists() and alive.exists() and (tmp_path / "x.h5").is_file()
+
+
+def test_atomic_record_append(tmp_path):
+    from deepinfer.outpath import atomic_write
+
+    p = tmp_path / "log.md"
+    atomic_write(p, "a\n", append=True)
+    atomic_write(p, "b\n", append=True)
+    assert p.read_text() == "a\nb\n"
+
+
+# ------------------------------------------------------------------- long prompts, memory
+def test_long_prompts_are_chunked_from_memory(monkeypatch, tiny_dir):
+    from deepinfer.engine import generate as G
+    from deepinfer.engine import memory as M
+    from deepinfer.engine.loader import load_model
+
+    # official float32: chunked and whole prefill agree bit for bit there (in bf16 they do not on a 601-token
+    # prompt: 7 % on the last logits, left open in the notes), so the tokens show the chunk was really used
+    lm = load_model(None, "official", "float32", "cpu", progress=False)
+    prompt = [0] + list(range(100, 700))
+    need_whole = len(prompt) * M.prefill_token_bytes(lm.cfg, len(prompt) + 2)
+    caches = M.cache_bytes(lm.cfg, 2, len(prompt) + 2, torch.float32, True)
+    # free memory for the caches and ~300 prompt tokens' transients, not for the whole prompt
+    monkeypatch.setattr(G, "available_bytes", lambda dev: int(caches + need_whole / 2 / M.CHUNK_BUDGET))
+    monkeypatch.setattr(M, "available_bytes", lambda dev: int(caches + need_whole / 2 / M.CHUNK_BUDGET))
+    chunk = G.plan_memory(lm.model, [prompt], 2, len(prompt) + 2, None)
+    assert 0 < chunk < len(prompt)
+    auto = G.generate(lm.model, [prompt], G.SamplingParams(max_new_tokens=2), -1)
+    whole = G.generate(lm.model, [prompt], G.SamplingParams(max_new_tokens=2), -1, prefill_chunk=0)
+    assert auto.completions[0].token_ids == whole.completions[0].token_ids
+    # what cannot fit at any chunk is refused up front, with the numbers
+    monkeypatch.setattr(M, "available_bytes", lambda dev: caches // 4)
+    with pytest.raises(M.MemoryRefused, match="GiB|MiB"):
+        G.plan_memory(lm.model, [prompt], 2, len(prompt) + 2, None)
+
+
+def test_memory_limit_is_read(monkeypatch):
+    import resource
+
+    from deepinfer.engine.memory import available_bytes
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    free = available_bytes("cpu")
+    assert free > 0
+    if hard == resource.RLIM_INFINITY:
+        code = ("import resource; from deepinfer.engine.memory import _vm_size, available_bytes; "
+                "resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + (300 << 20), resource.RLIM_INFINITY)); "
+                "print(available_bytes('cpu'))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert int(out.stdout) <= 300 << 20
+
+
+# ------------------------------------------------------------------------ no confident lies
+def test_interpreter_bf16_triton_is_refused(tiny_dir):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_BACKEND": "torch"}
+    out = subprocess.run([sys.executable, "-m", "deepinfer_cli.app", "generate", "x", "-n", "1", "--backend",
+                          "triton", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "bf16" in out.stderr and "float32" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ab_says_which_dtype_it_tested():
+    from deepinfer.debug.ab import ABReport, CaseResult
+
+    rep = ABReport("triton", "torch", 0, "cpu", True, [CaseResult("linear", "tiny", "decode", "v", "pass",
+                                                                  ran_as="float16")])
+    assert "float16" in rep.dtype_note() and rep.to_dict()["dtype_note"]
+    assert ABReport("triton", "torch", 0, "cpu", False, []).dtype_note() is None
+
+
+def _logits(n, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(64, generator=g) * scale for _ in range(n)]
+
+
+def test_margin_band_cannot_be_inflated_by_the_test():
+    from deepinfer.debug.margin import measure
+
+    ref = _logits(12, 0, 4.0)
+    mild = [r + 1e-3 * torch.randn(64, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)]
+    broken = _logits(12, 1, 4.0)  # unrelated logits: what a miscomputing backend gives
+    m, b = measure(ref, mild), measure(ref, broken)
+    assert m.band == b.band, "the band must not depend on the test's own Δmargins"
+    assert m.verdict == "agree"
+    assert b.verdict == "divergent" and b.summary()["near_ties"] == 0 and len(b.logits_off) == 12
+
+
+def test_margin_far_off_logits_are_divergent_even_when_top1_agrees():
+    from deepinfer.debug.margin import measure
+
+    ref = _logits(4, 0, 4.0)
+    scaled = [3 * r for r in ref]  # same argmax everywhere, logits 200 % off
+    res = measure(ref, scaled)
+    assert res.agreement == 1.0 and res.verdict == "divergent"
+
+
+def test_margin_noise_run_sets_the_band():
+    from deepinfer.debug.margin import attach_noise, measure, noise_dtype
+
+    assert noise_dtype("float32", "bfloat16") == "bfloat16" and noise_dtype("bfloat16", "bfloat16") == "float16"
+    assert noise_dtype("float32", "float32") is None
+    ref = _logits(8, 0, 4.0)
+    res = measure(ref, ref)
+    before = res.band
+    attach_noise(res, ref, [r + 0.5 * torch.randn(64, generator=torch.Generator().manual_seed(i))
+                            for i, r in enumerate(ref)], "dtype=float16")
+    assert res.band > before and res.band_source.startswith("noise run")
+
+
+def test_margin_cli_planted_divergence(tiny_dir, monkeypatch):
+    """A broken test configuration (its logits scaled by 3, shifted by 1) is called divergent, exit 1."""
+    import deepinfer.debug.margin as margin
+
+    calls = {"test": False}
+
+    orig = margin.decode_logits
+
+    def decode_logits(model, ids, steps, force=None):
+        logits, toks = orig(model, ids, steps, force)
+        if force is not None and not calls["test"]:
+            calls["test"] = True
+            logits = [3 * lg + 1 for lg in logits]
+        return logits, toks
+
+    monkeypatch.setattr(margin, "decode_logits", decode_logits)
+    r = runner.invoke(app, ["margin", "北京是", "--steps", "3", "--ref", "numerics=exact,dtype=float32",
+                            "--test", "numerics=exact,dtype=float32", "--json"])
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["verdict"] == "divergent"
+
+
+def test_probe_triton_not_run_is_skip():
+    from deepinfer.debug.probes import _vendor_gemm_check
+
+    row = _vendor_gemm_check(cuda=False)
+    assert row["status"] == "skip" and "not run" in row["detail"]
+
+
+def test_tilelang_help_says_it_has_no_kernels():
+    from deepinfer_cli import common
+
+    assert "no kernels yet" in common.BACKEND.help
+
+
+# ------------------------------------------------------------------------------- config.json
+@pytest.mark.parametrize("change,words", [
+    ({"hidden_size": "abc"}, "hidden_size must be an integer"),
+    ({"hidden_size": 255}, "hidden_size = 255: must be a multiple of 128"),
+    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"num_attention_heads": 0}, "num_attention_heads = 0"),
+    ({"num_experts_per_tok": 99}, "num_experts_per_tok = 99"),
+])
+def test_config_errors_name_the_key(tmp_path, tiny_dir, change, words):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    line = _one_line_error(runner.invoke(app, ["generate", "x", "--model", str(d)]))
+    assert words in line and "config.json" in line
+
+
+def test_context_length_is_not_architectural():
+    from deepinfer.config import tiny_config
+
+    c = tiny_config()
+    assert c.replace(max_position_embeddings=4096).fingerprint() == c.fingerprint()
+
+
+# --------------------------------------------------------------------------------- streaming
+def test_text_stream_holds_back_stop_strings(capsys):
+    from deepinfer_cli.generate import TextStream
+
+    text = {1: "ab", 2: "abST", 3: "abSTOP"}
+    s = TextStream("P:", lambda ids: text[len(ids)], ("STOP",))
+
+    class C:
+        token_ids = []
+    c = C()
+    for i in (1, 2, 3):
+        c.token_ids = list(range(i))
+        s.on_token(0, c)
+    s.finish("ab")
+    assert capsys.readouterr().out == "P:ab\n"

@@ -1,0 +1,159 @@
+"""`official` numerics round where DeepSeek's official inference code rounds (inference/model.py and
+kernel.py of DeepSeek-V4-Flash, release 60d8d707; public copy: Mockingjay1316/deepseek-v4-flash-spark).
+
+Each rounding point is pinned by a test that fails when it moves; the official line it follows is quoted.
+"""
+
+import pytest
+import torch
+
+from deepinfer.ops import ops
+from deepinfer.ops.reference import (act_quant, fp4_fake_quant, fp8_fake_quant, head_norm, kv_pack,
+                                     kv_packed_width, kv_unpack, rms_norm_rope)
+
+
+def _q(seed=0, shape=(3, 5, 4, 512), scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).bfloat16()
+
+
+# ------------------------------------------------------------------------ the q head norm
+def test_q_head_norm_follows_the_official_line():
+    """model.py, Attention.forward: `q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)` on
+    wq_b's bf16 output: every step in bf16."""
+    q = _q()
+    official = q.clone()
+    official *= torch.rsqrt(official.square().mean(-1, keepdim=True) + 1e-6)
+    got = head_norm(q, 1e-6, "official_q")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, official)
+    fp32 = head_norm(q, 1e-6, "module")
+    assert not torch.equal(fp32, official), "the fp32 form must differ here, or this test could not fail"
+
+
+def test_q_head_norm_transformers_form():
+    """transformers' DeepseekV4UnweightedRMSNorm: `x * torch.rsqrt(x.float().square().mean(-1,
+    keepdim=True) + self.eps).to(x.dtype)` -- what `exact` numerics follow."""
+    q = _q(1)
+    want = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6).to(q.dtype)
+    assert torch.equal(head_norm(q, 1e-6, "transformers_q"), want)
+
+
+def test_forms_agree_in_float32():
+    q = _q(2).float()
+    a, b, c = (head_norm(q, 1e-6, f) for f in ("module", "official_q", "transformers_q"))
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6) and torch.allclose(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_rope_form_then_rope():
+    """The rotation reads the norm's bf16 output (model.py: `apply_rotary_emb(q[..., -rd:], freqs_cis)`
+    after the in-place norm)."""
+    from deepinfer.ops.reference import rope
+
+    q = _q(3, (2, 3, 4, 128))
+    cos = torch.rand(2, 3, 32)
+    sin = (1 - cos ** 2).sqrt()
+    y = rms_norm_rope(q, None, 1e-6, cos, sin, 64, form="official_q")
+    n = head_norm(q, 1e-6, "official_q")
+    assert torch.equal(y[..., :-64], n[..., :-64])
+    assert torch.equal(y[..., -64:], rope(n[..., -64:], cos, sin))
+    with pytest.raises(ValueError):
+        rms_norm_rope(q, torch.ones(128), 1e-6, cos, sin, 64, form="official_q")
+
+
+def test_the_model_uses_each_numerics_form(tiny_dir):
+    from deepinfer.engine.loader import load_model
+
+    off = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+    ex = load_model(None, "exact", "bfloat16", "cpu", progress=False).model
+    assert {a.q_norm_form for a in off.attentions()} == {"official_q"}
+    assert {a.q_norm_form for a in ex.attentions()} == {"transformers_q"}
+
+
+# ------------------------------------------------------------- quantisation blocks and scales
+def _record(monkeypatch, name):
+    """Every call of ops.<name> during a prefill + decode of the official tiny model: its block argument."""
+    from deepinfer.engine.loader import load_model
+    from deepinfer.ops import reference
+
+    seen = []
+    real = getattr(reference, name)
+
+    def spy(x, block=None, *a, **k):
+        seen.append(block)
+        return real(x, block, *a, **k) if block is not None else real(x, *a, **k)
+
+    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
+    monkeypatch.setattr(type(ops), name, property(lambda self: spy), raising=False)
+    m = lm.model
+    m.allocate(1, 24)
+    ids = torch.tensor([[0] + list(range(300, 320))])
+    m.prefill(ids)
+    m.decode(torch.tensor([[5]]), torch.tensor([21]))
+    return seen
+
+
+def test_indexer_fp4_blocks_of_32(monkeypatch, tiny_dir):
+    """model.py, Indexer / Compressor(rotate=True): `fp4_act_quant(..., 32)` on the Hadamard-rotated indexer
+    queries and keys: FP4 e2m1 with one power-of-two scale per 32."""
+    blocks = _record(monkeypatch, "fp4_fake_quant")
+    assert blocks and set(blocks) == {32}, blocks
+
+
+def test_kv_nope_fp8_blocks_of_64(monkeypatch, tiny_dir):
+    """model.py, Attention.forward: `act_quant(kv[..., :-rd], 64, scale_fmt, scale_dtype, True)`: the
+    cache's no-RoPE dims FP8-simulated per 64 (the compressed entries too). Official numerics hold the
+    cache in its FP8 layout, so the simulation is the packing (`kv_pack`: the codes and scales of
+    act_quant(kv_nope, 64)); decode packs inside `kv_store`."""
+    rope_dims = _record(monkeypatch, "kv_pack")
+    assert rope_dims and set(rope_dims) == {64}, rope_dims
+    kv = _q(4, (6, 512)).float()
+    # each 64-block: a first half 1000x smaller than its second, so blocks of 32 and of 64 scale it apart
+    kv[:, :448].unflatten(-1, (7, 2, 32))[:, :, 0] *= 1e-3
+    packed = kv_pack(kv.bfloat16(), 64)
+    un = kv_unpack(packed, 512, 64, torch.bfloat16)
+    assert torch.equal(un[..., :-64], fp8_fake_quant(kv.bfloat16()[..., :-64], 64))
+    assert not torch.equal(un[..., :-64], fp8_fake_quant(kv.bfloat16()[..., :-64], 32))
+    assert not torch.equal(un[..., :-64], fp8_fake_quant(kv.bfloat16()[..., :-64], 448))
+
+
+def test_activation_blocks_of_128(monkeypatch, tiny_dir):
+    """kernel.py act_quant with block_size 128 before every FP8 / FP4 GEMM (Linear's forward)."""
+    blocks = _record(monkeypatch, "act_quant")
+    assert blocks and set(blocks) <= {128, 64} and 128 in blocks, blocks
+
+
+def test_ue8m0_scales_round_up_to_a_power_of_two():
+    """kernel.py act_quant (scale_fmt ue8m0): s = 2^ceil(log2(amax / 448)), amax floored at 1e-4; the codes
+    are x / s, so a block whose amax is exactly 448·2^k keeps s = 2^k and its amax codes to 448."""
+    x = torch.zeros(4, 128)
+    x[0, 0] = 448.0  # amax on a power-of-two boundary: s = 1
+    x[1, 0] = 448.0 * 1.001  # just above: s = 2, the code 224.2 -> 224
+    x[2, 0] = 3.0
+    q, s = act_quant(x, 128)
+    assert s[:, 0].tolist() == [1.0, 2.0, 2.0 ** -7, 2.0 ** -22]  # row 3: amax 0 floored at 1e-4
+    assert float(q[0, 0].float()) == 448.0 and float(q[1, 0].float()) == 224.0
+    assert float(q[2, 0].float()) == 384.0
+    assert s.shape == (4, 1)
+
+
+def test_fp4_scale_is_a_power_of_two_over_6():
+    x = torch.zeros(1, 32)
+    x[0, 0] = 6.0
+    x[0, 1] = 1.0
+    y = fp4_fake_quant(x, 32)
+    assert float(y[0, 0]) == 6.0 and float(y[0, 1]) == 1.0
+    x[0, 0] = 6.5  # scale 2: 1.0 codes to 0.5 -> 0.5 * 2 = 1.0, 6.5 -> 3 * 2 = 6
+    y = fp4_fake_quant(x, 32)
+    assert float(y[0, 0]) == 6.0 and float(y[0, 1]) == 1.0
+
+
+# --------------------------------------------------------------------- the FP8 KV entry layout
+def test_fp8_kv_entry_layout_width():
+    """The FP8 KV cache entry of V4 (head_dim 512, rope 64): 448 e4m3 codes, 7 ue8m0 scales (one per 64)
+    zero-padded to 16 bytes, then the 64 RoPE dims in bf16: 448 + 16 + 128 = 592 bytes per token."""
+    assert kv_packed_width(512, 64, torch.bfloat16) == 592
+    kv = _q(5, (3, 512))
+    p = kv_pack(kv, 64)
+    assert p.shape == (3, 592) and p.dtype == torch.uint8
+    assert torch.all(p[:, 448 + 7:448 + 16] == 0), "the scale padding bytes are zero"
+    assert torch.equal(p[:, 464:].view(torch.bfloat16), kv[:, -64:])
