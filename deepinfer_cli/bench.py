@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -83,7 +84,19 @@ def record(path: str, report: dict, command: str) -> None:
         f"{last['tokens_per_s']:.0f} @{last['batch']}",
         f"{report['peak_mem_bytes'] / GiB:.1f}" if report.get("peak_mem_bytes") else "-", _peer_cell(report),
     ]
-    atomic_write(path, head + "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |\n", append=True)
+    row = "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |"
+    if head:
+        atomic_write(path, head + row + "\n")
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    # the new row goes under the table's last dated row (the file may go on with prose below the table)
+    last = max((i for i, ln in enumerate(lines) if re.match(r"^\| \d{4}-\d{2}-\d{2} \|", ln)), default=None)
+    if last is None:
+        lines = lines[:-1] + [row, ""] if lines and lines[-1] == "" else lines + [row, ""]
+    else:
+        lines.insert(last + 1, row)
+    atomic_write(path, "\n".join(lines))
 
 
 def _print(report: dict, con: Console) -> None:

@@ -61,6 +61,8 @@ def handle_errors(fn):
             msg = str(e).strip()
             first, _, rest = msg.partition("\n")
             hint = next((h for t, h in HINTS.items() if isinstance(e, t)), None)
+            if isinstance(e, BackendError) and "--strict" not in msg:
+                hint = "see `deepinfer probe kernels`"  # the --strict advice only where --strict refused
             if rest:  # multi-line reports (checkpoint validation) keep their list after the one-line summary
                 print(f"error: {first}", file=sys.stderr)
                 print(rest, file=sys.stderr)

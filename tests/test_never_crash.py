@@ -108,6 +108,7 @@ def test_compare_bad_tolerances(short_dump, opt):
     (["generate", "x", "-t", "inf"], "--temperature"),
     (["generate", "x", "--top-p", "nan"], "--top-p"),
     (["generate", ""], "empty"),
+    (["generate", "x", "--stop", ""], "--stop"),
     (["dump", ""], "empty"),
     (["margin", "x", "--k", "nan"], "--k"),
     (["margin", "x", "--tol", "-1"], "--tol"),
@@ -355,3 +356,19 @@ def test_text_stream_holds_back_stop_strings(capsys):
         s.on_token(0, c)
     s.finish("ab")
     assert capsys.readouterr().out == "P:ab\n"
+
+
+def test_record_row_lands_in_the_table(tmp_path):
+    """`bench --record` into a log whose table is followed by prose puts the row under the table."""
+    from deepinfer_cli.bench import record
+
+    p = tmp_path / "perf.md"
+    p.write_text("# P\n\n| date | x |\n| --- | --- |\n| 2026-11-30 | old |\n\n## Notes\n\ntext\n")
+    rep = {"device_name": "cpu", "torch": "t", "triton": "", "backend": "torch", "numerics": "official",
+           "model": "m", "prefill": {"ttft_ms": 1.0, "prompt_len": 4, "tokens_per_s": 4.0},
+           "decode": [{"batch": 1, "ms_per_step": 2.0, "ratio": 3.0, "tokens_per_s": 500.0}]}
+    record(str(p), rep, "deepinfer bench")
+    lines = p.read_text().splitlines()
+    i = next(j for j, ln in enumerate(lines) if ln.startswith("| 2026-11-30"))
+    assert lines[i + 1].startswith("| 20") and "deepinfer bench" in lines[i + 1]
+    assert lines[-1] == "text"

@@ -49,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.logprobs < 0:
             raise ValueError(f"--logprobs {self.logprobs}: must be >= 0")
+        if any(s == "" for s in self.stop):
+            raise ValueError("--stop '': an empty stop string matches before any text; give a non-empty one")
         if vocab_size is not None and self.logprobs > vocab_size:
             raise ValueError(f"--logprobs {self.logprobs}: more alternatives than the {vocab_size} tokens of "
                              "the vocabulary")
