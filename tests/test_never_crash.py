@@ -372,3 +372,27 @@ def test_record_row_lands_in_the_table(tmp_path):
     i = next(j for j, ln in enumerate(lines) if ln.startswith("| 2026-11-30"))
     assert lines[i + 1].startswith("| 20") and "deepinfer bench" in lines[i + 1]
     assert lines[-1] == "text"
+
+
+def test_fp8_codes_are_judged_with_their_scales():
+    """ab: a power-of-two boundary flip (codes 448·s against 224·2s) passes; any other scale difference,
+    or values off by more than one e4m3 step, fails."""
+    from deepinfer.debug.ab import compare_scaled_fp8
+
+    def blocks(codes, scales):
+        q = torch.tensor(codes, dtype=torch.float32).to(torch.float8_e4m3fn).view(1, -1)
+        return q, torch.tensor([scales], dtype=torch.float32)
+
+    base = [448.0, 96.0] + [1.0] * 126
+    half = [224.0, 48.0] + [0.5] * 126
+    q_r, s_r = blocks(base, [1.0])
+    q_g, s_g = blocks(half, [2.0])  # the same values on the coarser scale: a boundary flip
+    mq, ms = compare_scaled_fp8(q_g, q_r, s_g, s_r, 128, {}, {})
+    assert mq["ok"] and ms["ok"] and "flipped" in ms["detail"]
+    q_g4, s_g4 = blocks([112.0, 24.0] + [0.25] * 126, [4.0])  # a factor 4 is no flip
+    assert not compare_scaled_fp8(q_g4, q_r, s_g4, s_r, 128, {}, {})[1]["ok"]
+    q_lo, s_lo = blocks([200.0, 48.0] + [0.5] * 126, [2.0])  # ratio 2 but the finer side's amax is not at 448
+    q_r2, s_r2 = blocks([400.0, 96.0] + [1.0] * 126, [1.0])
+    assert not compare_scaled_fp8(q_lo, q_r2, s_lo, s_r2, 128, {}, {})[1]["ok"]
+    q_bad, _ = blocks([448.0, 128.0] + [1.0] * 126, [1.0])  # one value a third off
+    assert not compare_scaled_fp8(q_bad, q_r, s_r, s_r, 128, {}, {})[0]["ok"]

@@ -157,3 +157,21 @@ def test_fp8_kv_entry_layout_width():
     assert p.shape == (3, 592) and p.dtype == torch.uint8
     assert torch.all(p[:, 448 + 7:448 + 16] == 0), "the scale padding bytes are zero"
     assert torch.equal(p[:, 464:].view(torch.bfloat16), kv[:, -64:])
+
+
+@pytest.mark.gpu
+def test_triton_head_norm_forms_on_gpu():
+    """The Triton q head norm in each form against the reference's (on the H200 2026-12-01 `ab` found them
+    equal but for a few 1-ulp elements); the official form must not be the module's."""
+    import deepinfer_kernels.triton.norm as tn
+
+    q = _q(6, (4, 16, 8, 512)).cuda()
+    cos = torch.rand(4, 16, 32, device="cuda")
+    sin = (1 - cos ** 2).sqrt()
+    for form in ("official_q", "transformers_q"):
+        r = rms_norm_rope(q, None, 1e-6, cos, sin, 64, form=form)
+        t = tn.rms_norm_rope(q, None, 1e-6, cos, sin, 64, form=form)
+        assert (r != t).float().mean() < 0.01, form
+    official = tn.rms_norm_rope(q, None, 1e-6, cos, sin, 64, form="official_q")
+    module = rms_norm_rope(q, None, 1e-6, cos, sin, 64)
+    assert (official != module).float().mean() > 0.05
