@@ -114,9 +114,13 @@ def test_every_op_has_a_triton_kernel_or_a_documented_reason():
 
 
 def test_backend_importable_by_its_registry_name():
-    from deepinfer.ops.registry import load_backend
+    """`load_backend("triton")` imports deepinfer_kernels.triton, whose modules register their kernels."""
+    from deepinfer.ops.registry import REGISTRY, load_backend
 
     load_backend("triton")
+    impls = {n: d.impls["triton"] for n, d in REGISTRY.items() if "triton" in d.impls}
+    assert len(impls) == len(REGISTRY) - len(TK.REFERENCE_ONLY)
+    assert all(fn.__module__.startswith("deepinfer_kernels.triton.") for fn in impls.values()), impls
 
 
 # -------------------------------------------------------------------------------------------- norms
