@@ -396,3 +396,22 @@ def test_fp8_codes_are_judged_with_their_scales():
     assert not compare_scaled_fp8(q_lo, q_r2, s_lo, s_r2, 128, {}, {})[1]["ok"]
     q_bad, _ = blocks([448.0, 128.0] + [1.0] * 126, [1.0])  # one value a third off
     assert not compare_scaled_fp8(q_bad, q_r, s_r, s_r, 128, {}, {})[0]["ok"]
+
+
+def test_cpu_working_copies_live_with_their_weight():
+    """The reference's kept float32 copy of a bf16 weight: same product as converting each call, counted
+    against the cap while the weight lives, given back when it dies."""
+    import gc
+
+    from deepinfer.ops import reference as R
+
+    before = R._working_bytes
+    w = torch.randn(2048, 1024).bfloat16()
+    x = torch.randn(3, 1024).bfloat16()
+    y = R.linear(x, w, out_dtype=torch.float32)
+    assert R._working_bytes == before + 2048 * 1024 * 4
+    assert torch.allclose(y, torch.nn.functional.linear(x.float(), w.float()), rtol=1e-6, atol=1e-5)
+    assert torch.equal(R.linear(x, w, out_dtype=torch.float32), y)  # the kept copy: same bits again
+    del w
+    gc.collect()
+    assert R._working_bytes == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -222,7 +223,13 @@ def _keep(w: torch.Tensor, key: str, make) -> torch.Tensor:
             return c
         _working_bytes += c.nbytes
         setattr(w, key, c)
+        weakref.finalize(w, _release, c.nbytes)  # the copy goes with its weight: give its bytes back
     return c
+
+
+def _release(nbytes: int) -> None:
+    global _working_bytes
+    _working_bytes -= nbytes
 
 
 def _working_copy(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
