@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepinfer.ops import ops
-from deepinfer.ops.reference import (act_quant, fp4_fake_quant, fp8_fake_quant, head_norm, kv_pack,
-                                     kv_packed_width, kv_unpack, rms_norm_rope)
+from deepinfer.ops.reference import (act_quant, decode_slots, fp4_fake_quant, fp8_fake_quant, head_norm,
+                                     kv_pack, kv_packed_width, kv_unpack, rms_norm_rope, sparse_attn)
 
 
 def _q(seed=0, shape=(3, 5, 4, 512), scale=3.0):
@@ -147,6 +147,112 @@ def test_fp4_scale_is_a_power_of_two_over_6():
     assert float(y[0, 0]) == 6.0 and float(y[0, 1]) == 1.0
 
 
+# ------------------------------------------------------------------- the sparse attention
+def _kernel_py_sparse_attn(q, kv, sink, idx, scale):
+    """kernel.py `sparse_attn_kernel`, one query token at a time, its loop over blocks of 64 slots written
+    out: `acc_s` fp32 logits (-inf on empty slots), `scores_max` a running max of the logits alone,
+    `acc_s = exp(acc_s - scores_max)`, `sum_exp = sum_exp * scores_scale + reduce_sum(acc_s)` on the fp32
+    p, `acc_s_cast` = p in bf16 for `T.gemm(acc_s_cast, kv_shared, acc_o)`, and at the end `sum_exp +=
+    exp(attn_sink - scores_max)`, `acc_o /= sum_exp`, bf16 out."""
+    B, S, H, D = q.shape
+    out = torch.empty_like(q)
+    for b in range(B):
+        for t in range(S):
+            qs = q[b, t].float()
+            acc_o = torch.zeros(H, D)
+            sum_exp = torch.zeros(H)
+            scores_max = torch.full((H,), float("-inf"))
+            for k0 in range(0, idx.size(-1), 64):
+                ids = idx[b, t, k0:k0 + 64]
+                kv_s = torch.where((ids >= 0)[:, None], kv[b, ids.clamp_min(0)].float(), 0.0)
+                acc_s = torch.where(ids >= 0, 0.0, float("-inf")).expand(H, -1) + qs @ kv_s.T
+                acc_s = acc_s * scale
+                prev = scores_max
+                scores_max = torch.maximum(prev, acc_s.amax(-1))
+                scores_scale = torch.exp(prev - scores_max)
+                acc_s = torch.exp(acc_s - scores_max[:, None])
+                sum_exp = sum_exp * scores_scale + acc_s.sum(-1)
+                acc_o = acc_o * scores_scale[:, None] + acc_s.bfloat16().float() @ kv_s
+            sum_exp = sum_exp + torch.exp(sink - scores_max)
+            out[b, t] = (acc_o / sum_exp[:, None]).to(q.dtype)
+    return out
+
+
+def _attn_case(seed, S=6, H=8, D=64, N=300, K=200):
+    """Logits of spread ~4 so that the running max grows from block to block; slots in a random order with
+    empties; sinks of the logits' size and more."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(2, S, H, D, generator=g) * 2).bfloat16()
+    kv = torch.randn(2, N, D, generator=g).bfloat16()
+    idx = torch.randint(0, N, (2, S, K), generator=g)
+    idx[torch.rand(2, S, K, generator=g) < 0.2] = -1
+    sink = torch.randn(H, generator=g) * 3 + 4  # above the max logit in some heads: where the max starts matters
+    return q, kv, sink, idx, D ** -0.5
+
+
+def test_sparse_attn_rounds_like_kernel_py():
+    """The reference's probabilities round where kernel.py's do: its output is the loop above's to fp32
+    summation order (bf16 out: a few 1-ulp elements); P unrounded, or the max seeded with the sink, or
+    blocks of 32, round elsewhere and differ in many more."""
+    from deepinfer.ops import reference
+
+    q, kv, sink, idx, scale = _attn_case(0)
+    want = _kernel_py_sparse_attn(q, kv, sink, idx, scale)
+    got = sparse_attn(q, kv, sink, idx, scale)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    ulp = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+    assert ulp.max() <= 2 ** -7 and (got != want).float().mean() < 0.01
+    fp32_p = sparse_attn(q.float(), kv.float(), sink, idx, scale).bfloat16()  # no cast of P
+    assert (fp32_p != want).float().mean() > 3 * (got != want).float().mean() + 0.01
+    old = reference.SPARSE_ATTN_BLOCK
+    try:
+        reference.SPARSE_ATTN_BLOCK = 32
+        b32 = sparse_attn(q, kv, sink, idx, scale)
+    finally:
+        reference.SPARSE_ATTN_BLOCK = old
+    assert (b32 != want).float().mean() > 2 * (got != want).float().mean()
+
+
+def test_sparse_attn_empty_slots_and_float32():
+    """A query with no valid slot gets 0 (kernel.py's loop makes NaN of it, exp(-inf - -inf), as of any
+    query whose first 64 slots are empty; model.py's slot order never makes one: its window comes first); in
+    float32 the rounding points vanish and the result is softmax(logits ++ sink) V."""
+    q, kv, sink, idx, scale = _attn_case(1, K=130)
+    idx[0, 2] = -1
+    idx[1, 3, :64] = -1  # a whole first block empty (kernel.py: NaN); here the blocks after it count alone
+    got = sparse_attn(q, kv, sink, idx, scale)
+    assert torch.isfinite(got).all() and torch.all(got[0, 2] == 0)
+    want = _kernel_py_sparse_attn(q, kv, sink, idx[..., 64:], scale)
+    assert torch.allclose(got[1, 3].float(), want[1, 3].float(), rtol=2 ** -7, atol=1e-6)
+    qf, kvf = q.float(), kv.float()
+    g = kvf[torch.arange(2)[:, None, None], idx.clamp_min(0)]  # [B, S, K, D]
+    logits = torch.einsum("bshd,bskd->bshk", qf, g) * scale
+    logits = logits.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    full = torch.cat([logits, sink.view(1, 1, -1, 1).expand(2, q.size(1), -1, 1)], -1).softmax(-1)
+    plain = torch.einsum("bshk,bskd->bshd", full[..., :-1], g)
+    assert torch.allclose(sparse_attn(qf, kvf, sink, idx, scale), plain, rtol=1e-5, atol=1e-6)
+
+
+def _window_topk_idxs(win, start_pos):
+    """model.py `get_window_topk_idxs(window_size, 1, 1, start_pos)` for one decode step."""
+    if start_pos >= win - 1:
+        s = start_pos % win
+        return torch.cat([torch.arange(s + 1, win), torch.arange(0, s + 1)])
+    return torch.nn.functional.pad(torch.arange(start_pos + 1), (0, win - start_pos - 1), value=-1)
+
+
+@pytest.mark.parametrize("win", [8, 128])
+def test_decode_window_slots_oldest_first(win):
+    """Decode attends the ring in model.py's order, oldest position first: the order the blocks of 64 are
+    taken in, so where the probabilities round (ring-slot order would pass every set-based check)."""
+    pos = torch.tensor([0, 1, win - 2, win - 1, win, win + 5, 3 * win + 7])
+    rows = torch.arange(pos.numel())
+    got = decode_slots(pos, rows, win, win + 4)[0]
+    for i, p in enumerate(pos.tolist()):
+        want = _window_topk_idxs(win, p)
+        assert torch.equal(got[i], torch.where(want >= 0, want + i * (win + 4), -1)), p
+
+
 # --------------------------------------------------------------------- the FP8 KV entry layout
 def test_fp8_kv_entry_layout_width():
     """The FP8 KV cache entry of V4 (head_dim 512, rope 64): 448 e4m3 codes, 7 ue8m0 scales (one per 64)
@@ -175,3 +281,16 @@ def test_triton_head_norm_forms_on_gpu():
     official = tn.rms_norm_rope(q, None, 1e-6, cos, sin, 64, form="official_q")
     module = rms_norm_rope(q, None, 1e-6, cos, sin, 64)
     assert (official != module).float().mean() > 0.05
+
+
+@pytest.mark.gpu
+def test_triton_sparse_attn_rounds_like_kernel_py():
+    """The Triton kernel in bf16 on tensor cores against kernel.py's loop: closer than the unrounded-P form
+    (its tiles are 32 slots, not 64: the running max can differ inside a block)."""
+    import deepinfer_kernels.triton.attention as ta
+
+    q, kv, sink, idx, scale = _attn_case(2, S=16, H=64, D=512, N=700, K=640)
+    want = _kernel_py_sparse_attn(q, kv, sink, idx, scale)
+    got = ta.sparse_attn(q.cuda(), kv.cuda(), sink.cuda(), idx.cuda(), scale).cpu()
+    fp32_p = sparse_attn(q.float(), kv.float(), sink, idx, scale).bfloat16()
+    assert (got != want).float().mean() < 0.5 * (fp32_p != want).float().mean()

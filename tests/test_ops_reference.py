@@ -116,10 +116,11 @@ def test_import_deepinfer_imports_no_backend():
 
 def test_decode_slots_by_hand():
     """Ring of 4 over a 6-slot row (2 entries): row 1 at position 2 (ring not full: slots 0..2), row 0 at 9
-    (full ring); CSA entries offset past the ring of their row, HCA (ratio 4) entries complete at pos."""
+    (full ring: positions 6..9, oldest first, at slots 2, 3, 0, 1); CSA entries offset past the ring of their
+    row, HCA (ratio 4) entries complete at pos."""
     pos, rows = torch.tensor([2, 9]), torch.tensor([1, 0])
     ref = REGISTRY["decode_slots"].ref
-    assert ref(pos, rows, 4, 6).tolist() == [[[6, 7, 8, -1], [0, 1, 2, 3]]]
+    assert ref(pos, rows, 4, 6).tolist() == [[[6, 7, 8, -1], [2, 3, 0, 1]]]
     ent = torch.tensor([[[1, -1]], [[0, 1]]])
-    assert ref(pos, rows, 4, 6, ent).tolist() == [[[6, 7, 8, -1, 11, -1], [0, 1, 2, 3, 4, 5]]]
-    assert ref(pos, rows, 4, 6, None, 2, 4).tolist() == [[[6, 7, 8, -1, -1, -1], [0, 1, 2, 3, 4, 5]]]
+    assert ref(pos, rows, 4, 6, ent).tolist() == [[[6, 7, 8, -1, 11, -1], [2, 3, 0, 1, 4, 5]]]
+    assert ref(pos, rows, 4, 6, None, 2, 4).tolist() == [[[6, 7, 8, -1, -1, -1], [2, 3, 0, 1, 4, 5]]]

@@ -829,10 +829,13 @@ def test_hc_post(seed, hc, D, dtype):
 @pytest.mark.parametrize("mode", ["bias", "nobias", "hash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the model's x is bf16 (dot_f32's split)
 def test_moe_route(seed, score_func, mode, dtype):
+    """Exact ties: identical gate rows, and x and the gate on grids (multiples of 2^-6 and 2^-5) that make
+    every dot product exact in fp32, so the tied scores are equal in any summation order -- a BLAS under the
+    interpreter sums a padded tile's columns in different orders (OpenBLAS on AVX-512 did), a GPU may too."""
     g = gen(seed)
     T, D, E, k, V = 19, 40, 20, 3, 10
-    x = randn(g, T, D, dtype=dtype)
-    gate = torch.randn(E, D, generator=g) * 0.3
+    x = ((torch.randn(T, D, generator=g) * 64).round().clamp(-255, 255) / 64).to(dtype).to(DEV)
+    gate = (torch.randn(E, D, generator=g) * 0.3 * 32).round() / 32
     gate[7] = gate[3]  # identical experts: exact score ties, the lower id must win
     gate[12] = gate[3]
     gate[5] *= 40  # saturate: softplus threshold branch and sigmoid tails
@@ -844,6 +847,20 @@ def test_moe_route(seed, score_func, mode, dtype):
     ids = torch.randint(0, V, (T,), generator=g).to(DEV)
     out, ref = run_both("moe_route", x, gate.to(DEV), bias, tid2eid, ids, k, score_func, 2.5)
     check("moe_route", out, ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_off_grid(seed, score_func, dtype):
+    """Scores of full-precision inputs (no ties): the fp32-accurate dot against the reference's."""
+    g = gen(seed + 10)
+    T, D, E, k = 19, 40, 20, 3
+    x = randn(g, T, D, dtype=dtype)
+    gate = (torch.randn(E, D, generator=g) * 0.3).to(DEV)
+    bias = (torch.rand(E, generator=g) * 0.1).to(DEV)
+    ids = torch.zeros(T, dtype=torch.int64, device=DEV)
+    check("moe_route", *run_both("moe_route", x, gate, bias, None, ids, k, score_func, 2.5))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -417,13 +417,19 @@ def decode_slots(pos: torch.Tensor, rows: torch.Tensor, win: int, n_slots: int, 
     [R x n_slots] (row r's slot i at r x n_slots + i; -1 = none).
 
     pos [B] int64 query positions, rows [B] int64 cache rows; per row n_slots = win ring slots (position p
-    at slot p % win) then the compressed entries. -> [1, B, win + k] int64: ring slot w when it holds a
-    position <= pos (w <= pos), then the compressed entries: CSA `entries` [B, 1, k] or [B, k] (the top-k,
-    -1 = none), or HCA (`ratio`) entries j < n_entries complete at pos (j < (pos + 1) // ratio), or none.
+    at slot p % win) then the compressed entries. -> [1, B, win + k] int64: the ring's slots oldest position
+    first -- slot (pos + 1 + c) % win for c < win once the ring is full (pos >= win - 1), else slot c while
+    c <= pos, then -1 -- then the compressed entries: CSA `entries` [B, 1, k] or [B, k] (the top-k, -1 =
+    none), or HCA (`ratio`) entries j < n_entries complete at pos (j < (pos + 1) // ratio), or none.
+    The ring's order is model.py's `get_window_topk_idxs` for decode: `sparse_attn` takes its slots in
+    blocks in this order, and the blocks decide where its probabilities round.
     """
     base = (rows * n_slots).unsqueeze(-1)
-    w = torch.arange(win, device=pos.device)
-    idx = torch.where(w <= pos.unsqueeze(-1), w + base, -1)
+    c = torch.arange(win, device=pos.device)
+    p = pos.unsqueeze(-1)
+    full = p >= win - 1
+    w = torch.where(full, (p + 1 + c) % win, c)
+    idx = torch.where(full | (c <= p), w + base, -1)
     if entries is not None:
         e = entries.reshape(pos.size(0), -1)
         idx = torch.cat([idx, torch.where(e >= 0, e + base + win, -1)], -1)
@@ -431,6 +437,10 @@ def decode_slots(pos: torch.Tensor, rows: torch.Tensor, win: int, n_slots: int, 
         j = torch.arange(n_entries, device=pos.device)
         idx = torch.cat([idx, torch.where(j < ((pos + 1) // ratio).unsqueeze(-1), j + base + win, -1)], -1)
     return idx.unsqueeze(0)
+
+
+SPARSE_ATTN_BLOCK = 64
+"""Slots per step of the online softmax: kernel.py `sparse_attn_kernel`, `block = 64`."""
 
 
 @defop("sparse_attn", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
@@ -441,19 +451,35 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     q [B, S, H, D], kv [B, N, D] (K = V), sink [H] f32 (a learned logit in the denominator only),
     idx [B, S, K] int (rows of kv; -1 = empty) -> [B, S, H, D] in q's dtype. A query whose K slots are
     all empty gets 0.
+
+    Rounded where DeepSeek's kernel.py `sparse_attn_kernel` rounds: the slots are taken in idx's order in
+    blocks of SPARSE_ATTN_BLOCK; logits (q . kv) * scale in fp32; a running max m over the logits only (the
+    sink joins at the end: `sum_exp += exp(attn_sink - scores_max)`); each block's p = exp(logit - m) summed
+    in fp32 unrounded but cast to the operands' dtype for the P V product (`T.copy(acc_s, acc_s_cast)`, bf16)
+    whose fp32 accumulator is rescaled by exp(m_prev - m) as m grows. In float32 the cast is exact and this
+    is the plain softmax(logits ++ sink) V that transformers computes.
     """
     B, S, H, D = q.shape
-    valid = idx >= 0
+    K = idx.size(-1)
     g = torch.gather(kv.float(), 1, idx.clamp_min(0).reshape(B, -1, 1).expand(-1, -1, D).long())
     g = g.view(B, S, -1, D)  # [B, S, K, D]
     logits = torch.einsum("bshd,bskd->bshk", q.float(), g) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    sink_l = sink.float().view(1, 1, H, 1).expand(B, S, H, 1)
-    m = torch.maximum(logits.amax(-1, keepdim=True), sink_l)
-    p = torch.exp(logits - m)
-    denom = p.sum(-1, keepdim=True) + torch.exp(sink_l - m)
-    o = torch.einsum("bshk,bskd->bshd", p / denom, g)
-    return o.to(q.dtype)
+    logits = logits.masked_fill(~(idx >= 0).unsqueeze(2), float("-inf"))
+    m = torch.full((B, S, H, 1), float("-inf"), device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(B, S, H, D, device=q.device)
+    for k0 in range(0, K, SPARSE_ATTN_BLOCK):
+        s = logits[..., k0:k0 + SPARSE_ATTN_BLOCK]
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_use = m_new.nan_to_num(neginf=0.0)  # no valid slot yet: p = exp(-inf) = 0, nothing to rescale
+        alpha = torch.exp(m - m_use)
+        p = torch.exp(s - m_use)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        pv = torch.einsum("bshk,bskd->bshd", p.to(q.dtype).float(), g[:, :, k0:k0 + SPARSE_ATTN_BLOCK])
+        acc = acc * alpha + pv
+        m = m_new
+    l = l + torch.exp(sink.float().view(1, 1, H, 1) - m.nan_to_num(neginf=0.0))
+    return (acc / l).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------- FP8 KV layout

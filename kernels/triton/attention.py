@@ -3,7 +3,10 @@
 Each program takes one query token (b, s), a block of BH heads and a range of its K selected slots:
 the token's kv rows are gathered by index in BK-row tiles, loaded once for all BH heads (V4 is MQA:
 K = V is one row shared by every head), logits = Q Kᵀ and P V are tensor-core dots, online softmax
-in fp32, -1 slots masked.
+in fp32, -1 slots masked. Rounded as `reference.sparse_attn` (DeepSeek's kernel.py): the running max
+is over the logits only and the sink joins the denominator at the end; p is summed in fp32 and cast to
+q's dtype for the P V dot. The reference steps 64 slots at a time and these tiles BK; where the max
+grows inside a 64-slot block the two round p against different maxima (a bf16 ulp of p, at most).
 
 Tiling (`_tiles`): BH = 64 heads and BK = 32 kv rows for D = 512 at 8 warps (more heads for smaller D),
 2 pipeline stages for prefill-sized calls (>= 256 query tokens), 3 for decode. 64 heads make the Q Kᵀ and
@@ -12,14 +15,14 @@ instead of once per head block. H200 (2026-11-29), flash shapes (64 heads x 512,
 us, against the 32-head / BK 16 / 3-stage tiles before): prefill 4096 tokens 3496 (16988); decode batch
 1 27.5 (38.4), batch 32 64.4 (193), batch 64 115 (311), CUDA graphs. 16 warps and 4 warps were slower;
 a 160-slot decode call lost 3 us to BK 32 (21.4 against 18.6 at BK 16).
-  * prefill (many query tokens): one program per (token, head block) over all K slots, seeded with
-    the sink (m = sink, l = exp(sink - sink) = 1: the sink sits in the denominator only, and a token
-    whose slots are all -1 gets exactly 0).
+  * prefill (many query tokens): one program per (token, head block) over all K slots; the sink is
+    added last, l += exp(sink - m) (a token whose slots are all -1 gets exactly 0: m = -inf is read as
+    0 wherever it would make a NaN).
   * decode (few query tokens: B*S*head-blocks < 2 programs per SM): flash-decoding. The K slots are
     split over programs (>= 2 kv tiles each) so that ~2 programs per SM run; each writes its partial
-    (m, l, acc) -- seeded with m = sink and l = 0, so m is never -inf and no split NaNs on empty
-    slots -- to an fp32 workspace, and a combine kernel merges the splits in a fixed order
-    (deterministic) and adds the sink: l = exp(sink - m) + Σ l_s e^(m_s - m). Flash decode shapes
+    (m, l, acc) -- m = -inf for a split with no valid slot -- to an fp32 workspace, and a combine
+    kernel merges the splits in a fixed order (deterministic) and adds the sink: l = exp(sink - m) +
+    Σ l_s e^(m_s - m). Each split's running max starts afresh, so p rounds against it. Flash decode shapes
     (32 tokens x 64 heads x 512, 640 slots) go from 32 programs to 32 x 7 (96 slots each).
 
 `sparse_attn_fp8` is the same kernel reading the FP8 KV layout (`reference.kv_pack`): each gathered row's
@@ -59,12 +62,8 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
     mh = h < H
     md = d < D
     q = tl.load(q_ptr + (bs * H + h[:, None]) * D + d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
-    sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
-    m_i = sink
-    if SPLIT:
-        l_i = tl.zeros([BH], tl.float32)
-    else:
-        l_i = tl.full([BH], 1.0, tl.float32)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
     k_lo = sp * CHUNK
     k_hi = tl.minimum(k_lo + CHUNK, KSEL)
@@ -93,10 +92,12 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
             logits = tl.dot(q, tl.trans(kv))
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: p = 0, nothing to rescale
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(logits - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
+        if IEEE:  # P in the operands' dtype, as the tensor-core path and the reference round it
+            p = p.to(q_ptr.dtype.element_ty).to(tl.float32)
             pv = tl.dot(p, kv.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(kv.dtype), kv)
@@ -108,7 +109,8 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
         tl.store(ml_ptr + 2 * row + 1, l_i, mask=mh)
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=mh[:, None] & md[None, :])
     else:
-        o = acc / l_i[:, None]
+        sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
+        o = acc / (l_i + tl.exp(sink - tl.where(m_i == float("-inf"), 0.0, m_i)))[:, None]
         tl.store(o_ptr + (bs * H + h[:, None]) * D + d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=mh[:, None] & md[None, :])
 
@@ -131,12 +133,13 @@ def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLI
     mh = h < H
     md = d < D
     sink = tl.load(sink_ptr + h, mask=mh, other=0.0).to(tl.float32)
-    m = sink
+    m = tl.full([BH], float("-inf"), tl.float32)
     for s0 in range(0, SPLITS, BSP):
         ss = s0 + sp
         ms = (ss[:, None] < SPLITS) & mh[None, :]
         row = (ss[:, None] * BS + bs) * H + h[None, :]  # [BSP, BH]
         m = tl.maximum(m, tl.max(tl.load(ml_ptr + 2 * row, mask=ms, other=float("-inf")), 0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # every slot empty: acc = 0, l = exp(sink), o = 0
     l = tl.exp(sink - m)
     acc = tl.zeros([BH, BD], tl.float32)
     for s0 in range(0, SPLITS, BSP):  # fixed shapes and order: deterministic
@@ -295,7 +298,9 @@ def _decode_slots_kernel(pos_ptr, rows_ptr, ent_ptr, out_ptr, WIN, NSLOTS, K, L,
         e = tl.where(j < (p + 1) // ratio, j, -1).to(tl.int64)
     else:
         e = tl.full([BL], -1, tl.int64)
-    v = tl.where(c < WIN, tl.where(c <= p, c + base, -1), tl.where(e >= 0, e + base + WIN, -1))
+    full = p >= WIN - 1  # the ring oldest position first (reference.decode_slots)
+    w = tl.where(full, (p + 1 + c) % WIN, c)
+    v = tl.where(c < WIN, tl.where(full | (c <= p), w + base, -1), tl.where(e >= 0, e + base + WIN, -1))
     tl.store(out_ptr + b * L + c, v, mask=c < L)
 
 
