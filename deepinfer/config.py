@@ -123,15 +123,8 @@ class ModelConfig:
 
     # -- derived -----------------------------------------------------------------------------
     @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
-    @property
     def n_hash_layers(self) -> int:
         return sum(self.hash_layers)
-
-    def layer_kind(self, layer_id: int) -> str:
-        return self.attn_kinds[layer_id]
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

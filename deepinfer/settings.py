@@ -29,8 +29,6 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_DEBUG", "flag", "0", "tracebacks instead of one-line errors (--debug)"),
     Setting("DEEPINFER_BRANCHES", "flag", "1", "decode issues independent work on side streams (CUDA); 0: "
             "everything on one stream"),
-    Setting("DEEPINFER_BRANCH_LANES", "choice", "", "side streams of the decode branches: unset, hc's Sinkhorn "
-            "comb apart and the rest on one; 0: all on one; 1: a stream per lane (measured slower)", ("", "0", "1")),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "auto", "prefill-sized FP8 GEMMs on sm_90: auto (cuBLASLt's "

@@ -19,10 +19,7 @@ def lm():
 
 
 def _use_fp8_layout(model, on: bool) -> None:
-    for a in model.attentions():
-        a.fp8_kv = on
-        if a.compressor is not None:
-            a.compressor.fp8_cache = on
+    model.set_kv_layout("fp8" if on else "float")
 
 
 def _run(model, chunks):
@@ -67,6 +64,19 @@ def test_fp8_layout_gives_the_float_cache_logits(lm, chunks):
         _use_fp8_layout(m, True)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_kv_layout_option(lm):
+    """The float layout under official numerics is an explicit option; exact numerics have no FP8 layout."""
+    import pytest
+
+    a = lm.model.attentions()[0]
+    with pytest.raises(ValueError, match="fp8 | float"):
+        a.set_kv_layout("bf16")
+    ex = load_model(None, numerics="exact", dtype="float32", progress=False, device="cpu").model
+    with pytest.raises(ValueError, match="official"):
+        ex.set_kv_layout("fp8")
+    assert not any(x.fp8_kv for x in ex.attentions())
 
 
 def test_packed_cache_holds_the_fake_quant_values(lm):

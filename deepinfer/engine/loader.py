@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.checkpoint import load_state, mtp_layers_present, open_checkpoint
 from deepinfer.config import ModelConfig, load_config
+from deepinfer.engine.schedule import Schedule
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import DTYPES, NUMERICS, Numerics
 from deepinfer.tokenizer import V4Tokenizer
@@ -79,5 +80,6 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
         cfg = cfg.replace(name="deepinfer-tiny")
     state = load_state(ckpt, cfg, dev, progress=progress, expert_range=expert_range)
     net = Transformer(cfg, state, num, dev, expert_range=expert_range)
+    net.schedule = Schedule()
     del state
     return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, ckpt.layout)

@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import is_active, tap
-from deepinfer.model.branch import Branch, Shared, fork
+from deepinfer.model.branch import Branch, Shared
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Linear, Numerics, WeightSource
@@ -166,12 +166,23 @@ class Attention:
                                          norm_eps=cfg.norm_eps)
         if self.kind == "csa":
             self.indexer = Indexer(cfg, W, prefix + "indexer.", self.ratio, numerics)
-        self.fp8_kv = numerics.official  # the cache in the FP8 layout (see the module docstring)
         # the q head norm rounds where the implementation each numerics follows rounds (`head_norm`)
         self.q_norm_form = "official_q" if numerics.official else "transformers_q"
+        self.kv_cache = None
+        self.set_kv_layout("fp8" if numerics.official else "float")
+
+    def set_kv_layout(self, layout: str) -> None:
+        """How the cache holds kv (before `allocate`): "fp8", official numerics' form, the FP8 KV layout
+        (`ops.kv_pack`); or "float", [.., head_dim] in the compute dtype, exact numerics' only form. Under
+        official numerics the float form holds the same QAT values (fp8_fake_quant of the no-RoPE dims per
+        64): the oracle the FP8 layout is checked against (tests/test_kv_layout.py)."""
+        if layout not in ("fp8", "float"):
+            raise ValueError(f"kv layout {layout!r}: fp8 | float")
+        if layout == "fp8" and not self.numerics.official:
+            raise ValueError("the FP8 KV layout is official numerics' QAT; exact numerics keep float caches")
+        self.fp8_kv = layout == "fp8"
         if self.compressor is not None:
             self.compressor.fp8_cache = self.fp8_kv
-        self.kv_cache = None
 
     def allocate(self, rows: int, max_seq_len: int, device, dtype) -> None:
         # +1: the entry being filled has a slot too (decode writes its partial entry there until it completes)
@@ -188,72 +199,109 @@ class Attention:
             self.indexer.allocate(rows, n_entries, device, dtype)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, xq: tuple | None = None) -> torch.Tensor:
-        """x [B, S, D] (after attn_norm; xq its act_quant when the caller fused it) -> [B, S, D]."""
-        B, S, _ = x.shape
-        rd, n = self.rd, self.name
+        """x [B, S, D] (after attn_norm; xq its act_quant when the caller fused it) -> [B, S, D].
+
+        The sub-steps in order on one stream. A decode step on CUDA issues the same sub-steps from
+        `deepinfer.engine.schedule` (which of them run beside each other on side streams); the values are
+        the same either way."""
         cos, sin = ctx.rope_at_positions(self.rope_kind)
-        # decode: the compressors and the indexer depend on x and q_norm's output only, so they run on the
-        # branch stream beside the q / kv projections (`branch`): the entry compressor (HCA), or (CSA) the
-        # indexer's key compressor with its head weights, then the indexer's q and top-k; joined before the
-        # attention. CSA's entry compressor runs on the main stream after the kv store (`_decode`): with it
-        # on the branch too, the branch was the step's critical path (~80 us against ~37 of main chain)
-        decode = not ctx.prefill
-        entry_on_branch = decode and self.compressor is not None and self.indexer is None
-        br = fork(x, on=entry_on_branch, lane="compressor")
-        if entry_on_branch:
-            with br:
-                self.compressor.decode(x, ctx)
-        indexer_on_branch = decode and self.indexer is not None  # CSA
-        bk = fork(x, on=indexer_on_branch, lane="indexer_keys")
-        w_ix = None
-        if indexer_on_branch:
-            with bk:
-                w_ix = self.indexer.start_decode(x, ctx)
-        if self.wq_a_kv is not None:
-            qa_kv = self.wq_a_kv(x, xq)
-            nq = self.wq_a.out_features
-            qa, kva = qa_kv[..., :nq], qa_kv[..., nq:]
-        else:
-            qa, kva = self.wq_a(x, xq), self.wkv(x, xq)
-        qrq = None
-        if self.wq_b.fmt != "float":  # q_norm's output feeds two FP8 projections: quantise it once
-            qr, *qrq = ops.rms_norm_quant(qa, self.q_norm, self.eps)
-        else:
-            qr = ops.rms_norm(qa, self.q_norm, self.eps)
-        qr = (qr, qrq)
-        slots = None
-        # decode, SWA and HCA: the kv norm, the cache write and the window's slots depend on kva and the
-        # positions only, so they run on the branch stream beside wq_b and the q head norm (~4-6 us of small
-        # launches off the main chain); CSA keeps them here: its branch already carries the indexer
-        kv_on_branch = decode and self.indexer is None
-        bkv = fork(x, on=kv_on_branch, lane="kv")
-        if kv_on_branch:
-            with bkv:
-                kv = self._decode_kv(kva, ctx, cos, sin)
-                slots = self._window_slots(ctx)
-        bi = fork(x, on=indexer_on_branch, lane="indexer")
-        if indexer_on_branch:
-            with bi:  # the top-k entries as decode slots
-                slots = ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1),
-                                         self.indexer(x, qr, ctx, n + ".indexer", w=w_ix, early=bk))
-        # the q head norm with the RoPE of its last rd dims in one launch (the kv norm: `_decode_kv`, or below)
-        q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
-        q = ops.rms_norm_rope(q, None, self.eps, cos, sin, rd, form=self.q_norm_form)
+        qa, kva = self.project(x, xq)
+        qr = self.q_lora(qa)
         if ctx.prefill:
-            kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, rd), ctx)
-        elif not kv_on_branch:
-            kv = self._decode_kv(kva, ctx, cos, sin)
-        tap(n + ".q", q)
-        if is_active():
-            tap(n + ".kv", self._entries(ops.kv_pack(kv, rd) if self.fp8_kv and not ctx.prefill else kv, q.dtype))
-        # each path removes the output's RoPE with its attention (`_attend`)
-        if ctx.prefill and ctx.start:
-            o = self._extend(x, q, kv, qr, ctx, (cos, sin))
-        elif ctx.prefill:
-            o = self._prefill(x, q, kv, qr, ctx, (cos, sin))
+            q = self.q_heads(qr, cos, sin)
+            kv = self.kv_prefill(kva, ctx, cos, sin)
+            self.tap_qkv(q, kv, ctx)
+            o = (self._extend if ctx.start else self._prefill)(x, q, kv, qr, ctx, (cos, sin))
         else:
-            o = self._decode(x, q, ctx, (br, bk, bi, bkv), slots, (cos, sin), compress=not entry_on_branch)
-        tap(n + ".core", o)
+            slots = self.select_decode(x, qr, ctx) if self.indexer is not None else None
+            q = self.q_heads(qr, cos, sin)
+            kv = self.kv_decode(kva, ctx, cos, sin)
+            if slots is None:
+                slots = self.window_slots(ctx)
+            self.tap_qkv(q, kv, ctx)
+            if self.compressor is not None:
+                self.compressor.decode(x, ctx)
+            o = self.attend_decode(q, ctx, slots, (cos, sin))
+        tap(self.name + ".core", o)
+        return self.out(o)
+
+    # ---------------------------------------------------------------------------------- sub-steps
+    def project(self, x: torch.Tensor, xq: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, D] -> (q-LoRA input wq_a(x) [B, S, q_lora], kv input wkv(x) [B, S, hd]), one GEMM for
+        both when they are stacked."""
+        if self.wq_a_kv is None:
+            return self.wq_a(x, xq), self.wkv(x, xq)
+        qa_kv = self.wq_a_kv(x, xq)
+        nq = self.wq_a.out_features
+        return qa_kv[..., :nq], qa_kv[..., nq:]
+
+    def q_lora(self, qa: torch.Tensor) -> tuple:
+        """q_norm(qa) -> (qr [B, S, q_lora], its act_quant or None): the input of wq_b and of the indexer's
+        wq_b (two FP8 projections: quantised once)."""
+        if self.wq_b.fmt != "float":
+            qr, *qrq = ops.rms_norm_quant(qa, self.q_norm, self.eps)
+            return qr, qrq
+        return ops.rms_norm(qa, self.q_norm, self.eps), None
+
+    def q_heads(self, qr: tuple, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """wq_b(qr) -> per-head unweighted RMSNorm (rounded as each numerics' source, `head_norm`) with the
+        RoPE of the last rd dims, one launch -> q [B, S, H, hd]."""
+        q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
+        return ops.rms_norm_rope(q, None, self.eps, cos, sin, self.rd, form=self.q_norm_form)
+
+    def kv_prefill(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
+        """kv_norm with RoPE of the prompt's kv [B, S, hd] -> the cache's form of it (`_cache_form`)."""
+        return self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
+
+    def kv_decode(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
+        """Decode: kva [B, 1, hd] -> the kv norm with the RoPE of its last rd dims, written to the ring slot
+        pos % win of each row (the FP8 layout packed on the way). Returns the normed kv (debug taps)."""
+        kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
+        pos, win = ctx.pos, self.win
+        ops.kv_store(self.kv_cache, ctx.rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
+                     rope_dim=self.rd if self.fp8_kv else 0)
+        return kv
+
+    def window_slots(self, ctx: StepContext) -> torch.Tensor:
+        """The decode slots of SWA and HCA layers (one launch, shared by the layers of one shape): ring slots
+        holding a position <= pos, oldest first, then (HCA) every complete compressed entry."""
+        pos, rows, win, N = ctx.pos, ctx.rows, self.win, self.kv_cache.size(1)
+        if self.compressor is not None:
+            return ctx.memo(("slots", win, N, self.ratio),
+                            lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
+        return ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
+
+    def select_decode(self, x: torch.Tensor, qr: tuple, ctx: StepContext, w: torch.Tensor | None = None,
+                      early: Branch | None = None) -> torch.Tensor:
+        """CSA decode: the window's slots then the indexer's top-k entries, as cache slots [1, B, win + k]
+        (`Indexer.__call__`; w, early: its `start_decode` issued ahead, on a branch)."""
+        top = self.indexer(x, qr, ctx, self.name + ".indexer", w=w, early=early)
+        return ops.decode_slots(ctx.pos, ctx.rows, self.win, self.kv_cache.size(1), top)
+
+    def tap_qkv(self, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext) -> None:
+        tap(self.name + ".q", q)
+        if is_active():
+            packed = ops.kv_pack(kv, self.rd) if self.fp8_kv and not ctx.prefill else kv
+            tap(self.name + ".kv", self._entries(packed, q.dtype))
+
+    def attend_decode(self, q: torch.Tensor, ctx: StepContext, slots: torch.Tensor, rope: tuple,
+                      branches: tuple = ()) -> torch.Tensor:
+        """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
+        batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
+        kv_cache[rows] first, without copying every row's whole cache each step. This step's kv and (HCA,
+        CSA) compressed entry are in the cache; `branches` that issued them (or the slots) are joined first.
+        q [B, 1, H, hd], slots [1, B, K]; rope: this step's (cos, sin) [B, 1, rd/2], whose inverse the output
+        gets (in the attention op) -> [B, 1, H, hd]."""
+        B, _, H, D = q.shape
+        for br in branches:
+            slots = br.join(slots)
+        out_rope = tuple(t.view(1, B, -1) for t in rope)  # one "token" of the flattened batch per row
+        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), slots, out_rope,
+                         decode=True)
+        return o.view(B, 1, H, D)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, S, H, hd] -> wo_b(wo_a(o)) [B, S, D]."""
         return self.wo_b(self._wo_a(o))
 
     def _wo_a(self, o: torch.Tensor) -> torch.Tensor:
@@ -351,44 +399,6 @@ class Attention:
         rd = self.rd
         if self.fp8_kv and ctx.prefill:
             return ops.kv_pack(kv, rd)
-        if self.numerics.official and not self.fp8_kv:  # QAT: the cache's no-RoPE dims live in FP8
+        if self.numerics.official and not self.fp8_kv:  # float layout: the same QAT values (`set_kv_layout`)
             return torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         return kv
-
-    def _decode_kv(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
-        """Decode: kva [B, 1, hd] -> the kv norm with the RoPE of its last rd dims, written to the ring slot
-        pos % win of each row (the FP8 layout packed on the way). Returns the normed kv (debug taps)."""
-        kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
-        pos, win = ctx.pos, self.win
-        ops.kv_store(self.kv_cache, ctx.rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
-                     rope_dim=self.rd if self.fp8_kv else 0)
-        return kv
-
-    def _window_slots(self, ctx: StepContext) -> torch.Tensor:
-        """The decode slots of SWA and HCA layers (one launch, shared by the layers of one shape): ring slots
-        holding a position <= pos, then (HCA) every complete compressed entry."""
-        pos, rows, win, N = ctx.pos, ctx.rows, self.win, self.kv_cache.size(1)
-        if self.compressor is not None:
-            return ctx.memo(("slots", win, N, self.ratio),
-                            lambda: ops.decode_slots(pos, rows, win, N, None, N - win, self.ratio))
-        return ctx.memo(("slots", win, N), lambda: ops.decode_slots(pos, rows, win, N))
-
-    def _decode(self, x, q, ctx: StepContext, branches: tuple, slots: torch.Tensor | None, rope: tuple,
-                compress: bool) -> torch.Tensor:
-        """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
-        batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
-        kv_cache[rows] first, without copying every row's whole cache each step. This step's kv is in the cache
-        (`_decode_kv`). The indexer's `slots` (CSA), or the window's (SWA / HCA, with the kv write), and unless
-        `compress` the compressor's entry (HCA) were issued on `branches` (`__call__`); joined here.
-        `compress`: the compressor's step runs here, on this stream. rope: this step's (cos, sin) [B, 1, rd/2],
-        whose inverse the output gets (in the attention op)."""
-        B, _, H, D = q.shape
-        if compress and self.compressor is not None:
-            self.compressor.decode(x, ctx)
-        gidx = slots if slots is not None else self._window_slots(ctx)
-        for br in branches:  # the kv and the compressor's entry are in the cache, the slots are done
-            gidx = br.join(gidx)
-        out_rope = tuple(t.view(1, B, -1) for t in rope)  # one "token" of the flattened batch per row
-        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), gidx, out_rope,
-                         decode=True)
-        return o.view(B, 1, H, D)

@@ -31,7 +31,6 @@ from deepinfer import settings
 from deepinfer.debug.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
-LANES_ENV = "DEEPINFER_BRANCH_LANES"  # "0": one side stream, "1": a stream per lane, else hc apart (`fork`)
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _open: list["Branch"] = []  # branches whose `with` block is being issued (innermost last)
 
@@ -95,20 +94,13 @@ class Branch:
 
 
 def lane_stream(lane: str) -> str:
-    """The stream a lane's branches run on. By default two: hc's comb (one program per token running ~20
+    """The stream a lane's branches run on: two side streams, hc's comb (one program per token running ~20
     Sinkhorn rounds, ~6-11 us of latency) on its own, every other lane on one side stream in issue order.
-    On one stream with the rest, the comb, issued first, held back the shared expert queued behind it: on the
-    H200 profile (2026-11-30, call 90, batch 1) the shared expert's w1|w3 began ~11 us after hc_pre, and that
-    chain, not the routed one, then set the end of each MoE sub-layer.
-    DEEPINFER_BRANCH_LANES=0 puts every lane on the one side stream; =1 gives each lane its own stream, so
-    branches of different lanes also run beside each other. That was slower on the H200 (2026-11-30,
-    flash-slice:4, fresh processes on one machine: batch 1 0.994 / 0.996 ms per step against 0.974 / 0.973
-    with one stream, batch 64 5.994 against 5.971): the main chain is latency-bound, and every kernel running
-    beside it slows it."""
-    mode = settings.choice(LANES_ENV)
-    if mode == "1":
-        return lane
-    return "hc" if lane == "hc" and mode != "0" else "side"
+    On one stream with the rest, the comb, issued first, held back the shared expert queued behind it (H200
+    profile, batch 1: the shared expert's w1|w3 began ~11 us after hc_pre, and that chain then set the end of
+    each MoE sub-layer). A stream per lane was slower: the main chain is latency-bound, and every kernel
+    running beside it slows it (docs/perf-log.md, "Decode on two streams")."""
+    return "hc" if lane == "hc" else "side"
 
 
 def fork(x: torch.Tensor, on: bool = True, lane: str = "side") -> Branch:

@@ -34,8 +34,8 @@ class Compressor:
         self.norm = W.f32(prefix + "norm.weight")
         self.cache: torch.Tensor | None = None
         self.kv_state = self.score_state = None
-        # Set by the owner when `cache` holds FP8-layout rows (`ops.kv_pack`): entries are packed on the
-        # way in (which is also their QAT) and handed out packed.
+        # Set by the owner (`Attention.set_kv_layout`) when `cache` holds FP8-layout rows (`ops.kv_pack`):
+        # entries are packed on the way in (which is also their QAT) and handed out packed.
         self.fp8_cache = False
 
     def allocate(self, rows: int, device) -> None:
@@ -52,7 +52,7 @@ class Compressor:
             kv = ops.hadamard(kv)
             if self.numerics.official:
                 kv = ops.fp4_fake_quant(kv, 32)
-        elif self.numerics.official and not self.fp8_cache:  # attention entries: FP8 QAT of the no-RoPE dims
+        elif self.numerics.official and not self.fp8_cache:  # float layout: the FP8 QAT of the no-RoPE dims
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
         return kv
 

@@ -17,7 +17,6 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.debug.capture import tap
-from deepinfer.model.branch import fork
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 from deepinfer.quant.formats import float_to_e8m0
@@ -217,26 +216,28 @@ class MoE:
         self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
         self.dispatch = self.dispatch_local
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None,
-                 decode: bool = False, then=None) -> torch.Tensor:
-        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]. decode: the
-        shared expert runs on a second stream beside the routing and the routed experts (`branch`).
-        then: a function of (routed [T, k, D], shared [T, D]) that takes the place of `moe_combine` and whose
-        result is returned -- the caller's next step fused with the combine (`Block`: `moe_combine_post`)."""
-        shape = x.shape
-        xt = x.reshape(-1, shape[-1])
-        br = fork(xt, on=decode, lane="shared_expert")
-        with br:
-            shared = self.shared(xt, xq=None if xq is None else tuple(xq[:2]))
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]: the shared
+        expert, the routing, the routed experts, their sum in float32. `deepinfer.engine.schedule` issues the
+        same sub-steps with the shared expert beside the routed ones and the sum fused into hc_post."""
+        xt = x.reshape(-1, x.size(-1))
+        shared = self.shared_expert(xt, xq)
+        routed = self.routed(xt, input_ids, xq)
+        return ops.moe_combine(routed, shared, x.dtype).view(x.shape)
+
+    def shared_expert(self, xt: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        """xt [T, D] (xq: its act_quant) -> the shared expert's rows [T, D]."""
+        return self.shared(xt, xq=None if xq is None else tuple(xq[:2]))
+
+    def routed(self, xt: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        """xt [T, D] -> the router's top-k, then each token's rows through its experts, scaled by their
+        weights: [T, k, D] (or [T, 1, D] already summed, expert parallelism) in xt's dtype."""
         weights, idx, scores = ops.moe_route(xt, self.gate_w, self.bias, self.tid2eid, input_ids.reshape(-1),
                                              self.topk, self.score_func, self.route_scale)
         tap(self.name + ".router.scores", scores)
         tap(self.name + ".router.experts", idx)
         tap(self.name + ".router.weights", weights)
-        routed = self.dispatch(xt, weights, idx, xq)  # [T, k, D] (or [T, 1, D] summed)
-        if then is not None:
-            return then(routed, br.join(shared))
-        return ops.moe_combine(routed, br.join(shared), x.dtype).view(shape)
+        return self.dispatch(xt, weights, idx, xq)
 
     def wants_split(self, tokens: int) -> bool:
         """Would `dispatch_local` read xt's bf16 split form (xq's third element, `rms_norm_quant(split=True)`):

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.config import ModelConfig
-from deepinfer.debug.capture import is_active, tap
+from deepinfer.debug.capture import tap
 from deepinfer.model.attention import Attention, StepContext
-from deepinfer.model.branch import fork
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RopeTables
 from deepinfer.model.weights import Numerics, WeightSource
@@ -44,39 +43,37 @@ class Block:
         self.quant_in = self.attn.wq_a.fmt != "float"
 
     def __call__(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
-        """h [B, S, hc, D] streams -> [B, S, hc, D]."""
-        c, n = self.cfg, self.name
-        for sub, hcp, norm in (("attn", self.hc_attn, self.attn_norm), ("ffn", self.hc_ffn, self.ffn_norm)):
-            tap(f"{n}.hc_{sub}.in", h)
-            # decode: post / comb (the Sinkhorn rounds) on a second stream, joined at hc_post (`branch`)
-            br = fork(h, on=not ctx.prefill, lane="hc")
-            side = br if br.active else None  # no branch: the one-launch apply (post / comb included)
-            mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
-            xq = None
-            if self.quant_in:  # the collapse, the norm and its FP8 form in one op; for the FP4 experts of a
-                # one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
-                split = sub == "ffn" and self.ffn.wants_split(h.size(0) * h.size(1))
-                x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=side, split=split)
-            else:
-                x, post, comb = ops.hc_pre(*mhc, side=side)
-                x = ops.rms_norm(x, norm, c.norm_eps)
-            tap(f"{n}.hc_{sub}.post", post)
-            tap(f"{n}.hc_{sub}.comb", comb)
-            tap(f"{n}.{sub}.in", x)
-            if sub == "ffn" and x.dtype == h.dtype and not is_active():
-                # the MoE's combine and hc_post in one launch (the same bits; a debug capture keeps the two
-                # ops, whose ffn.out it taps); post / comb joined only now, after the experts were issued
-                def combine_post(routed, shared, h=h, br=br, post=post, comb=comb):
-                    return ops.moe_combine_post(routed, shared, h, *br.join(post, comb))
-
-                h = self.ffn(x, input_ids, xq, decode=not ctx.prefill, then=combine_post)
-                tap(f"{n}.hc_{sub}.out", h)
-                continue
-            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq, decode=not ctx.prefill)
-            tap(f"{n}.{sub}.out", x)
-            h = ops.hc_post(x, h, *br.join(post, comb))
-            tap(f"{n}.hc_{sub}.out", h)
+        """h [B, S, hc, D] streams -> [B, S, hc, D]: for attention then the MoE, the mHC pre-mix (collapse
+        to one stream, RMSNorm), the sub-layer, the mHC post-mix back into the streams. In order on one
+        stream; `deepinfer.engine.schedule` issues the same sub-steps with side streams and fusions."""
+        for sub in ("attn", "ffn"):
+            tap(f"{self.name}.hc_{sub}.in", h)
+            x, xq, post, comb = self.mix_in(sub, h, ctx)
+            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq)
+            tap(f"{self.name}.{sub}.out", x)
+            h = ops.hc_post(x, h, post, comb)
+            tap(f"{self.name}.hc_{sub}.out", h)
         return h
+
+    def mix_in(self, sub: str, h: torch.Tensor, ctx: StepContext, side=None) -> tuple:
+        """The mHC pre-mix of sub-layer `sub` ("attn" | "ffn") and its RMSNorm: h [B, S, hc, D] -> (x [B, S, D],
+        xq: x's act_quant (FP8 projections; None otherwise), post [B, S, hc], comb [B, S, hc, hc]).
+        side: a `Branch` the op may compute post and comb on (read them after joining it)."""
+        c = self.cfg
+        hcp, norm = (self.hc_attn, self.attn_norm) if sub == "attn" else (self.hc_ffn, self.ffn_norm)
+        mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        xq = None
+        if self.quant_in:  # the collapse, the norm and its FP8 form in one op; for the FP4 experts of a
+            # one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
+            split = sub == "ffn" and self.ffn.wants_split(h.size(0) * h.size(1))
+            x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=side, split=split)
+        else:
+            x, post, comb = ops.hc_pre(*mhc, side=side)
+            x = ops.rms_norm(x, norm, c.norm_eps)
+        tap(f"{self.name}.hc_{sub}.post", post)
+        tap(f"{self.name}.hc_{sub}.comb", comb)
+        tap(f"{self.name}.{sub}.in", x)
+        return x, xq, post, comb
 
 
 class Head:
@@ -134,9 +131,17 @@ class Transformer:
             raise ValueError(f"{len(unused)} checkpoint tensors were not used by the model: {sorted(unused)[:5]}")
         self.rope = None
         self.rows = self.max_seq_len = 0
+        # how the blocks' sub-steps are issued: None, in order on one stream; the engine sets its plan
+        # (`deepinfer.engine.schedule.Schedule`: side streams and fusions, the same values)
+        self.schedule = None
 
     def attentions(self):
         return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
+
+    def set_kv_layout(self, layout: str) -> None:
+        """Every attention cache's form, "fp8" | "float" (`Attention.set_kv_layout`); allocate after it."""
+        for a in self.attentions():
+            a.set_kv_layout(layout)
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
@@ -173,7 +178,7 @@ class Transformer:
         table = self.embed.unsqueeze(1).expand(V, self.cfg.hc_mult, D)
         h = torch.index_select(table, 0, input_ids.reshape(-1)).view(B, S, self.cfg.hc_mult, D)
         for layer in self.layers:
-            h = layer(h, ctx, input_ids)
+            h = layer(h, ctx, input_ids) if self.schedule is None else self.schedule.block(layer, h, ctx, input_ids)
         return h
 
     @torch.inference_mode()
