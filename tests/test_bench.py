@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 
 from deepinfer.checkpoint.reader import expected_storage
 from deepinfer.config import ConfigError, tiny_config
-from deepinfer.engine.bench import BenchOptions, expected_distinct, floors, hf_name, model_bytes, run_bench
+from deepinfer.engine.bench import BenchOptions, run_bench
+from deepinfer.engine.floor import expected_distinct, floors, model_bytes
+from deepinfer.engine.peer import hf_name
 from deepinfer.engine.random_weights import random_state
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import Numerics

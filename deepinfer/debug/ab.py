@@ -6,13 +6,14 @@ nothing a backend patches can leak into the reference), then runs the backend on
 same inputs and compares. In-place outputs (kv_store's cache) start poisoned (NaN) so unwritten elements
 show.
 
-Comparison per output (`compare_outputs`):
+Comparison per output (`compare_outputs`; the verdicts are `deepinfer.debug.comparators`'):
 * floating outputs: relative error ‖a−b‖/‖b‖, max |a−b|, bitwise-equal flag; pass when every element
   satisfies |a−b| ≤ atol + rtol·|b| with (rtol, atol) = `REGISTRY[op].tol[<output dtype name>]`
-  (NaN only matches NaN: the poison must stay exactly where the reference left it);
+  (`comparators.tolerance`; NaN only matches NaN: the poison must stay exactly where the reference left it);
 * integer / bool outputs: exact equality; index-set outputs (`topk_indices`, `moe_route` indices)
   compared as sets per row, with aligned outputs (the route weights) re-ordered to match;
-* float8 outputs compare their float values with the float8 tolerance (exact for act_quant).
+* float8 outputs compare their float values with the float8 tolerance (exact for act_quant); FP8 codes
+  returned with their per-block scales are judged by their values q·s (`judge_scaled_fp8`).
 
 `--dump DIR` writes one HDF5 file per case (`<op>__<shape>__<phase>__<variant>.h5`) with the toolkit's
 generic writer (`deepinfer.debug.h5schema.DumpWriter`): tensors `in.<i>` / `kw.<name>`, reference outputs
@@ -33,6 +34,8 @@ import torch
 from deepinfer import settings
 from deepinfer.debug import ab_cases
 from deepinfer.debug.ab_cases import COMPARE, PHASES, SHAPES, CompareSpec, Variant
+from deepinfer.debug.comparators import (bitwise_equal, judge_float, judge_int, judge_scaled_fp8, judge_sets, mismatch,
+                                         raw_bits, tolerance)
 from deepinfer.ops.registry import REGISTRY, BackendError, _ensure_reference, load_backend
 
 AB_FORMAT = "deepinfer-ab-case"
@@ -80,11 +83,7 @@ def _as_list(out) -> list:
     return [out]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    size = t.element_size()
-    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
-    return t.view(raw) if raw is not None and t.dtype != torch.bool else t
+_bits = raw_bits  # io_bytes' changed-element count
 
 
 def _sort_sets(got_idx: torch.Tensor, ref_idx: torch.Tensor):
@@ -96,10 +95,11 @@ def _sort_sets(got_idx: torch.Tensor, ref_idx: torch.Tensor):
 
 def compare_tensor(op: str, got, ref, label: str, as_set: bool = False, mag=None, tc_rel: float = 0.0,
                    k: int | None = None, bound=None) -> dict:
-    """Metrics for one output. `ref` is the expectation; `mag` (Σ|terms| per element) with `tc_rel` widens
-    an element's tolerance to the tensor-core accumulation bound (CompareSpec.abs_args); `k` (a float32
-    reduction's length) widens float32 rtol to `fp32_sum_rel(k)`; `bound` is a per-element |Δ| allowed
-    (CompareSpec.bound). `worst_ratio`: the largest |Δ| / allowed (< 1 passes)."""
+    """Metrics for one output (the verdict is `comparators`'). `ref` is the expectation; `mag` (Σ|terms|
+    per element) with `tc_rel` widens an element's tolerance to the tensor-core accumulation bound
+    (CompareSpec.abs_args); `k` (a float32 reduction's length) widens float32 rtol to `fp32_sum_rel(k)`;
+    `bound` is a per-element |Δ| allowed (CompareSpec.bound). `worst_ratio`: the largest |Δ| / allowed
+    (< 1 passes)."""
     m = {"output": label, "dtype": None, "shape": None, "rel_err": None, "max_abs": None, "bitwise": False,
          "tol": None, "ok": False, "detail": ""}
     if not isinstance(ref, torch.Tensor):
@@ -111,73 +111,36 @@ def compare_tensor(op: str, got, ref, label: str, as_set: bool = False, mag=None
         m["detail"] = f"backend returned {type(got).__name__}, expected a tensor"
         return m
     got = got.detach().to(ref.device)
-    if tuple(got.shape) != tuple(ref.shape):
-        m["detail"] = f"shape {list(got.shape)} != reference {list(ref.shape)}"
+    bad = mismatch(got, ref)
+    if bad is not None:
+        m["detail"] = bad.note
         return m
-    if got.dtype != ref.dtype:
-        m["detail"] = f"dtype {str(got.dtype).removeprefix('torch.')} != reference {m['dtype']}"
-        return m
-    m["bitwise"] = bool(torch.equal(_bits(got), _bits(ref)))
+    m["bitwise"] = bitwise_equal(got, ref)
     if not ref.is_floating_point():
-        if as_set:
-            got, ref = torch.sort(got.long(), -1).values, torch.sort(ref.long(), -1).values
-        diff = got.long() != ref.long() if ref.dtype != torch.bool else got != ref
-        bad = int(diff.sum().item())
-        rows_bad = int(diff.reshape(-1, diff.shape[-1]).any(-1).sum().item()) if diff.dim() else bad
-        m.update(rel_err=float(bad) / max(1, diff.numel()), max_abs=float((got.long() - ref.long()).abs().max().item())
-                 if diff.numel() and ref.dtype != torch.bool else 0.0, tol=[0.0, 0.0], ok=bad == 0,
-                 detail=("" if bad == 0 else f"{bad} element(s) differ in {rows_bad} row(s)")
-                 + (" (compared as sets per row)" if as_set else ""))
-        if as_set and bad == 0:
+        v = judge_sets(got, ref) if as_set else judge_int(got, ref)
+        m.update(rel_err=v.n_bad / max(1, v.n), max_abs=v.max_abs if ref.dtype != torch.bool else 0.0,
+                 tol=[0.0, 0.0], ok=v.ok, detail=v.note + (" (compared as sets per row)" if as_set else ""))
+        if as_set and v.ok:
             m["detail"] = "equal as sets per row" + ("" if m["bitwise"] else " (order differs)")
         return m
-    name = m["dtype"]
-    tol = REGISTRY[op].tol.get(name)
-    if tol is None:  # float8 outputs without an entry: exact
-        tol = (0.0, 0.0)
-    rtol, atol = tol
+    rtol, atol = tolerance(op, ref.dtype)  # float8 outputs without an entry: exact
     if k is not None and ref.dtype == torch.float32:
         rtol = max(rtol, ab_cases.fp32_sum_rel(k))
     m["tol"] = [rtol, atol]
-    a, b = got.double(), ref.double()
-    nan_a, nan_b = a.isnan(), b.isnan()
-    nan_mismatch = int((nan_a != nan_b).sum().item())
-    both = ~(nan_a | nan_b)
-    a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
-    inf_mismatch = int(((a0 != b0) & (a0.isinf() | b0.isinf())).sum().item())
-    fin = both & a0.isfinite() & b0.isfinite()
-    a1, b1 = torch.where(fin, a0, 0.0), torch.where(fin, b0, 0.0)
-    d = (a1 - b1).abs()
-    m["max_abs"] = float(d.max().item()) if d.numel() else 0.0
-    nb = float(b1.norm().item())
-    m["rel_err"] = float((d.norm().item() / nb) if nb > 0 else (0.0 if m["max_abs"] == 0 else float("inf")))
-    allowed = atol + rtol * b1.abs()
+    widen = None
     if mag is not None:
-        tc = tc_rel * mag.detach().double().to(b1.device) + (2.0 ** -8 * b1.abs() if ref.dtype == torch.bfloat16 else 0.0)
-        allowed = torch.maximum(allowed, tc)
+        b = ref.double()
+        widen = tc_rel * mag.detach().double().to(b.device) + (2.0 ** -8 * b.abs() if ref.dtype == torch.bfloat16 else 0.0)
         m["tc_rel"] = tc_rel  # reported: the element bound also admits tc_rel x Σ|terms|
     if bound is not None:
-        allowed = torch.maximum(allowed, bound.detach().double().to(b1.device))
+        bd = bound.detach().double().to(ref.device)
+        widen = bd if widen is None else torch.maximum(widen, bd)
         m["bounded"] = True
-    ratio = torch.where(fin, d / allowed.clamp_min(1e-300), 0.0)
-    m["worst_ratio"] = float(ratio.max().item()) if ratio.numel() else 0.0
-    viol = (d > allowed) & fin
-    n_viol = int(viol.sum().item())
-    ok = n_viol == 0 and nan_mismatch == 0 and inf_mismatch == 0
-    m["ok"] = ok
-    if not ok:
-        parts = []
-        if n_viol:
-            i = int(torch.argmax(torch.where(viol, d - allowed, -1.0).reshape(-1)).item())
-            idx = list(torch.unravel_index(torch.tensor(i), tuple(ref.shape)))
-            parts.append(f"{n_viol} of {ref.numel()} element(s) outside tol (rtol {rtol:g}, atol {atol:g}); worst at "
-                         f"{[int(x) for x in idx]}: got {a.reshape(-1)[i].item():.6g}, expected {b.reshape(-1)[i].item():.6g}")
-        if nan_mismatch:
-            parts.append(f"{nan_mismatch} NaN mismatch(es)" + (" (unwritten or overwritten poison)" if op in
-                                                                 ("kv_store",) else ""))
-        if inf_mismatch:
-            parts.append(f"{inf_mismatch} inf mismatch(es)")
-        m["detail"] = "; ".join(parts)
+    # NaN matches NaN here: the poison must stay exactly where the reference left it
+    v = judge_float(got, ref, (rtol, atol), nan_equal=True, widen=widen,
+                    nan_hint=" (unwritten or overwritten poison)" if op in ("kv_store",) else "")
+    m["max_abs"], m["rel_err"], m["worst_ratio"] = v.max_abs, v.rel_err, v.worst_ratio
+    m["ok"], m["detail"] = v.ok, v.note
     return m
 
 
@@ -207,19 +170,14 @@ def compare_outputs(op: str, got: list, ref: list, args: tuple | None = None, kw
     out = [compare_tensor(op, g, r, f"out{i}", as_set=i in spec.sets, mag=mg, tc_rel=tc_rel, k=k, bound=bd)
            for i, (g, r, mg, bd) in enumerate(zip(got, ref, mags, bounds))]
     for qi, si, block in _scaled_fp8(op, ref):
-        out[qi], out[si] = compare_scaled_fp8(got[qi], ref[qi], got[si], ref[si], block, out[qi], out[si])
+        out[qi], out[si] = compare_scaled_fp8(got[qi], ref[qi], got[si], ref[si], block, out[qi], out[si], op=op)
     return out
 
 
-# An FP8 code means nothing without its scale: where an op returns codes q [..., K] and their per-block
-# float32 scales s [..., K/block] side by side, the codes are judged by their values q·s. A ue8m0 scale is
-# 2^ceil(log2(amax/448)), so a block whose amax sits on a power-of-two boundary takes 2^k on one side and
-# 2^(k+1) on the other for a last-bit difference of amax: its codes are then ~448 against ~224 and its
-# values equal to one e4m3 step of the coarser grid. Ops whose FP8 output the registry holds exact
-# (act_quant) keep exact codes.
+# FP8 codes with their per-block scales are judged by their values q·s (`comparators.judge_scaled_fp8`).
+# Ops whose FP8 output the registry holds exact (act_quant) keep exact codes.
 def _scaled_fp8(op: str, ref: list) -> list[tuple[int, int, int]]:
-    tol = REGISTRY[op].tol.get("float8_e4m3fn")
-    if not tol or tol == (0.0, 0.0):
+    if tolerance(op, torch.float8_e4m3fn) == (0.0, 0.0):
         return []
     pairs = []
     for i in range(len(ref) - 1):
@@ -231,32 +189,19 @@ def _scaled_fp8(op: str, ref: list) -> list[tuple[int, int, int]]:
     return pairs
 
 
-def compare_scaled_fp8(qg, qr, sg, sr, block: int, mq: dict, ms: dict) -> tuple[dict, dict]:
-    """Codes as values (rtol 0.13: one e4m3 step is 2^-3 relative; atol one subnormal step 2^-9·scale)
-    and scales exact but for power-of-two-boundary flips (a factor 2 where the finer side's block reaches
-    code >= 416 and the coarser side's stays <= 240)."""
-    if not all(isinstance(t, torch.Tensor) for t in (qg, sg)) or qg.shape != qr.shape or sg.shape != sr.shape:
+def compare_scaled_fp8(qg, qr, sg, sr, block: int, mq: dict, ms: dict, op: str | None = None) -> tuple[dict, dict]:
+    """The element-wise metrics `mq` (codes) and `ms` (scales) re-judged as values q·s and scales with
+    power-of-two flips accepted (`judge_scaled_fp8`, rtol the registry's float8 rtol of `op`); tensors
+    that cannot be paired keep their element-wise verdicts."""
+    if not all(isinstance(t, torch.Tensor) for t in (qg, sg)):
         return mq, ms
-    qg, sg = qg.to(qr.device), sg.to(sr.device)
-    fg, fr = qg.float().unflatten(-1, (-1, block)), qr.float().unflatten(-1, (-1, block))
-    sgx, srx = sg.unsqueeze(-1), sr.unsqueeze(-1)
-    vg, vr = fg * sgx, fr * srx
-    d = (vg - vr).abs()
-    allowed = 0.13 * vr.abs() + 2.0 ** -9 * torch.maximum(sgx, srx)
-    nan = vg.isnan() | vr.isnan()
-    viol = (d > allowed) | nan
-    n = int(viol.sum().item())
-    mq = {**mq, "ok": n == 0, "compared_as": "values q·s", "max_abs": float(d.max().item()) if d.numel() else 0.0,
-          "worst_ratio": float((d / allowed).max().item()) if d.numel() else 0.0,
-          "detail": "" if n == 0 else f"{n} of {vr.numel()} value(s) q·s outside one e4m3 step (rtol 0.13, atol "
-          f"2^-9·scale)"}
-    amax_g, amax_r = fg.abs().amax(-1), fr.abs().amax(-1)
-    ratio = sg / sr
-    flip = ((ratio == 2) & (amax_r >= 416) & (amax_g <= 240)) | ((ratio == 0.5) & (amax_g >= 416) & (amax_r <= 240))
-    bad = (sg != sr) & ~flip
-    nb, nf = int(bad.sum().item()), int(((sg != sr) & flip).sum().item())
-    ms = {**ms, "ok": nb == 0, "worst_ratio": None if nb == 0 and nf else ms.get("worst_ratio"), "detail": ("" if nb == 0 else f"{nb} scale(s) differ beyond a power-of-two "
-          "boundary flip") + (f"; {nf} block(s) flipped at a power-of-two boundary" if nf else "")}
+    vq, vs = judge_scaled_fp8(qg, qr, sg, sr, block, op=op)
+    if vq.kind in ("shape", "dtype"):
+        return mq, ms
+    mq = {**mq, "ok": vq.ok, "compared_as": "values q·s", "max_abs": vq.max_abs, "worst_ratio": vq.worst_ratio,
+          "detail": vq.note}
+    ms = {**ms, "ok": vs.ok, "worst_ratio": None if vs.ok and vs.n_excused else ms.get("worst_ratio"),
+          "detail": vs.note}
     return mq, ms
 
 
@@ -308,7 +253,7 @@ def ceilings(device: torch.device) -> dict:
     """The device's measured ceilings, once per process: copy bandwidth (B/s), bf16 and fp8 matmul
     FLOP/s (`deepinfer bench`'s measurements)."""
     if not _CEILINGS:
-        from deepinfer.engine.bench import measure_bandwidth, measure_fp8_matmul, measure_matmul
+        from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul
 
         _CEILINGS.update(bandwidth=measure_bandwidth(device), bf16=measure_matmul(device)[0],
                          fp8=measure_fp8_matmul(device))

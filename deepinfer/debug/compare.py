@@ -13,6 +13,9 @@ B is the reference. Per pair of same-named tensors (`compare_tensors`):
 An element fails only when |a-b| > atol AND |a-b| > rtol·|b| (so atol guards values near zero and rtol
 large ones). `--stat max|mean|median|quantile` instead tests one statistic: S(|a-b|) > atol + rtol·S(|b|)
 fails the tensor (S over the finite elements; non-finite mismatches still fail).
+
+The verdicts are `deepinfer.debug.comparators`' (the core `deepinfer ab` uses too); this module adds the
+report's metrics (cosine, ULPs, the worst coordinate), name-based kinds, tolerance rules and pairing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from deepinfer.debug.comparators import STATS, judge_float, judge_int, judge_sets, mismatch, set_overlap, unravel
 from deepinfer.debug.fingerprint import PAIRING_FIELDS, differing
 from deepinfer.debug.h5schema import DumpError, DumpReader
 
-STATS = ("elemwise", "max", "mean", "median", "quantile")
 # Tensors whose last axis is an unordered selection: compared as sets per row.
 INDEX_PATTERN = re.compile(r"(\.topk|\.router\.experts)(#\d+)?$")
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7,
@@ -241,109 +244,28 @@ def max_ulp(a: torch.Tensor, b: torch.Tensor, finite: torch.Tensor) -> tuple[int
     return int(d.max()), str(dt).removeprefix("torch.")
 
 
-def _stat(x: torch.Tensor, stat: str, q: float) -> float:
-    if x.numel() == 0:
-        return 0.0
-    if stat == "max":
-        return float(x.max())
-    if stat == "mean":
-        return float(x.mean())
-    if stat == "median":
-        return float(x.median())
-    return float(torch.quantile(x, q)) if x.numel() <= 16_000_000 else float(x.kthvalue(
-        max(1, math.ceil(q * x.numel()))).values)
-
-
 def compare_float(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
-    af, bf = a.double().reshape(-1), b.double().reshape(-1)
-    row.nan_a, row.nan_b = int(af.isnan().sum()), int(bf.isnan().sum())
-    row.inf_a, row.inf_b = int(af.isinf().sum()), int(bf.isinf().sum())
-    finite = af.isfinite() & bf.isfinite()
-    # non-finite on either side: NaN always fails; ±Inf must meet the same ±Inf (masked scores are -inf)
-    nonfin_fail = ~finite & ((af != bf) | af.isnan() | bf.isnan())
-    fa, fb = af[finite], bf[finite]
-    diff = (fa - fb).abs()
-    n = af.numel()
-    if fa.numel():
-        row.max_abs, row.mean_abs = float(diff.max()), float(diff.mean())
-        nd, nb, na = float(diff.square().sum().sqrt()), float(fb.square().sum().sqrt()), float(fa.square().sum().sqrt())
-        row.rel_err = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
-        ab, a2, b2 = float((fa * fb).sum()), na * na, nb * nb
-        row.cosine = ab / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-        row.dissim = 1 - 2 * ab / (a2 + b2) if a2 + b2 > 0 else 0.0
-    else:
-        row.max_abs = row.mean_abs = row.rel_err = row.dissim = 0.0
-        row.cosine = 1.0
-    row.max_ulp, row.ulp_dtype = max_ulp(a.reshape(-1), b.reshape(-1), finite)
-    elem_fail = torch.zeros(n, dtype=torch.bool)
-    elem_fail[finite] = (diff > tol.atol) & (diff > tol.rtol * fb.abs())
-    elem_fail |= nonfin_fail
-    row.fail_frac = float(elem_fail.sum()) / n if n else 0.0
+    """The core's element-wise verdict (fail beyond both atol and rtol·|b|; dtypes may differ) plus the
+    report's metrics: mean |Δ|, cosine, dissimilarity, ULPs and the largest |Δ|'s coordinate."""
+    v = judge_float(a, b, (tol.rtol, tol.atol), combine="max", strict_dtype=False, stat=tol.stat,
+                    quantile=tol.quantile)
+    s = v.stats
+    row.nan_a, row.nan_b = int(s.nan_a.sum()), int(s.nan_b.sum())
+    row.inf_a, row.inf_b = int(s.a.isinf().sum()), int(s.b.isinf().sum())
+    row.max_abs, row.rel_err = v.max_abs, v.rel_err
+    row.mean_abs = float(s.diff.mean()) if s.diff.numel() else 0.0
+    ab, na, nb = float((s.fa * s.fb).sum()), s.norm_a, s.norm_b
+    row.cosine = ab / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    row.dissim = 1 - 2 * ab / (na * na + nb * nb) if na * na + nb * nb > 0 else 0.0
+    row.max_ulp, row.ulp_dtype = max_ulp(a.reshape(-1), b.reshape(-1), s.finite)
+    row.fail_frac = v.n_bad / v.n if v.n else 0.0
     # worst coordinate: a non-finite mismatch first (it is what breaks things), else the largest |Δ|
-    if n:
-        if bool(nonfin_fail.any()):
-            flat = int(nonfin_fail.nonzero()[0])
-        elif fa.numel():
-            flat = int(finite.nonzero()[int(diff.argmax())])
-        else:
-            flat = None
-        if flat is not None:
-            row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
-            row.worst_a, row.worst_b = float(af[flat]), float(bf[flat])
-    if tol.stat == "elemwise":
-        bad = bool(elem_fail.any())
-    else:
-        row.stat_value = _stat(diff, tol.stat, tol.quantile)
-        row.stat_bound = tol.atol + tol.rtol * _stat(fb.abs(), tol.stat, tol.quantile)
-        bad = row.stat_value > row.stat_bound or bool(nonfin_fail.any())
-    row.status = "fail" if bad else "pass"
-    return row
-
-
-def set_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row (all leading axes), |A∩B| / |B| with -1 entries ignored; 1 where B's row is empty and A's
-    too, 0 where only B's is. a, b [..., k] (k may differ) -> [rows] float64."""
-    A, B = _rows(a), _rows(b)
-    out = torch.empty(B.size(0), dtype=torch.float64)
-    for i in range(B.size(0)):
-        sa = set(A[i].tolist()) - {-1}
-        sb = set(B[i].tolist()) - {-1}
-        out[i] = len(sa & sb) / len(sb) if sb else (1.0 if not sa else 0.0)
-    return out
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., k] -> [rows, k] int64. k may be 0 (a CSA layer before its first compressed entry selects
-    nothing), which `reshape(-1, 0)` cannot infer: the row count comes from the leading axes."""
-    if x.dim() == 0:
-        return x.reshape(1, 1).long()
-    return x.reshape(math.prod(x.shape[:-1]), x.size(-1)).long()
-
-
-def compare_index(row: Row, a: torch.Tensor, b: torch.Tensor, tol: Tol) -> Row:
-    ov = set_overlap(a, b)
-    row.overlap = float(ov.mean()) if ov.numel() else 1.0
-    row.min_overlap = float(ov.min()) if ov.numel() else 1.0
-    bad = ov < tol.min_overlap
-    row.fail_frac = float(bad.double().mean()) if ov.numel() else 0.0
-    if bool(bad.any()):
-        r = int(ov.argmin())
-        row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(r), b.shape[:-1])] if b.dim() > 1 else [r]
-        row.note = f"row {row.worst_index}: {sorted(set(_rows(a)[r].tolist()) - {-1})} vs " \
-                   f"{sorted(set(_rows(b)[r].tolist()) - {-1})}"
-    row.status = "fail" if bool(bad.any()) else "pass"
-    return row
-
-
-def compare_int(row: Row, a: torch.Tensor, b: torch.Tensor) -> Row:
-    ne = (a.long() != b.long()).reshape(-1)
-    row.fail_frac = float(ne.double().mean()) if ne.numel() else 0.0
-    row.max_abs = float((a.long() - b.long()).abs().max()) if ne.numel() else 0.0
-    if bool(ne.any()):
-        flat = int(ne.nonzero()[0])
-        row.worst_index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
-        row.worst_a, row.worst_b = float(a.reshape(-1)[flat]), float(b.reshape(-1)[flat])
-    row.status = "fail" if bool(ne.any()) else "pass"
+    flat = s.largest()
+    if flat is not None:
+        row.worst_index = unravel(flat, a.shape)
+        row.worst_a, row.worst_b = float(s.a[flat]), float(s.b[flat])
+    row.stat_value, row.stat_bound = s.stat_value, s.stat_bound
+    row.status = "pass" if v.ok else "fail"
     return row
 
 
@@ -356,17 +278,31 @@ def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, tol: Tol, order
     if tol.skip:
         row.status = "skip"
         return row
-    if row.kind == "index":
-        if a.shape[:-1] != b.shape[:-1]:  # the set width may differ (k' = min(topk, T)); the rows may not
+    if row.kind == "float":
+        if mismatch(a, b, strict_dtype=False) is not None:
             row.status = "shape"
             return row
-        return compare_index(row, a, b, tol)
-    if a.shape != b.shape:
+        return compare_float(row, a, b, tol)
+    # the set width may differ (k' = min(topk, T)); the rows may not
+    v = judge_sets(a, b, tol.min_overlap) if row.kind == "index" else judge_int(a, b, strict_dtype=False)
+    if v.kind == "shape":
         row.status = "shape"
         return row
-    if row.kind == "int":
-        return compare_int(row, a, b)
-    return compare_float(row, a, b, tol)
+    if row.kind == "index":
+        ov = v.stats.overlap
+        row.overlap = float(ov.mean()) if ov.numel() else 1.0
+        row.min_overlap = float(ov.min()) if ov.numel() else 1.0
+        if v.worst is not None:
+            row.worst_index = unravel(v.worst, b.shape[:-1]) if b.dim() > 1 else [v.worst]
+            row.note = v.note
+    else:
+        row.max_abs = v.max_abs
+        if v.worst is not None:
+            row.worst_index = unravel(v.worst, a.shape)
+            row.worst_a, row.worst_b = float(a.reshape(-1)[v.worst]), float(b.reshape(-1)[v.worst])
+    row.fail_frac = v.n_bad / v.n if v.n else 0.0
+    row.status = "pass" if v.ok else "fail"
+    return row
 
 
 # ---------------------------------------------------------------------------------------- report
