@@ -285,12 +285,18 @@ def test_triton_head_norm_forms_on_gpu():
 
 @pytest.mark.gpu
 def test_triton_sparse_attn_rounds_like_kernel_py():
-    """The Triton kernel in bf16 on tensor cores against kernel.py's loop: closer than the unrounded-P form
-    (its tiles are 32 slots, not 64: the running max can differ inside a block)."""
+    """The Triton kernel in bf16 on tensor cores against kernel.py's loop, prefill-sized (one program walks
+    all of a token's slots): closer than the unrounded-P form. Its tiles are 32 slots, not 64, so the
+    running max can differ inside a block. Decode-sized calls split the slots over programs, each with a
+    running max of its own: p rounds against that, so they are held to the op's tolerance only."""
     import deepinfer_kernels.triton.attention as ta
 
-    q, kv, sink, idx, scale = _attn_case(2, S=16, H=64, D=512, N=700, K=640)
+    def frac(a, b):
+        return float((a != b).float().mean())
+
+    q, kv, sink, idx, scale = _attn_case(2, S=300, H=64, D=512, N=700, K=256)
     want = _kernel_py_sparse_attn(q, kv, sink, idx, scale)
     got = ta.sparse_attn(q.cuda(), kv.cuda(), sink.cuda(), idx.cuda(), scale).cpu()
     fp32_p = sparse_attn(q.float(), kv.float(), sink, idx, scale).bfloat16()
-    assert (got != want).float().mean() < 0.5 * (fp32_p != want).float().mean()
+    assert torch.isfinite(got).all()
+    assert frac(got, want) < 0.5 * frac(fp32_p, want), (frac(got, want), frac(fp32_p, want))
