@@ -24,7 +24,7 @@ GiB = 2**30
 
 DOC_HEADER = """# Performance
 
-Rows are appended by `deepinfer bench ... --record docs/performance.md`; every number in a row was
+Rows are appended by `deepinfer bench ... --record docs/perf-log.md`; every number in a row was
 measured in that one run on the named device (nothing is copied from specs).
 
 ## How to read this table
@@ -194,7 +194,7 @@ def bench_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompt tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
-                                  "(e.g. docs/performance.md)."),
+                                  "(e.g. docs/perf-log.md)."),
 ):
     """Measure TTFT, prefill and decode speed, and compare with floors from measured bandwidth and FLOPs.
 

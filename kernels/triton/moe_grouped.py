@@ -45,7 +45,7 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         promoted in fp32) was also built and measured (2026-11-29): 341-377 SASS per decode step against
         546, yet 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per 128-K step), its
         per-group accumulators spill at prefill tiles, and its sums inside the tensor core are not exact
-        (docs/performance.md). Not kept.
+        (docs/perf-log.md). Not kept.
         A comes pre-converted (`a_bf16_split`, A_BF16 below) when K % 128 == 0, at prefill-sized blocks
         (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones -- or as its producer stored it (`a_split`:
         `swiglu_quant` / `rms_norm_quant` / `hc_pre_quant` with split=True, `_common.store_bf16_split`), with no
