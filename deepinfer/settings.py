@@ -29,6 +29,9 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_DEBUG", "flag", "0", "tracebacks instead of one-line errors (--debug)"),
     Setting("DEEPINFER_BRANCHES", "flag", "1", "decode issues independent work on side streams (CUDA); 0: "
             "everything on one stream"),
+    Setting("DEEPINFER_KV_QAT", "flag", "1", "official numerics FP8-round the KV cache's no-RoPE dims and the "
+            "compressed entries per 64 (the QAT; the cache in its FP8 layout); 0: keep them as computed, in a float "
+            "cache -- what the release's kernel.py act_quant(inplace=True) returns (tools/official/README.md)"),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "auto", "prefill-sized FP8 GEMMs on sm_90: auto (cuBLASLt's "
@@ -72,3 +75,9 @@ def path(name: str) -> str:
 def triton_interpreted() -> bool:
     """Is this process running Triton kernels in the CPU interpreter (TRITON_INTERPRET set and non-zero)?"""
     return flag("TRITON_INTERPRET")
+
+
+def snapshot() -> str:
+    """The settings this process has set in its environment, "NAME=value" joined by spaces (dump fingerprints:
+    what produced these numbers)."""
+    return " ".join(f"{n}={os.environ[n].strip()}" for n in SETTINGS if n in os.environ)

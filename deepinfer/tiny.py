@@ -16,7 +16,8 @@ import zlib
 import torch
 
 from deepinfer.checkpoint.reader import INDEX_NAME, CheckpointError, scale_name
-from deepinfer.checkpoint.schema import TensorSpec, expected_tensors
+from deepinfer.checkpoint.random_init import float_init
+from deepinfer.checkpoint.schema import expected_tensors, fp32_in_release
 from deepinfer.checkpoint.writer import write_checkpoint
 from deepinfer.config import ModelConfig, tiny_config
 from deepinfer.quant.formats import quant_fp4, quant_fp8_block
@@ -59,38 +60,6 @@ def _randn(shape: tuple, std: float, g: torch.Generator, mean: float = 0.0) -> t
     return torch.randn(shape, generator=g) * std + mean
 
 
-def _fp32_kept(name: str) -> bool:
-    """Floats the release stores in fp32 (the rest are bf16)."""
-    last = name.rsplit(".", 1)[-1]
-    return name.endswith(".ape") or last == "attn_sink" or last.startswith("hc_") or name.endswith("gate.bias")
-
-
-def _float_init(name: str, spec: TensorSpec, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
-    """A float tensor scaled so activations stay O(1) through the layers (stds noted per branch)."""
-    shape, last = spec.shape, name.rsplit(".", 1)[-1]
-    if name == "embed.weight":
-        return _randn(shape, 1.0, g)
-    if name == "head.weight" or name.endswith("gate.weight"):
-        return _randn(shape, cfg.dim**-0.5, g)  # variance 1/dim: logits / router scores O(1)
-    if name.endswith("norm.weight"):
-        return _randn(shape, 0.1, g, mean=1.0)
-    if last.endswith("_fn"):  # hc_attn_fn, hc_ffn_fn, hc_head_fn
-        return _randn(shape, 0.02, g)
-    if last.endswith("_base"):
-        return _randn(shape, 0.1, g)
-    if last.endswith("_scale"):
-        return _randn(shape, 0.05, g, mean=1.0)
-    if last == "ape":
-        return _randn(shape, 0.5, g)
-    if last == "attn_sink":
-        return _randn(shape, 1.0, g)
-    if name.endswith("gate.bias"):
-        return _randn(shape, 0.1, g)
-    if len(shape) == 2:  # any other linear (compressor wkv/wgate, indexer weights_proj)
-        return _randn(shape, shape[1] ** -0.5, g)
-    raise AssertionError(f"no init rule for {name}")
-
-
 def tiny_tensors(cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """All official-layout tensors for `cfg` (default tiny_config()), weights + uint8 ue8m0 scales."""
     cfg = cfg or tiny_config()
@@ -106,8 +75,9 @@ def tiny_tensors(cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
             order = torch.rand((spec.shape[0], cfg.n_routed_experts), generator=g).argsort(dim=1)
             out[name] = order[:, : spec.shape[1]].to(torch.int32)
         else:
-            t = _float_init(name, spec, cfg, g)
-            out[name] = t.float() if _fp32_kept(name) else t.to(torch.bfloat16)
+            std, mean = float_init(name, spec.shape, cfg.dim)
+            t = _randn(spec.shape, std, g, mean)
+            out[name] = t.float() if fp32_in_release(name) else t.to(torch.bfloat16)
     # Quantise same-shaped weights in one batched call ([E, N, K]): 15 calls instead of ~180 for the
     # experts keeps generation near a second. Per-matrix results are the same as one call each.
     for (kind, _), items in to_quant.items():

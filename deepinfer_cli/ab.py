@@ -98,12 +98,14 @@ def _vendor_note(rep) -> str | None:
     if rep.backend != "triton" or not any(r.op == "fp8_gemm" and r.status != "skip" for r in rep.results):
         return None
     import torch
-    from deepinfer_kernels.triton import gemm_vendor
 
-    if gemm_vendor.used_for(torch.device(rep.device)) != "cublaslt":
+    from deepinfer.ops.registry import backend_facts
+
+    f = backend_facts(rep.backend, torch.device(rep.device))
+    if f.get("fp8_prefill_gemm") != "cublaslt":
         return None
-    return (f"fp8_gemm cases of >= {gemm_vendor.MIN_M} rows ran cuBLASLt's block-scaled FP8 GEMM (gemm_vendor; "
-            "DEEPINFER_FP8_GEMM=triton runs them on the Triton kernel)")
+    return (f"fp8_gemm cases of >= {f['fp8_prefill_min_m']} rows ran cuBLASLt's block-scaled FP8 GEMM "
+            "(DEEPINFER_FP8_GEMM=triton runs them on the Triton kernel)")
 
 
 def _print_table(rep, note, do_bench: bool) -> None:

@@ -20,7 +20,7 @@ from deepinfer.engine.random_weights import random_state
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import Numerics
 from deepinfer.presets import PresetError, flash_config, preset_config, pro_config, slice_config
-from deepinfer.tiny import _fp32_kept
+from deepinfer.checkpoint.schema import fp32_in_release
 from deepinfer_cli.app import app
 
 KINDS = {"swa", "csa", "hca"}
@@ -98,7 +98,7 @@ def test_random_state_is_the_official_layout(cfg):
             assert t.dtype == torch.int64 and int(t.min()) >= 0 and int(t.max()) < cfg.n_routed_experts
             assert (t.sort(1).values.diff(dim=1) > 0).all(), "tid2eid rows must be distinct experts"
         else:
-            assert t.dtype == (torch.float32 if _fp32_kept(name) else torch.bfloat16), name
+            assert t.dtype == (torch.float32 if fp32_in_release(name) else torch.bfloat16), name
 
 
 def test_random_state_is_deterministic():

@@ -10,10 +10,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from deepinfer.debug import capture
+from deepinfer import capture
 from deepinfer.debug.dumper import parse_layers, run_dump, save
 from deepinfer.debug.fingerprint import environment, run_fingerprint
-from deepinfer.debug.h5schema import DumpError, DumpReader, DumpWriter, read_dump, write_dump
+from deepinfer.debug.h5schema import (
+    DumpError,
+    DumpReader,
+    DumpWriter,
+    read_dump,
+    write_dump,
+)
 from deepinfer.engine.loader import load_model
 from deepinfer_cli.app import app
 

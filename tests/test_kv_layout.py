@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.engine.loader import load_model
 from deepinfer.ops import ops
-from deepinfer.ops.reference import kv_packed_width
+from deepinfer.quant.kv_layout import kv_packed_width
 
 
 @pytest.fixture(scope="module")

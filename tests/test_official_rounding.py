@@ -9,7 +9,8 @@ import torch
 
 from deepinfer.ops import ops
 from deepinfer.ops.reference import (act_quant, decode_slots, fp4_fake_quant, fp8_fake_quant, head_norm,
-                                     kv_pack, kv_packed_width, kv_unpack, rms_norm_rope, sparse_attn)
+                                     kv_pack, kv_unpack, rms_norm_rope, sparse_attn)
+from deepinfer.quant.kv_layout import kv_packed_width
 
 
 def _q(seed=0, shape=(3, 5, 4, 512), scale=3.0):
@@ -145,6 +146,39 @@ def test_fp4_scale_is_a_power_of_two_over_6():
     x[0, 0] = 6.5  # scale 2: 1.0 codes to 0.5 -> 0.5 * 2 = 1.0, 6.5 -> 3 * 2 = 6
     y = fp4_fake_quant(x, 32)
     assert float(y[0, 0]) == 6.0 and float(y[0, 1]) == 1.0
+
+
+def test_kv_qat_off_keeps_the_cache_as_computed(monkeypatch, tiny_dir):
+    """DEEPINFER_KV_QAT=0: official numerics with kernel.py's act_quant(inplace=True) as it runs -- its inner
+    `T.Cast(out_dtype, ...)` with `out_dtype = in_dtype` for inplace leaves x unchanged -- so the window's kv
+    and the compressed entries stay off the FP8 grid, in a float cache; everything else stays official."""
+    from deepinfer.capture import capturing
+    from deepinfer.engine.loader import load_model
+
+    ids = torch.tensor([[0] + list(range(300, 340))])
+
+    def run():
+        m = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+        m.allocate(1, 48)
+        with capturing() as cap:
+            logits, _ = m.prefill(ids)
+        return m, dict(cap.records), logits
+
+    m_on, rec_on, logits_on = run()
+    monkeypatch.setenv("DEEPINFER_KV_QAT", "0")
+    m_off, rec_off, logits_off = run()
+    a_on, a_off = m_on.attentions()[1], m_off.attentions()[1]  # a CSA layer: window kv and entries
+    assert a_on.kv_cache.dtype == torch.uint8 and a_off.kv_cache.dtype == torch.bfloat16
+    assert not a_off.kv_qat and not a_off.compressor.kv_qat
+    for name in ("layers.1.attn.kv", "layers.1.attn.compressed_kv"):
+        off = rec_off[name].float()[..., :-64]
+        assert not torch.equal(fp8_fake_quant(off, 64), off), f"{name} is on the FP8 grid without the QAT"
+        on = rec_on[name].float()[..., :-64]
+        assert torch.equal(fp8_fake_quant(on, 64), on), f"{name} is off the FP8 grid with the QAT"
+    assert torch.equal(rec_on["layers.0.attn.q"], rec_off["layers.0.attn.q"])  # the first layer's q: untouched
+    assert not torch.equal(logits_on, logits_off)
+    with pytest.raises(ValueError, match="KV QAT"):
+        m_off.set_kv_layout("fp8")
 
 
 # ------------------------------------------------------------------- the sparse attention

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepinfer.ops import REGISTRY, ops
+from deepinfer.ops import REGISTRY
 from deepinfer.ops.registry import BackendError, Dispatcher
 
 

@@ -90,7 +90,7 @@ def test_probe_flaggems_and_tilelang_json_exit_0_when_absent():
 
 
 def test_flaggems_name_resolution():
-    from deepinfer.debug.probes import resolve_op_names
+    from deepinfer.engine.flaggems import resolve_op_names
 
     ok, bad = resolve_op_names(["softmax", "add", "rmsnorm"], ["_softmax", "add", "rms_norm", "log_softmax"])
     assert ok == ["add"]

@@ -20,8 +20,6 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 # Compiled on a CUDA host, interpreted on CPU: tests/conftest.py sets TRITON_INTERPRET for CPU sessions
@@ -34,9 +32,10 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from deepinfer.ops import REGISTRY  # noqa: E402
-from deepinfer.ops.reference import kv_packed_width, kv_unpack  # noqa: E402
+from deepinfer.ops.reference import kv_unpack  # noqa: E402
 from tc_bounds import abs_products, assert_tensor_core_bound  # noqa: E402
 from deepinfer.quant.formats import fp4_pack  # noqa: E402
+from deepinfer.quant.kv_layout import kv_packed_width  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = "cuda" if COMPILED else "cpu"

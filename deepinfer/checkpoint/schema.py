@@ -137,6 +137,13 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     return out
 
 
+def fp32_in_release(name: str) -> bool:
+    """Float tensors the release stores in fp32 (attention sinks, compressor `ape`, the mHC parameters, the
+    router's bias); every other float tensor is bf16."""
+    last = name.rsplit(".", 1)[-1]
+    return name.endswith(".ape") or last == "attn_sink" or last.startswith("hc_") or name.endswith("gate.bias")
+
+
 def checkpoint_bytes(cfg: ModelConfig) -> int:
     """Bytes the official layout occupies (weights + scales), bf16 for floats: the device-fit estimate."""
     total = 0

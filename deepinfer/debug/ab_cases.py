@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import tiny_config
-from deepinfer.ops.reference import act_quant, fp4_fake_quant, kv_pack, kv_packed_width, yarn_inv_freq
+from deepinfer.model.rope import yarn_inv_freq
+from deepinfer.ops.reference import act_quant, fp4_fake_quant, kv_pack
 from deepinfer.quant.formats import e8m0_to_float, quant_fp4, quant_fp8_block
+from deepinfer.quant.kv_layout import kv_packed_width
 
 
 @dataclass(frozen=True)
@@ -477,7 +479,7 @@ def build_moe_route(d: Dims, phase: str, g, device):
     T = B * S
     # the router reads the ffn_norm output: RMS 1 per row, outlier blocks kept. Unnormed rows with 1e2
     # blocks give gate logits of hundreds, where softplus underflows and a row's weights can be 0/0 on one
-    # side (an H200 pro hash case, 2026-12-01, had one such NaN row)
+    # side (a pro-shape hash case on the H200 gave one such NaN row)
     x = _act(g, (T, d.dim), device).float()
     x = (x * torch.rsqrt(x.square().mean(-1, keepdim=True))).bfloat16()
     gate = _w(g, (d.n_experts, d.dim), device, 0.05, torch.bfloat16)

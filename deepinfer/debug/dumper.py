@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.debug.capture import capturing, set_prefix
+from deepinfer.capture import capturing, set_prefix
 from deepinfer.model.transformer import Transformer
 
 ALWAYS = ("input_ids", "logits")

@@ -17,6 +17,7 @@ import sys
 import torch
 
 import deepinfer
+from deepinfer import settings
 
 # Fields that describe the machine/software rather than the run: `compare` lists those that differ.
 ENV_FIELDS = ("deepinfer_version", "git_revision", "backend", "numerics", "dtype", "device", "device_name",
@@ -135,6 +136,7 @@ def run_fingerprint(*, device, backend: str, numerics: str, dtype: str, model_pa
         "config_fingerprint": config_fingerprint, "prompt": prompt, "seed": int(seed),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
+        "settings": settings.snapshot(),
         **extra,
     }
 

@@ -31,7 +31,8 @@ from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measur
 from deepinfer.engine.schedule import Schedule
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
-from deepinfer.ops.reference import kv_packed_width
+from deepinfer.ops.registry import backend_facts
+from deepinfer.quant.kv_layout import kv_packed_width
 
 WARMUP_STEPS = 2
 
@@ -190,11 +191,7 @@ def _versions() -> dict:
 def _fp8_prefill_gemm(device: torch.device) -> str | None:
     """What ran the prefill-sized FP8 GEMMs (`fp8_gemm`, M >= 65) of the Triton backend: "cublaslt" or
     "triton: <why not cuBLASLt>"; None for other backends."""
-    if ops.backend != "triton":
-        return None
-    from deepinfer_kernels.triton import gemm_vendor
-
-    return gemm_vendor.used_for(device)
+    return backend_facts(ops.backend, device).get("fp8_prefill_gemm")
 
 
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:

@@ -1,7 +1,7 @@
 """Multi-process inference: data-parallel attention + expert-parallel MoE over `torch.distributed`.
 
 Every rank runs its own sequences through attention (data parallel) and holds only the routed experts
-`expert_range(rank, world, E)`; each MoE's `dispatch` is replaced by `EPDispatch`, which sends every
+`expert_range(rank, world, E)`; each MoE's `dispatch` is set to an `EPDispatch`, which sends every
 (token, expert) pair to the rank that owns the expert and combines the results back.
 
 The exchange is three `all_to_all_single` calls (the rows, their (weight, expert) metadata, the results

@@ -9,10 +9,35 @@ Call after the device is chosen: importing flag_gems initialises a CUDA context.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 
-from deepinfer.debug.probes import enable_only, resolve_op_names
 from deepinfer.engine.loader import OptionError
+
+
+def enable_only(flag_gems, resolved: list[str], known: list[str]) -> str:
+    """Enable exactly the FlagGems ops `resolved` (of its registration table `known`): `only_enable` where
+    the build has it, else `enable` with every other op unused. Returns which call was used."""
+    if hasattr(flag_gems, "only_enable"):
+        flag_gems.only_enable(include=resolved)
+        return "only_enable(include=...)"
+    flag_gems.enable(unused=[n for n in known if n not in resolved])
+    return "enable(unused=everything else)"
+
+
+def resolve_op_names(requested: list[str], known: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Split requested FlagGems op names into (resolved, {unresolved: close matches}), e.g. softmax -> _softmax."""
+    known_set = set(known)
+    resolved, unresolved = [], {}
+    for n in requested:
+        if n in known_set:
+            resolved.append(n)
+            continue
+        close = difflib.get_close_matches(n, known, n=3, cutoff=0.6)
+        if "_" + n in known_set and "_" + n not in close:
+            close.insert(0, "_" + n)
+        unresolved[n] = close
+    return resolved, unresolved
 
 
 def parse_names(spec: str | None) -> list[str]:

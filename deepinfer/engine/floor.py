@@ -29,7 +29,7 @@ import torch
 
 from deepinfer.checkpoint.schema import FP4_BLOCK, TensorSpec, expected_tensors
 from deepinfer.config import ModelConfig
-from deepinfer.tiny import _fp32_kept
+from deepinfer.checkpoint.schema import fp32_in_release
 
 if TYPE_CHECKING:
     from deepinfer.model.transformer import Transformer
@@ -42,7 +42,7 @@ TID2EID_ENTRY_BYTES = 8  # int64, as the engine holds tid2eid (the release store
 def ckpt_bytes(name: str, spec: TensorSpec) -> int:
     """Bytes of one tensor (+ its ue8m0 scale) in the release's storage format: FP8 1 B per element + 1 B
     per 128x128 block, FP4 0.5 B per element + 1 B per 32, int 4 B, floats 4 B where the release keeps
-    fp32 (`_fp32_kept`) else 2 B (bf16)."""
+    fp32 (`fp32_in_release`) else 2 B (bf16)."""
     n = math.prod(spec.shape)
     if spec.kind == "fp8":
         return n + math.prod(spec.scale_shape())
@@ -50,7 +50,7 @@ def ckpt_bytes(name: str, spec: TensorSpec) -> int:
         return n // 2 + n // FP4_BLOCK
     if spec.kind == "int":
         return n * 4
-    return n * (4 if _fp32_kept(name) else 2)
+    return n * (4 if fp32_in_release(name) else 2)
 
 
 @dataclass

@@ -82,7 +82,7 @@ def _vm_size() -> int:
 def cache_bytes(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool) -> int:
     """Bytes `Transformer.allocate(rows, max_seq_len)` allocates: every attention layer's window ring and
     compressed entries, the indexer keys, the compressor states, and the two rope tables."""
-    from deepinfer.ops.reference import kv_packed_width
+    from deepinfer.quant.kv_layout import kv_packed_width
 
     el = torch.empty((), dtype=dtype).element_size()
     total = 2 * max_seq_len * cfg.rope_head_dim * 4  # two tables of [L, 2, rd/2] float32

@@ -23,9 +23,9 @@ import re
 import torch
 
 from deepinfer.checkpoint.reader import scale_name
-from deepinfer.checkpoint.schema import FP4_BLOCK, FP8_BLOCK, TensorSpec, expected_tensors
+from deepinfer.checkpoint.random_init import float_init
+from deepinfer.checkpoint.schema import FP4_BLOCK, FP8_BLOCK, TensorSpec, expected_tensors, fp32_in_release
 from deepinfer.config import ModelConfig
-from deepinfer.tiny import _fp32_kept
 
 _FP8_STD = 0.75  # e4m3 payload std; x random pow2 scales (mean square factor 1.75) gives ~1.0 x target
 _FP4_RMS = math.sqrt(68.5 / 8)  # rms of a uniformly random e2m1 code (|v| in 0, .5, 1, 1.5, 2, 3, 4, 6)
@@ -55,28 +55,6 @@ def _fp4(spec: TensorSpec, g, device, lead: tuple = ()) -> tuple[torch.Tensor, t
     return w, s
 
 
-def _float_stats(name: str, spec: TensorSpec, cfg: ModelConfig) -> tuple[float, float]:
-    """(std, mean) of a float tensor; the same rules as `deepinfer.tiny` (see its comments)."""
-    last = name.rsplit(".", 1)[-1]
-    if name == "embed.weight":
-        return 1.0, 0.0
-    if name == "head.weight" or name.endswith("gate.weight"):
-        return cfg.dim**-0.5, 0.0
-    if name.endswith("norm.weight"):
-        return 0.1, 1.0
-    if last.endswith("_fn"):
-        return 0.02, 0.0
-    if last.endswith("_base") or name.endswith("gate.bias"):
-        return 0.1, 0.0
-    if last.endswith("_scale"):
-        return 0.05, 1.0
-    if last in ("ape", "attn_sink"):
-        return (0.5 if last == "ape" else 1.0), 0.0
-    if len(spec.shape) == 2:  # compressor wkv/wgate, indexer weights_proj
-        return spec.shape[1] ** -0.5, 0.0
-    raise AssertionError(f"no init rule for {name}")
-
-
 @torch.no_grad()
 def random_state(cfg: ModelConfig, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
     """Every tensor of `expected_tensors(cfg)` (+ `.scale` siblings), random, on `device`.
@@ -104,9 +82,9 @@ def random_state(cfg: ModelConfig, device="cpu", seed: int = 0) -> dict[str, tor
             noise = torch.rand(spec.shape[0], cfg.n_routed_experts, generator=g, device=device)
             out[name] = noise.topk(spec.shape[1], dim=1).indices.to(torch.int64)
         else:
-            std, mean = _float_stats(name, spec, cfg)
+            std, mean = float_init(name, spec.shape, cfg.dim)
             t = torch.randn(spec.shape, generator=g, device=device) * std + mean
-            out[name] = t if _fp32_kept(name) else t.to(torch.bfloat16)
+            out[name] = t if fp32_in_release(name) else t.to(torch.bfloat16)
     order = []  # expected_tensors order, each scale right after its weight (as load_state returns)
     for name, spec in specs.items():
         order += [name, scale_name(name)] if spec.kind in fmt else [name]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.debug.capture import is_active
+from deepinfer.capture import is_active
 from deepinfer.model.attention import Attention, StepContext
 from deepinfer.model.branch import fork
 from deepinfer.model.moe import MoE

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.capture import is_active, tap
+from deepinfer import settings
 from deepinfer.config import ModelConfig
-from deepinfer.debug.capture import is_active, tap
 from deepinfer.model.branch import Branch, Shared
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.weights import Linear, Numerics, WeightSource
 from deepinfer.ops import ops
-from deepinfer.ops.reference import grouped_bmm, kv_packed_width
+from deepinfer.quant.grouped import grouped_bmm
+from deepinfer.quant.kv_layout import kv_packed_width
 
 
 class StepContext:
@@ -169,7 +171,11 @@ class Attention:
         # the q head norm rounds where the implementation each numerics follows rounds (`head_norm`)
         self.q_norm_form = "official_q" if numerics.official else "transformers_q"
         self.kv_cache = None
-        self.set_kv_layout("fp8" if numerics.official else "float")
+        # official numerics' QAT of the cache: its no-RoPE dims (and the compressed entries) on the FP8 grid
+        self.kv_qat = numerics.official and settings.flag("DEEPINFER_KV_QAT")
+        if self.compressor is not None:
+            self.compressor.kv_qat = self.kv_qat
+        self.set_kv_layout("fp8" if self.kv_qat else "float")
 
     def set_kv_layout(self, layout: str) -> None:
         """How the cache holds kv (before `allocate`): "fp8", official numerics' form, the FP8 KV layout
@@ -178,8 +184,9 @@ class Attention:
         64): the oracle the FP8 layout is checked against (tests/test_kv_layout.py)."""
         if layout not in ("fp8", "float"):
             raise ValueError(f"kv layout {layout!r}: fp8 | float")
-        if layout == "fp8" and not self.numerics.official:
-            raise ValueError("the FP8 KV layout is official numerics' QAT; exact numerics keep float caches")
+        if layout == "fp8" and not self.kv_qat:
+            raise ValueError("the FP8 KV layout is official numerics' KV QAT; exact numerics and DEEPINFER_KV_QAT=0 "
+                             "keep float caches")
         self.fp8_kv = layout == "fp8"
         if self.compressor is not None:
             self.compressor.fp8_cache = self.fp8_kv
@@ -399,6 +406,6 @@ class Attention:
         rd = self.rd
         if self.fp8_kv and ctx.prefill:
             return ops.kv_pack(kv, rd)
-        if self.numerics.official and not self.fp8_kv:  # float layout: the same QAT values (`set_kv_layout`)
+        if self.kv_qat and not self.fp8_kv:  # float layout: the same QAT values (`set_kv_layout`)
             return torch.cat([ops.fp8_fake_quant(kv[..., :-rd], 64), kv[..., -rd:]], -1)
         return kv

@@ -6,10 +6,12 @@ beside the sub-layer (only hc_post reads it), the shared expert beside the routi
 experts, the compressors and the lightning indexer beside the q projections. `fork(x)` gives a `Branch`:
 inside `with br:` ops are issued on the branch stream, which first waits for everything issued so far on
 the current stream; `br.join(*outs)` makes the current stream wait for the branch. Captured into a CUDA
-graph this is a fork / join of graph nodes, so a replay runs both chains concurrently.
+graph this is a fork / join of graph nodes, so a replay runs both chains concurrently. Which sub-steps of
+the model fork, and onto which lane, is the engine's plan (`deepinfer/engine/schedule.py`).
 
-H200 (2026-11-30, flash-slice:4, `deepinfer bench`, graphs, fresh processes on one machine): batch 1
-1.047 ms per step without branches, 0.974 / 0.973 with them; batch 64 6.102 against 5.971.
+H200 (flash-slice:4, `deepinfer bench`, graphs, fresh processes on one machine): batch 1 1.047 ms per step
+without branches, 0.973-0.974 with them; batch 64 6.102 against 5.971 (docs/perf-log.md, "Decode on two
+streams").
 
 The results do not depend on it: the same kernels read the same inputs. The Triton backend's split-K
 tile counters are per stream (`_common.tile_counters`), so concurrent kernels never share them.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import settings
-from deepinfer.debug.capture import is_active
+from deepinfer.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}

@@ -37,6 +37,7 @@ class Compressor:
         # Set by the owner (`Attention.set_kv_layout`) when `cache` holds FP8-layout rows (`ops.kv_pack`):
         # entries are packed on the way in (which is also their QAT) and handed out packed.
         self.fp8_cache = False
+        self.kv_qat = False  # attention entries on the FP8 grid (set by the owner with the cache's QAT)
 
     def allocate(self, rows: int, device) -> None:
         shape = (rows, self.coff * self.ratio, self.coff * self.d)
@@ -52,7 +53,7 @@ class Compressor:
             kv = ops.hadamard(kv)
             if self.numerics.official:
                 kv = ops.fp4_fake_quant(kv, 32)
-        elif self.numerics.official and not self.fp8_cache:  # float layout: the FP8 QAT of the no-RoPE dims
+        elif self.kv_qat and not self.fp8_cache:  # float layout: the FP8 QAT of the no-RoPE dims
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
         return kv
 

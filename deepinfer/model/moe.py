@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.capture import tap
 from deepinfer.config import ModelConfig
-from deepinfer.debug.capture import tap
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 from deepinfer.quant.formats import float_to_e8m0

@@ -6,11 +6,30 @@ compressors and indexer): theta = compress_rope_theta with YaRN from the config,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.ops import ops
-from deepinfer.ops.reference import yarn_inv_freq
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """RoPE inverse frequencies [dim/2] with YaRN interpolation when original_seq_len > 0 (no mscale)."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def corr(rot):
+            return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
 
 
 class RopeTables:

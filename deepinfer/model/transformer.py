@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.capture import tap
 from deepinfer.config import ModelConfig
-from deepinfer.debug.capture import tap
 from deepinfer.model.attention import Attention, StepContext
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RopeTables
@@ -177,8 +177,10 @@ class Transformer:
         V, D = self.embed.shape
         table = self.embed.unsqueeze(1).expand(V, self.cfg.hc_mult, D)
         h = torch.index_select(table, 0, input_ids.reshape(-1)).view(B, S, self.cfg.hc_mult, D)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            ops.layer = i  # the op sites of this block (`Dispatcher.override_sites`, `deepinfer bisect`)
             h = layer(h, ctx, input_ids) if self.schedule is None else self.schedule.block(layer, h, ctx, input_ids)
+        ops.layer = None
         return h
 
     @torch.inference_mode()

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.ops import ops
-from deepinfer.ops.reference import scale_f32
-from deepinfer.quant.formats import fp4_unpack
+from deepinfer.quant.formats import dequant_fp4, dequant_fp8_block
 
 NUMERICS = ("official", "exact")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -29,12 +28,6 @@ class Numerics:
     @property
     def official(self) -> bool:
         return self.mode == "official"
-
-
-def _dequant_fp8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    n, k = w.shape
-    s = s.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return w.float() * s
 
 
 class Linear:
@@ -75,8 +68,8 @@ class Linear:
         if self.fmt == "float":
             return self.weight.to(dtype)
         if self.fmt == "fp8":
-            return _dequant_fp8(self.weight, self.scale).to(dtype)
-        return (fp4_unpack(self.weight) * scale_f32(self.scale).repeat_interleave(32, -1)).to(dtype)
+            return dequant_fp8_block(self.weight, self.scale, out_dtype=dtype, check=False)
+        return dequant_fp4(self.weight, self.scale, out_dtype=dtype, check=False)
 
     @staticmethod
     def stacked(parts: list["Linear"]) -> "Linear | None":

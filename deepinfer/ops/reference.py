@@ -8,14 +8,15 @@ positions, H heads, D head dim, T compressed entries, K selected entries, E expe
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.ops.registry import defop
-from deepinfer.quant.formats import e8m0_to_float, fp4_round, fp4_unpack
+from deepinfer.quant.formats import dequant_fp4, dequant_fp8_block, fp4_round
+from deepinfer.quant.grouped import grouped_bmm
+from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset, kv_scale_bytes
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -129,16 +130,6 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- GEMMs
-def scale_f32(s: torch.Tensor) -> torch.Tensor:
-    """A weight scale as float32: ue8m0 bytes (uint8 / float8_e8m0fnu, as FP4 experts are held) decoded,
-    anything else cast."""
-    return e8m0_to_float(s) if s.dtype in (torch.uint8, torch.float8_e8m0fnu) else s.float()
-
-
-def _expand_block_scale(s: torch.Tensor, n: int, k: int, block: int = 128) -> torch.Tensor:
-    return s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-
-
 @defop("fp8_gemm", tol={"float32": (1e-5, 1e-5)})
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -167,15 +158,6 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     return (af @ wf.t()).to(out_dtype)
 
 
-def grouped_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y[t, g] = x[t, g] w[g]ᵀ: x [T, G, K] (any strides: read in place), w [G, R, K] in x's dtype -> [T, G, R]
-    contiguous, one bmm over the groups (fp32 accumulate). The float `wo_a`, and `fp8_grouped_linear` on its
-    dequantised weight."""
-    y = torch.empty(x.size(0), x.size(1), w.size(1), dtype=x.dtype, device=x.device)
-    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
-    return y
-
-
 @defop("fp8_grouped_linear")
 def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """Grouped projection with an FP8 weight, as the official code runs V4's `wo_a`: its convert step
@@ -187,7 +169,7 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     """
     T, G, K = x.shape
     N = w.size(0)
-    return grouped_bmm(x, (w.float() * _expand_block_scale(scale_f32(w_s), N, K)).to(x.dtype).view(G, N // G, K))
+    return grouped_bmm(x, dequant_fp8_block(w, w_s, out_dtype=x.dtype, check=False).view(G, N // G, K))
 
 
 @defop("linear")
@@ -240,18 +222,15 @@ def _working_copy(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 
 
 def _fp8_weight_f32(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
-    """An FP8 weight [..., N, K] with its 128x128 block scales, dequantised to float32 (kept on CPU)."""
-    N, K = w.shape[-2:]
-    if w.dim() == 3:
-        return _keep(w, "_deepinfer_deq", lambda: torch.stack([
-            w[j].float() * _expand_block_scale(scale_f32(w_s[j]), N, K) for j in range(w.size(0))]))
-    return _keep(w, "_deepinfer_deq", lambda: w.float() * _expand_block_scale(scale_f32(w_s), N, K))
+    """An FP8 weight [..., N, K] with its 128x128 block scales [..., ceil(N/128), ceil(K/128)] (f32 or ue8m0),
+    dequantised to float32 (kept on CPU)."""
+    return _keep(w, "_deepinfer_deq", lambda: dequant_fp8_block(w, w_s, check=False))
 
 
 def _fp4_weight_f32(w: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
-    """An FP4 weight [..., N, K/2] int8 with per-32 scales, dequantised to float32 (kept on CPU)."""
-    return _keep(w, "_deepinfer_deq", lambda: fp4_unpack(w.view(torch.int8)) *
-                 scale_f32(w_s).repeat_interleave(32, -1))
+    """An FP4 weight [..., N, K/2] int8 with per-32 scales [..., N, K/32] (f32 or ue8m0), dequantised to float32
+    (kept on CPU)."""
+    return _keep(w, "_deepinfer_deq", lambda: dequant_fp4(w, w_s, check=False))
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -482,23 +461,6 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return (acc / l).to(q.dtype)
 
 
-# ----------------------------------------------------------------------------------- FP8 KV layout
-def _kv_scale_bytes(nope: int) -> int:
-    """Bytes for the e8m0 scales of `nope` no-RoPE dims (one per 64), rounded up to 16 (aligned rope part)."""
-    return -(-(nope // 64) // 16) * 16
-
-
-def kv_rope_offset(head_dim: int, rope_dim: int) -> int:
-    """Byte offset of the rope dims in an FP8-layout entry: after the codes and the padded scale bytes."""
-    nope = head_dim - rope_dim
-    return nope + _kv_scale_bytes(nope)
-
-
-def kv_packed_width(head_dim: int, rope_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one FP8-layout cache entry (V4: 448 + 16 + 64·2 = 592 in bf16, against 1024 as bf16)."""
-    return kv_rope_offset(head_dim, rope_dim) + rope_dim * dtype.itemsize
-
-
 @defop("kv_pack", tol={"uint8": (0.0, 0.0)})
 def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """The FP8 KV cache layout of entries kv [..., D] (last `rope_dim` dims RoPE'd) -> uint8 [..., W]:
@@ -513,7 +475,7 @@ def kv_pack(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     assert nope > 0 and nope % 64 == 0, f"kv_pack: {nope} no-RoPE dims are not a positive multiple of 64"
     q, s = act_quant(kv[..., :nope], 64)
     sb = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # power-of-two scale -> its biased exponent
-    pad = sb.new_zeros(*sb.shape[:-1], _kv_scale_bytes(nope) - sb.size(-1))
+    pad = sb.new_zeros(*sb.shape[:-1], kv_scale_bytes(nope) - sb.size(-1))
     rope = kv[..., nope:].contiguous().view(torch.uint8)
     codes = q.view(torch.uint8)
     codes = torch.where(codes == 0x80, 0, codes)  # -0 as +0: one byte pattern per value, compared bytewise
@@ -769,24 +731,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 def logprobs(logits: torch.Tensor) -> torch.Tensor:
     """log-softmax of the model's raw logits in float32: [B, V] -> [B, V]."""
     return torch.log_softmax(logits.float(), dim=-1)
-
-
-def yarn_inv_freq(dim: int, base: float, factor: float, original_seq_len: int,
-                  beta_fast: float, beta_slow: float) -> torch.Tensor:
-    """RoPE inverse frequencies [dim/2] with YaRN interpolation when original_seq_len > 0 (no mscale)."""
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if original_seq_len > 0:
-        def corr(rot):
-            return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(corr(beta_fast)), 0)
-        high = min(math.ceil(corr(beta_slow)), dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        smooth = 1 - ramp
-        freqs = freqs / factor * (1 - smooth) + freqs * smooth
-    return freqs
 
 
 # ------------------------------------------------------------------------------- grouped expert GEMM

@@ -92,6 +92,17 @@ def load_backend(backend: str) -> None:
         raise BackendError(f"backend {backend!r} is unavailable: {type(e).__name__}: {e}") from None
 
 
+def backend_facts(backend: str, device) -> dict:
+    """What `backend` chose for `device` (its package's `facts(device)`, e.g. the Triton backend's prefill
+    FP8 GEMM), for reports; {} for the torch reference and for a backend without facts. Callers above the
+    registry read backend choices here, never from a backend's modules."""
+    if backend == "torch":
+        return {}
+    load_backend(backend)
+    fn = getattr(importlib.import_module(_BACKEND_MODULES[backend]), "facts", None)
+    return fn(device) if fn is not None else {}
+
+
 def backend_available(backend: str) -> tuple[bool, str]:
     """(importable here, reason if not)."""
     try:
@@ -130,6 +141,11 @@ class Dispatcher:
         self.used: set[str] = set()
         self._cache: dict[str, Callable] = {}
         self._announced: set[str] = set()
+        # Sites (op, layer): the model marks the block it runs (`layer`, None outside the blocks); `bisect`
+        # records which sites a run calls and swaps single sites to another implementation.
+        self.layer: int | None = None
+        self._sites: dict[tuple[str, int | None], Callable] | None = None
+        self._seen: set[tuple[str, int | None]] | None = None
 
     def configure(self, backend: str | None = None, strict: bool | None = None) -> "Dispatcher":
         backend = backend or default_backend()
@@ -154,7 +170,23 @@ class Dispatcher:
         _ensure_reference()
         return [n for n, d in REGISTRY.items() if self.backend not in d.impls]
 
+    def override_sites(self, sites: dict | None) -> None:
+        """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
+        wherever given; None restores plain dispatch."""
+        self._sites = dict(sites) if sites else None
+
+    def record_sites(self, on: bool = True) -> set | None:
+        """Start (on) or stop recording the (op, layer) sites called; stopping returns them."""
+        seen, self._seen = self._seen, (set() if on else None)
+        return seen
+
     def resolve(self, name: str) -> Callable:
+        if self._seen is not None:
+            self._seen.add((name, self.layer))
+        if self._sites is not None:
+            fn = self._sites.get((name, self.layer))
+            if fn is not None:
+                return fn
         fn = self._cache.get(name)
         if fn is not None:
             return fn

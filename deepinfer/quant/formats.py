@@ -36,10 +36,13 @@ FP4 -> FP8 upcast
 
 Conventions: scales are returned as raw ``uint8`` bytes (the unambiguous
 on-disk form); :func:`e8m0_bytes_as_dtype` views them as ``float8_e8m0fnu``
-for writing ``F8_E8M0`` safetensors. Functions that consume scales accept either
-``torch.float8_e8m0fnu`` or ``torch.uint8`` and reject every other dtype, int8
-included (a signed byte is ambiguous: is 0x80 the exponent byte 128 or -128?).
-Checks that could let a NaN through raise instead (they cost one host sync).
+for writing ``F8_E8M0`` safetensors. Functions that consume scales accept
+``torch.float8_e8m0fnu`` or ``torch.uint8`` and reject every other integer dtype,
+int8 included (a signed byte is ambiguous: is 0x80 the exponent byte 128 or -128?);
+the dequantisers and :func:`scale_f32` also take scales already decoded to a
+float dtype, the form the model holds them in. Checks that could let a NaN
+through raise instead (they cost one host sync); the dequantisers' ``check=False``
+skips them for callers on the device's hot path.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "e8m0_to_float",
     "float_to_e8m0",
     "e8m0_bytes_as_dtype",
+    "scale_f32",
     "pow2_scale",
     "fp4_unpack",
     "fp4_pack",
@@ -145,7 +149,7 @@ def _mul_block_scale(x: Tensor, s: Tensor, bn: int, bk: int) -> Tensor:
     y = x.reshape(*lead, nb, bn, kb, bk) * s.reshape(*lead, nb, 1, kb, 1)
     y = y.reshape(*lead, nb * bn, kb * bk)
     if pn or pk:
-        y = y[..., :n, :k]
+        y = y[..., :n, :k].contiguous()  # callers view and hand the result on as a weight
     return y
 
 
@@ -230,6 +234,17 @@ def e8m0_bytes_as_dtype(b: Tensor) -> Tensor:
     if b.dtype != torch.uint8:
         raise TypeError(f"e8m0_bytes_as_dtype: expected raw bytes as torch.uint8, got {b.dtype}")
     return b.view(torch.float8_e8m0fnu)
+
+
+def scale_f32(s: Tensor, what: str = "scale_f32") -> Tensor:
+    """Scales as float32, same shape: ue8m0 bytes (float8_e8m0fnu or uint8, as the checkpoint and the stacked
+    FP4 experts hold them) decoded by :func:`e8m0_to_float`, scales already in a float dtype cast.
+
+    Any other dtype (int8 included) raises TypeError naming `what`.
+    """
+    if s.dtype != torch.float8_e8m0fnu and s.is_floating_point():
+        return s.float()
+    return e8m0_to_float(_e8m0_raw_bytes(s, what))
 
 
 def pow2_scale(amax: Tensor, fmax: float, amin: float) -> Tensor:
@@ -339,19 +354,22 @@ def fp4_round(x: Tensor) -> Tensor:
 
 
 def dequant_fp8_block(
-    w: Tensor, scale: Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32
+    w: Tensor, scale: Tensor, block: int = 128, out_dtype: torch.dtype = torch.float32, *, check: bool = True
 ) -> Tensor:
     """Dequantise a block-scaled FP8 weight: real = fp8 value * scale of its block.
 
     w: torch.float8_e4m3fn [..., N, K]
-    scale: ue8m0 (float8_e8m0fnu or uint8) [..., ceil(N/block), ceil(K/block)]
-    -> out_dtype [..., N, K].
+    scale: [..., ceil(N/block), ceil(K/block)], ue8m0 (float8_e8m0fnu or uint8) or
+    already decoded to a float dtype (:func:`scale_f32`)
+    -> out_dtype [..., N, K], contiguous.
 
     N and K need not be multiples of block (the last blocks are partial). The
     product is formed in float32, where it is exact (3-bit mantissa times a power
     of two) unless it leaves the float32 range; bf16 output is exact too, fp16
-    can overflow/underflow. Raises ValueError if w holds an e4m3 NaN or a scale
-    is the NaN byte 255, so a corrupt checkpoint fails loudly here.
+    can overflow/underflow. With `check`, raises ValueError if w holds an e4m3
+    NaN or a scale is NaN (byte 255), so a corrupt checkpoint fails loudly here
+    (one host sync). The model and the reference pass False: the reference
+    GEMMs dequantise on every call on a GPU, where a sync each would stall it.
     """
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"dequant_fp8_block: expected w as torch.float8_e4m3fn, got {w.dtype}")
@@ -359,14 +377,15 @@ def dequant_fp8_block(
         raise ValueError(f"dequant_fp8_block: w must be at least 2-D [..., N, K], got shape {tuple(w.shape)}")
     *lead, n, k = w.shape
     _check_scale_shape(scale, (*lead, _cdiv(n, block), _cdiv(k, block)), "dequant_fp8_block")
-    b = _e8m0_raw_bytes(scale, "dequant_fp8_block")
+    s = scale_f32(scale, "dequant_fp8_block")
     wf = w.to(torch.float32)
-    n_nan_w, n_nan_s = _counts(torch.isnan(wf), b == _E8M0_NAN_BYTE)
-    if n_nan_w or n_nan_s:
-        raise ValueError(
-            f"dequant_fp8_block: {n_nan_w} NaN weights (e4m3 0x7F/0xFF) and {n_nan_s} NaN scale bytes (255)"
-        )
-    return _mul_block_scale(wf, e8m0_to_float(b), block, block).to(out_dtype)
+    if check:
+        n_nan_w, n_nan_s = _counts(torch.isnan(wf), torch.isnan(s))
+        if n_nan_w or n_nan_s:
+            raise ValueError(
+                f"dequant_fp8_block: {n_nan_w} NaN weights (e4m3 0x7F/0xFF) and {n_nan_s} NaN scales (ue8m0 byte 255)"
+            )
+    return _mul_block_scale(wf, s, block, block).to(out_dtype)
 
 
 def quant_fp8_block(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
@@ -399,23 +418,29 @@ def quant_fp8_block(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
 
 
 def dequant_fp4(
-    packed: Tensor, scale: Tensor, block: int = 32, out_dtype: torch.dtype = torch.float32
+    packed: Tensor, scale: Tensor, block: int = 32, out_dtype: torch.dtype = torch.float32, *, check: bool = True
 ) -> Tensor:
-    """Dequantise packed FP4 e2m1 with one ue8m0 scale per `block` K elements.
+    """Dequantise packed FP4 e2m1 with one scale per `block` K elements.
 
     packed: int8 or uint8 [..., N, K/2] (low nibble first)
-    scale: ue8m0 (float8_e8m0fnu or uint8) [..., N, ceil(K/block)]
-    -> out_dtype [..., N, K].
+    scale: [..., N, ceil(K/block)], ue8m0 (float8_e8m0fnu or uint8) or already
+    decoded to a float dtype (:func:`scale_f32`)
+    -> out_dtype [..., N, K], contiguous.
 
-    Exact in float32 (and bf16) within range. Raises ValueError if any scale is
-    the NaN byte 255.
+    Exact in float32 (and bf16) within range. With `check`, raises ValueError if
+    any scale is NaN (byte 255) (one host sync); the model and the reference
+    pass False, as for :func:`dequant_fp8_block`.
     """
     values = fp4_unpack(packed)
     if values.dim() < 2:
         raise ValueError(f"dequant_fp4: packed must be at least 2-D [..., N, K/2], got {tuple(packed.shape)}")
     *lead, n, k = values.shape
     _check_scale_shape(scale, (*lead, n, _cdiv(k, block)), "dequant_fp4")
-    s = _checked_scale(scale, "dequant_fp4")
+    s = scale_f32(scale, "dequant_fp4")
+    if check:
+        (n_nan,) = _counts(torch.isnan(s))
+        if n_nan:
+            raise ValueError(f"dequant_fp4: {n_nan} of {s.numel()} scales are NaN (ue8m0 byte 255)")
     return _mul_block_scale(values, s, 1, block).to(out_dtype)
 
 

@@ -12,4 +12,14 @@ from . import attention, cache, compressor, gemm, indexer, linear, mhc, moe, moe
 REFERENCE_ONLY: dict[str, str] = {}
 """Ops the Triton backend intentionally leaves to the torch reference, with the reason."""
 
-__all__ = ["REFERENCE_ONLY"]
+
+
+def facts(device) -> dict:
+    """What this backend chose for `device`, for reports (`registry.backend_facts`): "fp8_prefill_gemm", the
+    GEMM prefill-sized `fp8_gemm` calls (M >= "fp8_prefill_min_m") run -- "cublaslt", or "triton: <why not>"."""
+    from . import gemm_vendor
+
+    return {"fp8_prefill_gemm": gemm_vendor.used_for(device), "fp8_prefill_min_m": gemm_vendor.MIN_M}
+
+
+__all__ = ["REFERENCE_ONLY", "facts"]

@@ -11,10 +11,11 @@ grows inside a 64-slot block the two round p against different maxima (a bf16 ul
 Tiling (`_tiles`): BH = 64 heads and BK = 32 kv rows for D = 512 at 8 warps (more heads for smaller D),
 2 pipeline stages for prefill-sized calls (>= 256 query tokens), 3 for decode. 64 heads make the Q Kᵀ and
 P V dots warpgroup MMAs (M = 64 per warpgroup) and dequantise each gathered kv tile once per token
-instead of once per head block. H200 (2026-11-29), flash shapes (64 heads x 512, FP8 layout, 640 slots;
-us, against the 32-head / BK 16 / 3-stage tiles before): prefill 4096 tokens 3496 (16988); decode batch
-1 27.5 (38.4), batch 32 64.4 (193), batch 64 115 (311), CUDA graphs. 16 warps and 4 warps were slower;
-a 160-slot decode call lost 3 us to BK 32 (21.4 against 18.6 at BK 16).
+instead of once per head block. H200, flash shapes (64 heads x 512, FP8 layout, 640 slots; us, in
+parentheses 32-head / BK 16 / 3-stage tiles): prefill 4096 tokens 3496 (16988); decode batch 1 27.5
+(38.4), batch 32 64.4 (193), batch 64 115 (311), CUDA graphs (docs/perf-log.md, "Prefill: pre-converted
+expert input, 64-head attention tiles, the non-GEMM kernels"). 16 warps and 4 warps are slower; a
+160-slot decode call loses 3 us to BK 32 (21.4 against 18.6 at BK 16).
   * prefill (many query tokens): one program per (token, head block) over all K slots; the sink is
     added last, l += exp(sink - m) (a token whose slots are all -1 gets exactly 0: m = -inf is read as
     0 wherever it would make a NaN).
@@ -36,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
 from deepinfer.ops.registry import implement
+from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
 from ._common import INTERPRET as _INTERPRET
 from ._common import e8m0_f32, p2, pdl, pdl_wait, rows_2d
@@ -200,10 +201,11 @@ def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
     """(BH, BK, num_warps, num_stages, splits, slots per split) for `tokens` query tokens of H heads over
     KSEL slots. Few tokens (decode at small batch): 64-head tiles would leave a handful of programs, each
     walking its slots serially (batch 1: 2 programs, 18.5 us per call on the H200), so the latency tiles
-    take fewer heads and the slots split down to one kv tile per program. H200 (2026-11-29, flash shapes
-    64 x 512, FP8 layout, graph-timed, us, 64-head tiles -> latency tiles 16 x 32): batch 1, 128 slots (SWA
-    and HCA layers at a short context) 20.8 -> 14.0, 170 slots (CSA) 22.0 -> 16.6; batch 8 20.7 -> 14.2,
-    21.9 -> 18.6. 16 x 16 tiles: 15.5 / 18.6 at batch 1; 32 x 16: 25.5 / 29.4."""
+    take fewer heads and the slots split down to one kv tile per program. H200 (flash shapes 64 x 512, FP8
+    layout, graph-timed, us, 64-head tiles -> latency tiles 16 x 32): batch 1, 128 slots (SWA and HCA layers
+    at a short context) 20.8 -> 14.0, 170 slots (CSA) 22.0 -> 16.6; batch 8 20.7 -> 14.2, 21.9 -> 18.6.
+    16 x 16 tiles: 15.5 / 18.6 at batch 1; 32 x 16: 25.5 / 29.4 (docs/perf-log.md, "Decode latency tiles,
+    bf16 compressor weights, 64-row FP8 prefill tiles")."""
     BH, BK, nw, ns = _tiles(H, BD, tokens, fp32_dots)
     min_tiles = 2
     if tokens * triton.cdiv(H, 64) < LATENCY_TOKENS and KSEL <= LATENCY_MAX_SLOTS:

@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
-
-from deepinfer.ops.reference import kv_packed_width, kv_rope_offset
+from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
 from ._common import e8m0_f32, p2, pdl, pdl_wait, quant_e4m3_rows
 

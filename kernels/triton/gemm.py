@@ -13,7 +13,7 @@ the per-32 power-of-two scales in (exact in bf16: e2m1 has 2 significant bits an
 exponent range), interleaves them back into natural K order (join + reshape), and feeds one bf16 dot
 with A pre-scaled by its per-128 power-of-two scale (fp8 x 2^e is exact in bf16). bf16 x bf16 products
 are exact in the fp32 accumulator, so the dot chains straight into the accumulator (no per-group
-partial dots as before: that kernel ran 32-wide K steps and was issue-bound at 23 GB/s). Under the
+partial dots: over 32-wide K steps those are issue-bound, at 23 GB/s). Under the
 Triton interpreter (whose bf16 dot is broken) the same values go through an fp32 dot.
 
 Tiling (heuristics by shape, deterministic; no autotune):
@@ -22,8 +22,8 @@ Tiling (heuristics by shape, deterministic; no autotune):
     (each split >= 2 K blocks); splits write fp32 partials to a [splits, M, N] workspace and the tile's
     last split to finish sums them in split order and casts to out_dtype (`splitk_store`: a per-tile
     counter, no second launch; the sum's order is fixed, so it is deterministic). E.g. flash wq_a
-    (M 32, N 1024, K 4096) went from 16 programs to 16 x 8; expert_w1 from 32 programs of 32-K steps
-    to 32 x 8 programs of 128-K steps.
+    (M 32, N 1024, K 4096) runs 16 x 8 programs instead of 16; expert_w1 32 x 8 programs of 128-K steps
+    instead of 32 programs of 32-K steps.
   * prefill (M > 64): the TMA kernel below on sm_90+ (`TMA_TILES`); elsewhere 128x128 output tiles
     (64xN for M <= 128), BK 128, num_warps 8, num_stages 3-4 (fp8: 32 KB of operands per stage), 1-D grid
     with a group-M swizzle (GROUP_M = 8) so that consecutive programs share weight tiles in L2.
@@ -41,9 +41,9 @@ fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA ten
 fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block
 accumulate in the tensor core, then the block's partial is scaled into the fp32 accumulator). This is
 DeepGEMM's and the official kernels' scheme (DeepSeek-V3 report: promotion interval 128). The decode
-kernel's promotion after every wgmma (max_num_imprecise_acc = 0) kept prefill at ~290 TFLOP/s whatever
-the tile. Tiles: `TMA_TILES` (680-750 TFLOP/s at the flash prefill shapes, L2 flushed; an earlier
-865-930 at K 4096-8192 was timed with the weights warm in L2). The price is the tensor core's
+kernel's promotion after every wgmma (max_num_imprecise_acc = 0) keeps prefill at ~290 TFLOP/s whatever
+the tile. Tiles: `TMA_TILES` (680-750 TFLOP/s at the flash prefill shapes, L2 flushed; 865-930 at
+K 4096-8192 with the weights warm in L2). The price is the tensor core's
 accumulator precision within a block (about 2^-13 relative to the block's sum of |a w|), below the bf16
 output's rounding (2^-9).
 """
@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.ops.reference import grouped_bmm
 from deepinfer.ops.registry import implement
+from deepinfer.quant.grouped import grouped_bmm
 
 from . import gemm_vendor
 from ._common import INTERPRET as _INTERPRET
@@ -157,11 +157,12 @@ TMA_TILES = (64, 128, 16, 4, 3)
 """(BM, BN, GROUP_M, num_warps, num_stages) of the prefill kernel: one warpgroup on 64 x 128 tiles, 3 stages
 (72 KB of shared memory: three programs per SM). Each 128-K block's wgmma must finish before its partial is
 scaled into the accumulator, so a program's tensor core idles during its own promotion; with three small
-programs per SM one's promotion overlaps another's MMAs. H200 (2026-11-29, M 4096, do_bench with L2
-flushed, TFLOP/s, flash shapes N x K): against 128 x 128 / 8 warps / 4 stages, wq_a|wkv 1536 x 4096
+programs per SM one's promotion overlaps another's MMAs. H200 (M 4096, do_bench with L2 flushed,
+TFLOP/s, flash shapes N x K), 128 x 128 / 8 warps / 4 stages -> these tiles: wq_a|wkv 1536 x 4096
 593 -> 751, wq_b 32768 x 1024 529 -> 708, wo_b 4096 x 8192 654 -> 694, shared w1|w3 4096 x 4096 613 ->
 728, w2 4096 x 2048 580 -> 726, indexer wq_b 8192 x 1024 507 -> 677 (torch._scaled_mm with tensor-wise
-scales: ~1450). 128 x 64 / 4 warps: 548-613; 64 x 128 with 2 stages: 567-634; GROUP_M 32: 619-759."""
+scales: ~1450). 128 x 64 / 4 warps: 548-613; 64 x 128 with 2 stages: 567-634; GROUP_M 32: 619-759
+(docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
@@ -284,9 +285,9 @@ def _fp8w_group_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, R, 
 
     SWAP computes the tile transposed, acc[n, t] = W[n, :] · x[t, :] (as the FP4 expert GEMM): the converted
     weight tile is the MMA's M side, which Hopper's warpgroup MMA takes from registers, instead of going
-    back through shared memory as the B operand. H200 (2026-11-30, flash wo_a, graph-timed, us, plain /
-    swapped): 1 token 15.2 / 16.3, 8: 15.5 / 16.8, 32: 17.7 / 18.3, 64: 32.7 / 22.3 -- swapped from 64 rows
-    on (`fp8_grouped_linear`)."""
+    back through shared memory as the B operand. H200 (flash wo_a, graph-timed, us, plain / swapped):
+    1 token 15.2 / 16.3, 8: 15.5 / 16.8, 32: 17.7 / 18.3, 64: 32.7 / 22.3 -- swapped from 64 rows on
+    (`fp8_grouped_linear`; docs/perf-log.md, "Fewer decode launches, FP8 `wo_a`, LM head tiles")."""
     pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, 1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)

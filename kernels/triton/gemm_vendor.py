@@ -3,10 +3,11 @@
 C[M, N] = A Wᵀ with A e4m3 [M, K] and its per-row, per-128-K scales, W e4m3 [N, K] with its 128x128 block scales:
 the numerics of `fp8_gemm`. cuBLASLt (CUDA 12.9+) implements that scaling on Hopper (`VEC128_32F` for A,
 `BLK128x128_32F` for W), promoting the tensor-core partials to fp32 per 128-K block as DeepGEMM and our Triton TMA
-kernel do; its error against the fp32 reference is the same (H200, 2026-11-30, flash shapes at M 2048 / 4096: 0.22-0.47
-of the `tc_bounds` bound for both). At M 4096 it runs at 965-1218 TFLOP/s, 69-87 % of the ~1400 TFLOP/s FP8 rate the
+kernel do; its error against the fp32 reference is the same (H200, flash shapes at M 2048 / 4096: 0.22-0.47 of the
+`tc_bounds` bound for both). At M 4096 it runs at 965-1218 TFLOP/s, 69-87 % of the ~1400 TFLOP/s FP8 rate the
 bench measures, where the Triton TMA kernel reaches 686-753; it is faster at every size from 128 rows on
-(docs/perf-log.md). So on sm_90 `fp8_gemm` hands prefill-sized M to it.
+(docs/perf-log.md, "Prefill FP8 GEMMs on cuBLASLt, fewer decode launches"). So on sm_90 `fp8_gemm` hands
+prefill-sized M to it.
 
 When it is used is decided from facts, never by catching an error: `unavailable(device)` names why not (the env switch,
 no CUDA, a torch or CUDA without block-scaled `scaled_mm`, a GPU other than sm_90, where it was not measured) and

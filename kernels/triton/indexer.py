@@ -1,8 +1,8 @@
 """Lightning indexer: scores Σ_h w·relu(q·k) and the exact, tie-stable top-k selection.
 
 indexer_scores: one program per (query token, BT-key tile) with every head at once (a [BH, BT] tensor-core
-dot over the head dim, ReLU, weighted head sum in registers). BT = 128 for 64 heads (was 32: Q was
-re-read 16x per token at flash prefill and the tiles were too small to hide latency).
+dot over the head dim, ReLU, weighted head sum in registers). BT = 128 for 64 heads (at 32, Q is
+re-read 16x per token at flash prefill and the tiles are too small to hide latency).
 
 topk_indices is a hierarchical bitonic selection on 63-bit keys (value order, then LOWER index, see
 `_common.sort_key`): every key is distinct, so any correct sort gives exactly the reference's stable
@@ -127,11 +127,12 @@ def _topk_rank_kernel(src_ptr, nv_ptr, out_ptr, T, k, BI: tl.constexpr, BJ: tl.c
 
 
 RANK_MAX_COMPARES = 1 << 24
-"""Rows x T x T (key comparisons) up to which `topk_indices` ranks instead of sorting. H200 (2026-11-30,
-graph-timed, k 512, us, sort -> rank with 16 x 256 tiles): batch 1 at T 1024 10.9 -> 3.1, T 1030 (a
-flash cache sized for 4096 + a few tokens: the sort pads to 2048 keys) 32.7 -> 5.2, T 4096 42.6 -> 8.3;
-batch 8 at T 1030 32.5 -> 7.6; batch 16 at T 1024 (2^24 compares) 11.4 -> 9.4; past it the sort wins
-(batch 64 at T 1024 11.7 against 32; batch 1 at T 16384 both ~72)."""
+"""Rows x T x T (key comparisons) up to which `topk_indices` ranks instead of sorting. H200 (graph-timed,
+k 512, us, sort -> rank with 16 x 256 tiles): batch 1 at T 1024 10.9 -> 3.1, T 1030 (a flash cache
+sized for 4096 + a few tokens: the sort pads to 2048 keys) 32.7 -> 5.2, T 4096 42.6 -> 8.3; batch 8
+at T 1030 32.5 -> 7.6; batch 16 at T 1024 (2^24 compares) 11.4 -> 9.4; past it the sort wins (batch 64
+at T 1024 11.7 against 32; batch 1 at T 16384 both ~72). docs/perf-log.md, "Programmatic dependent
+launch, rank top-k"."""
 RANK_BI, RANK_BJ = 16, 256
 
 CHUNK = 2048  # keys sorted per program per round (tests lower it to exercise several rounds)

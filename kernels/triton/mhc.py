@@ -65,9 +65,10 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
                          BK: tl.constexpr, X_TF32: tl.constexpr):
     """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 dot [BT, BK] x [BK, BR], so
     fn is read once per BT tokens instead of once per token. The dot is fp32-accurate on tensor cores
-    (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product). The "ieee" form was
+    (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product). The "ieee" form is
     an FMA loop (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile): 650 us per call at 4096 tokens
-    on the H200, 159 us now (2026-11-29 prefill profiles; hc 4, D 4096)."""
+    on the H200 against 159 us for this one (prefill profiles, hc 4, D 4096; docs/perf-log.md, "Prefill:
+    pre-converted expert input, 64-head attention tiles, the non-GEMM kernels")."""
     pdl_wait()
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     mt = t < T
@@ -222,14 +223,14 @@ MIX_TILE = 8192
 """fn elements (BR x BK) a decode-sized mix program reads per K step; with the token count it sets the
 number of split-K partials (ns) each apply program sums (64 at batch 1, hc 4, D 4096)."""
 APPLY_PARTIALS = 16
-"""Partials per thread in one load of the apply's [BS, BW] tile. It was 4096 / BW per program (128 per
-thread in one warp: the tile spilled to local memory, offline sm_90 compile), now <= 32 per thread.
-H200 (2026-11-29, hc_pre hc 4, D 4096, graph-timed, us) from (MIX_TILE 4096, 1 apply warp, 128 per
-thread) to (8192, 2 warps, 32): batch 1 9.5 -> 8.3, batch 8 12.0 -> 8.8, batch 32 14.9 -> 13.8. Only
-bounding the tile (a loop of four loads at batch 1) was 18.5 us; 4096 / 2 warps 9.1 / 9.3 / 16.2.
-2026-11-30 (with PDL, `.device/hc68.py`, us at batch 1 / 8 / 64): 2 warps and 32 partials a thread 7.57 /
-8.27 / 11.43, 1 warp and 16 7.09 / 7.97 / 11.35 (1 warp and 32: 12.0 / 10.8: the tile spills; 4 warps 7.7 /
-8.6 / 11.3)."""
+"""Partials per thread in one load of the apply's [BS, BW] tile. All of a program's 4096 / BW partials at once
+(128 per thread in one warp) spill the tile to local memory (offline sm_90 compile). H200, hc_pre hc 4, D 4096,
+graph-timed, us at batch 1 / 8 / 64: 1 warp and 16 a thread 7.09 / 7.97 / 11.35; 1 warp and 32 12.0 /
+10.8 (the tile spills); 2 warps and 32 7.57 / 8.27 / 11.43; 4 warps 7.7 / 8.6 / 11.3 (docs/perf-log.md,
+"Fewer decode launches, FP8 `wo_a`, LM head tiles"). Before PDL, at batch 1 / 8 / 32: MIX_TILE 8192, 2
+warps, 32 a thread 8.3 / 8.8 / 13.8; MIX_TILE 4096 with 2 warps 9.1 / 9.3 / 16.2, with 1 warp and 128 a
+thread 9.5 / 12.0 / 14.9; bounding the tile alone (a loop of four loads) 18.5 at batch 1 (docs/perf-log.md,
+"Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
 def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
@@ -313,10 +314,10 @@ token-tiled mix and wide apply tiles; decode with `side`, the branch's default o
 
 Why not fused with `side`: one program per token runs the whole row's sum, norm and quantisation as one
 chain of ~2100 instructions with 16 barriers (offline sm_90 compile), while the apply launch without the
-Sinkhorn rounds spreads the row over 16 programs and `rms_norm_quant` is short. H200 (2026-11-30,
-`.device/mb92.py`, batch 1, hc 4, D 4096, graph-timed chains, us per call incl. the mix launch): fused 10.0;
-apply without comb + `rms_norm_quant` 7.7; apply with comb + `rms_norm_quant` 10.5 (so without a side stream
-the fused form stays)."""
+Sinkhorn rounds spreads the row over 16 programs and `rms_norm_quant` is short. H200 (batch 1, hc 4, D 4096,
+graph-timed chains, us per call incl. the mix launch): fused 10.0; apply without comb + `rms_norm_quant` 7.7;
+apply with comb + `rms_norm_quant` 10.5, so without a side stream the fused form stays (docs/perf-log.md,
+"The batch-1 critical path: norm launches, routing, stream priority")."""
 
 
 @implement("hc_pre_quant", "triton")

@@ -48,8 +48,9 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, cnt_ptr, bias_ptr, t2
                        HASH: tl.constexpr, BE2: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr):
     """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate. The FMA form keeps the
     products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
-    is a cross-thread shuffle tree every step; H200 2026-11-29, E 256, D 4096, graph-timed moe_route:
-    8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2).
+    is a cross-thread shuffle tree every step; H200, E 256, D 4096, graph-timed moe_route, per-step ->
+    deferred: 8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2; docs/perf-log.md,
+    "In-kernel split-K reduction, fewer decode launches, deferred FMA reductions").
 
     SELECT (decode sizes): the last program of a token tile to store its partial -- the one whose increment of
     the tile's counter returns (E tiles x splits) - 1, after a barrier and a release/acquire atomic, as
@@ -166,10 +167,11 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
 GEMV_MAX_T = 16
 ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM = 256, 1
 """The GEMV launch at one or two tokens (batch-1 decode): 256-wide D steps and a split target of one program
-per SM, so the fused select sums 8 partials instead of 32 (E 256, D 4096). H200 (2026-11-30,
-`.device/mb92.py`, graph-timed chains, us per moe_route): BD 128 / 2 per SM (the general setting) 10.7;
-BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2; BD 256 / 0.5 8.9; BD 512 / 1 8.1. Same routing, weights within
-2^-26 (the partials' order). Not measured at more tokens, which keep the general setting."""
+per SM, so the fused select sums 8 partials instead of 32 (E 256, D 4096). H200 (graph-timed chains, us
+per moe_route): BD 128 / 2 per SM (the general setting) 10.7; BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2;
+BD 256 / 0.5 8.9; BD 512 / 1 8.1 (docs/perf-log.md, "The batch-1 critical path: norm launches, routing,
+stream priority"). Same routing, weights within 2^-26 (the partials' order). Not measured at more tokens,
+which keep the general setting."""
 FUSED_SELECT = True
 """On the GEMV path (decode sizes) the selection runs in the logits kernel's last program of each token tile
 (`_moe_logits_kernel` SELECT): one launch per routing instead of two, the same bits (`_select` either way)."""

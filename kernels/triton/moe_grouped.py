@@ -20,32 +20,32 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         in, A pre-scaled by its per-128 power-of-two scale, two bf16 dots per step (the low / high
         nibbles against A's even / odd columns: no interleave), the nibble decode on sm_90 PTX bit placement
         (`_ASM_DECODE`: 4 values per ~7 integer instructions and 4 bf16x2 multiplies;
-        `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). It replaced a byte-permute table lookup
-        (~5 instructions per value): the kernel is bound by these per-element instructions, and the
-        per-step loop went from 965 to 594 SASS instructions at decode tiles (offline sm_90 compile;
-        unmasked loads for whole tiles did 66 of that), which on the H200 (2026-11-29, flash w1|w3;
-        decode sizes graph-timed) took batch 1 from 60.6 to 36.0 us, batch 64 from 1494 to 824 us, a 1024-token
-        prefill from 2476 to 1478 us. When every group scale of the weight is <= 2 (trained weights;
-        checked once per scale tensor, `_scales_fold`) the decode multiplies once, by scale x 2^126
-        (`_ASM_DECODE_FOLDED`): 594 -> 546 SASS per decode-tile step, but on the H200 only 2-4 % at
-        batch 1-8 and 1 % at 1024 tokens, ~0 at batch 32-64 -- the loop is bound by the integer pipe
-        (LOP3 / SHF / PRMT / LEA, half the FP pipe's rate), and the multiplies ran on the FP pipe.
+        `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). The kernel is bound by these per-element
+        instructions: against a byte-permute table lookup (~5 instructions per value) the per-step loop
+        at decode tiles is 594 SASS instructions instead of 965 (offline sm_90 compile; unmasked loads
+        for whole tiles give 66 of that), and on the H200 (flash w1|w3; decode sizes graph-timed) batch 1
+        takes 36.0 us instead of 60.6, batch 64 824 instead of 1494, a 1024-token prefill 1478 instead of
+        2476 (docs/perf-log.md, "Bit-placement FP4 decode, fewer decode launches, parallel routing sort").
+        When every group scale of the weight is <= 2 (trained weights; checked once per scale tensor,
+        `_scales_fold`) the decode multiplies once, by scale x 2^126 (`_ASM_DECODE_FOLDED`): 594 -> 546
+        SASS per decode-tile step, but on the H200 only 2-4 % at batch 1-8 and 1 % at 1024 tokens, ~0 at
+        batch 32-64 -- the loop is bound by the integer pipe (LOP3 / SHF / PRMT / LEA, half the FP pipe's
+        rate), and the multiplies run on the FP pipe.
         Decode-sized blocks split K over a third grid axis (fp32 partials; the tile's last split
         sums them in split order, `splitk_store`).
         Why in-kernel FP4 -> bf16 and not the Hopper FP4 -> FP8 upcast (a per-row-per-128 power-of-two
         rescale, then FP8 MMA): the bf16 form is lossless for *every* scale pattern (e2m1 x 2^e has 2
         significant bits, bf16 the full fp32 exponent range), while the FP8 rescale stays exact only
         while a 128-K block's four group scales lie within 2^14 of each other and needs a second path
-        beyond; and it was slower. That path (upcast once per call into FP8 scratch + a TMA FP8 grouped
-        GEMM) was built and measured on the H200 (2026-11-29, flash w1|w3, [256 x 4096, 4096]):
-        7.0 ms against 4.85 ms for this kernel at 4096 prompt tokens, 5.7 ms against 2.2 ms at 1024 --
-        the scratch round trip (write 1 B, read 1 B per weight element after reading 0.5 B) costs more
-        than the FP8 MMA saves at ~25-100 rows per expert. So it was removed. An in-kernel FP8-MMA form
-        (nibbles -> e4m3 by bit placement, exact for every scale; one k32 e4m3 dot per scale group,
-        promoted in fp32) was also built and measured (2026-11-29): 341-377 SASS per decode step against
-        546, yet 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per 128-K step), its
-        per-group accumulators spill at prefill tiles, and its sums inside the tensor core are not exact
-        (docs/perf-log.md). Not kept.
+        beyond; and it is slower. Upcast once per call into FP8 scratch for a TMA FP8 grouped GEMM, flash
+        w1|w3 [256 x 4096, 4096] takes 7.0 ms on the H200 at 4096 prompt tokens and 5.7 ms at 1024, against
+        4.85 and 2.2 ms for the bf16 form in the same sweep: the scratch round trip (write 1 B, read 1 B per weight
+        element after reading 0.5 B) costs more than the FP8 MMA saves at ~25-100 rows per expert. An FP8
+        MMA inside this kernel (nibbles -> e4m3 by bit placement, one k32 e4m3 dot per scale group,
+        promoted in fp32) is 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per
+        128-K step) and its sums inside the tensor core are not exact (docs/perf-log.md, "Transposed FP4
+        expert GEMM, prefill mHC and RoPE, short-context top-k" and "Prefill: pre-converted expert input,
+        64-head attention tiles, the non-GEMM kernels").
         A comes pre-converted (`a_bf16_split`, A_BF16 below) when K % 128 == 0, at prefill-sized blocks
         (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones -- or as its producer stored it (`a_split`:
         `swiglu_quant` / `rms_norm_quant` / `hc_pre_quant` with split=True, `_common.store_bf16_split`), with no
@@ -165,11 +165,14 @@ def _align_scatter_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, bexp_ptr, P, E, NB
 
 ALIGN_KERNEL_MAX_P = 65536
 """Up to this many rows `align` runs the two chunk-parallel kernels; above, the torch form (~35 launches).
-The kernels replaced one program that walked the chunks in turn (~50 us at 384 rows and ~94 us at 768 on the
-H200). They also run at prefill sizes: a 4096-token flash prefill (24576 rows) issued the torch form's ~35
-launches twice per layer, ~280 launches at ~40 us of host time each, and the prefill is host-bound (its
-Python side took 39 ms against 36 ms of kernels, H200 2026-11-29). Each scatter program reads every chunk's
-counts, O(chunks^2 x experts) in all: ~150 MB of L2 reads at 24576 rows, ~1 GB at the limit."""
+The two launches take 8.7-9.4 us from 48 to 768 rows on the H200, where one program walking the chunks in
+turn takes ~50 us at 384 rows and ~94 us at 768. They also run at prefill sizes: a 4096-token flash prefill
+(24576 rows) would issue the torch form's ~35 launches twice per layer, ~280 launches at ~40 us of host time
+each, and the prefill is host-bound (on the H200 issuing it takes 37-38 ms of host time with these kernels,
+39 with the torch form, against 36 ms of kernels; docs/perf-log.md, "Bit-placement FP4 decode, fewer decode
+launches, parallel routing sort" and "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill
+tiles"). Each scatter program reads every chunk's counts, O(chunks^2 x experts) in all: ~150 MB of L2 reads
+at 24576 rows, ~1 GB at the limit."""
 
 
 def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +246,7 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
 # 16-bit load): prmt spreads them into the high bytes of the two 16-bit halves, x = [0, b0, 0, b1]; then
 # (x << 4 | x >> 2) & 0x81C081C0 is the bf16 pair of the low nibbles (sign at 15, bits 8..6 per half) and
 # (h | h >> 6) & 0x81C081C0 with h = x & 0xF000F000 that of the high nibbles. ~1.75 integer instructions
-# per value (the byte-permute table lookup it replaced took ~5), then two bf16x2 multiplies, x 2^126 and
+# per value (a byte-permute table lookup takes ~5), then two bf16x2 multiplies, x 2^126 and
 # x the group scale, both exact (powers of two; bf16 keeps subnormals). Two multiplies, not one by
 # scale x 2^126: that product overflows bf16 for scales above 2.
 _BITS_LO = ("prmt.b32 x, $2, 0, 0x1404; "  # [0, b0, 0, b1]
@@ -438,9 +441,10 @@ def _asm_ok(device: torch.device) -> bool:
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.device
                 ) -> tuple[int, int, int, int, int]:
-    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweeps,
-    2026-11-29, standalone scripts: decode sizes timed as CUDA graphs, prefill sizes with do_bench;
-    fastest within ~5 %):
+    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweeps:
+    decode sizes timed as CUDA graphs, prefill sizes with do_bench; fastest within ~5 %; docs/perf-log.md,
+    "Bit-placement FP4 decode, fewer decode launches, parallel routing sort" and "Prefill: pre-converted
+    expert input, 64-head attention tiles, the non-GEMM kernels"):
 
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
@@ -466,11 +470,12 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.de
 
 
 A_BF16_DECODE = True
-"""Decode-sized blocks (BM <= 32, K % 128 == 0) take A pre-converted too: one more small launch, the A tile
-no longer converted (fp8 -> fp32 x scale -> bf16, split) in each of its 32-64 (N tile, K split)
-programs. Bitwise the same. H200 (2026-11-29, flash experts, graph-timed, us, in-kernel -> pre-converted):
-w1|w3 batch 1 / 8 / 32 / 64 29.4 / 207 / 570 / 852 -> 28.6 / 202 / 555 / 850; w2 16.1 / 103 / 269 / 403
--> 16.2 / 101 / 259 / 391."""
+"""Decode-sized blocks (BM <= 32, K % 128 == 0) take A pre-converted too: one more small launch instead of
+converting the A tile (fp8 -> fp32 x scale -> bf16, split) in each of its 32-64 (N tile, K split)
+programs. Bitwise the same. H200 (flash experts, graph-timed, us, in-kernel -> pre-converted): w1|w3
+batch 1 / 8 / 32 / 64 29.4 / 207 / 570 / 852 -> 28.6 / 202 / 555 / 850; w2 16.1 / 103 / 269 / 403 ->
+16.2 / 101 / 259 / 391 (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8
+prefill tiles")."""
 A_BF16_MIN_BM = 64
 """Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
 pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every
@@ -525,7 +530,7 @@ def _zero_rows_kernel(c_ptr, e_ptr, P, N, E, BR: tl.constexpr, BN: tl.constexpr)
 
 def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     """Zero the output rows with no local expert (expert parallelism, padding) without filling all of c:
-    at a 4096-token prefill the [P, N] zero fill was 0.48 ms of memset per forward (8 calls, H200)."""
+    at a 4096-token prefill a whole [P, N] zero fill costs 0.48 ms of memset per forward (8 calls, H200)."""
     P, N = c.shape
     BR = 32
     BN = max(16, min(256, triton.next_power_of_2(N)))

@@ -4,7 +4,7 @@ sample: one program per row (the row is L2-resident after the first pass), runti
 row's temperature:
   * temperature == 0: one streaming argmax over the raw logits (first index on ties, as torch.argmax)
     -- a single read of the row, nothing else.
-  * temperature > 0 (4 streaming passes instead of the former <= 63-pass binary search):
+  * temperature > 0 (4 streaming passes, where a binary search takes up to 63):
     1. online max m and softmax denominator Z of the scaled logits s = x / t (div_rn as the reference);
     2. a 256-bin count+mass histogram of q = floor((m - s) * 2048) >> 8 (bins of width 1/8 in m - s,
        monotone in s, so every bin is a contiguous run of the reference's stable descending order and

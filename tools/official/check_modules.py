@@ -4,7 +4,8 @@ against our outputs, for the torch and the Triton backends of `--numerics offici
 
 Relative error ||ours - official|| / ||official|| (fp32) per layer: the attention sub-layer (attn.in ->
 attn.out), the MoE (ffn.in -> ffn.out), the whole block (hc_attn.in -> hc_ffn.out). Plus the torch backend with
-the previous sparse attention (fp32 P, max seeded with the sink) patched in, to show what this change moved.
+the previous sparse attention (fp32 P, max seeded with the sink) patched in, to show what that change moved, and
+both backends with DEEPINFER_KV_QAT=0 (the KV cache as kernel.py's act_quant(inplace=True) leaves it).
 """
 import json
 import os
@@ -85,7 +86,8 @@ def old_sparse_attn(q, kv, sink, idx, scale):
     return torch.einsum("bshk,bskd->bshd", p / den, g).to(q.dtype)
 
 
-def ours(backend, old_attn=False):
+def ours(backend, old_attn=False, kv_qat=True):
+    os.environ["DEEPINFER_KV_QAT"] = "1" if kv_qat else "0"  # read when the model is built
     real = reference.sparse_attn
     if old_attn:
         reference.sparse_attn = old_sparse_attn
@@ -102,8 +104,8 @@ def ours(backend, old_attn=False):
     return ids, run.tokens, dict(run.records)
 
 
-def check(label, backend, old_attn=False):
-    ids, toks, rec = ours(backend, old_attn)
+def check(label, backend, old_attn=False, kv_qat=True):
+    ids, toks, rec = ours(backend, old_attn, kv_qat)
     torch.set_default_dtype(torch.bfloat16)  # as generate.py: kernel.py allocates in the default dtype,
     torch.set_default_device("cuda")  # model.py's index helpers on the default device
     try:
@@ -148,5 +150,9 @@ if __name__ == "__main__":
     out["torch"] = check("torch backend", "torch")
     out["triton"] = check("triton backend", "triton")
     out["torch_old_attn"] = check("torch backend, the previous sparse attention", "torch", old_attn=True)
+    # kernel.py's act_quant(inplace=True) leaves the KV cache and the compressed entries in bf16 as computed:
+    # DEEPINFER_KV_QAT=0 computes the same (tools/official/README.md)
+    out["torch_kv_qat0"] = check("torch backend, DEEPINFER_KV_QAT=0", "torch", kv_qat=False)
+    out["triton_kv_qat0"] = check("triton backend, DEEPINFER_KV_QAT=0", "triton", kv_qat=False)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "official22.json")
     json.dump(out, open(path, "w"), indent=1)

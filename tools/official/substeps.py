@@ -20,7 +20,7 @@ def main():
                 S = x.size(1)
                 rd = a.rope_head_dim
                 fc = a.freqs_cis[:S]
-                qr = q = a.q_norm(a.wq_a(x))
+                q = a.q_norm(a.wq_a(x))
                 q = a.wq_b(q).unflatten(-1, (a.n_local_heads, a.head_dim))
                 q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + a.eps)
                 om.apply_rotary_emb(q[..., -rd:], fc)

@@ -1,0 +1,79 @@
+"""`deepinfer bisect`: the minimal set of op sites (op, layer) whose test implementation makes a run diverge."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from deepinfer import settings
+from deepinfer.debug.bisect import backend_impls, bisect, parse_metric
+from deepinfer.debug.margin import parse_spec, spec_str
+from deepinfer.ops.registry import BackendError
+from deepinfer_cli import common
+from deepinfer_cli.console import console
+from deepinfer_cli.errors import handle_errors
+
+
+@handle_errors
+def bisect_cmd(
+    prompt: str = typer.Argument(..., help="Prompt text, or - to read it from stdin."),
+    model: str = common.MODEL,
+    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
+    test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same numerics, dtype and device, "
+                             "another backend."),
+    steps: int = typer.Option(8, "--steps", "-k", help="Greedy positions compared (prefill + steps-1 decodes)."),
+    metric: str = typer.Option("tokens", "--metric", help="tokens (greedy tokens differ) | logits[:rtol] "
+                               "(teacher-forced logits beyond rtol relative, default 1e-3)."),
+    chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+):
+    """Delta debugging over the (op, layer) sites of one model: which op at which layer, swapped from the
+    reference's backend to the test's, makes the tokens (or logits) diverge. Exit 0 when reference and test
+    agree, 1 when culprits were found, 2 on bad input.
+
+    Example: deepinfer bisect "北京是" --ref backend=torch --test backend=triton --steps 8
+    """
+    parse_metric(metric)
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: must be at least 1")
+    rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
+    for k in ("numerics", "dtype", "device"):
+        if (rs.get(k) or None) != (ts.get(k) or None):
+            raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect swaps "
+                                     "op implementations of one model; give both the same numerics, dtype, device")
+    text = common.read_prompt(prompt)
+    common.check_prompt(text, "chat" if chat else "raw")
+    test_backend = ts["backend"] or "torch"
+    impl = backend_impls(test_backend)
+    lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"], progress=not as_json)
+    if test_backend != "torch" and lm.model.device.type != "cuda" and not (
+            test_backend == "triton" and settings.triton_interpreted()):
+        raise BackendError(f"--test backend={test_backend} needs a CUDA device (device is {lm.model.device})")
+    ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
+    res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
+    if as_json:
+        print(json.dumps(res.to_dict(), ensure_ascii=False))
+    else:
+        con = console()
+        if res.agree:
+            con.print(f"[green]agree[/green]: {res.test} against {res.ref}, {res.steps} positions by {res.metric} "
+                      f"({res.sites} sites, {res.runs} runs)", highlight=False)
+        else:
+            t = Table(title=f"bisect · ref {res.ref} · test {res.test} · {res.metric}")
+            for col in ("op", "layer", "first position", "logits rel_err", "ref margin", "near-tie"):
+                t.add_column(col)
+            for c in res.culprits:
+                t.add_row(c.op, "-" if c.layer is None else str(c.layer), "-" if c.position is None else str(c.position),
+                          f"{c.logits_rel_err:.2e}", "-" if c.ref_margin is None else f"{c.ref_margin:.3f}",
+                          "-" if c.near_tie is None else ("yes" if c.near_tie else "no"))
+            con.print(t)
+            con.print(f"{len(res.culprits)} culprit(s) of {res.sites} sites in {res.runs} runs"
+                      + (f"; {res.note}" if res.note else ""), highlight=False)
+    if not res.agree:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bisect")(bisect_cmd)

@@ -1,0 +1,82 @@
+"""`deepinfer bisect`: delta debugging over (op, layer) sites names a planted divergence, and nothing on
+identical configurations."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from deepinfer.debug.bisect import bisect, ddmin, parse_metric
+from deepinfer.engine.loader import load_model
+from deepinfer.ops import ops
+from deepinfer.ops.registry import REGISTRY
+from deepinfer_cli.app import app
+
+PROMPT = [0] + list(range(300, 330))
+
+
+def test_ddmin_finds_a_minimal_set():
+    runs = []
+
+    def fails(s):
+        runs.append(len(s))
+        return {3, 11} <= set(s)
+
+    assert sorted(ddmin(list(range(40)), fails)) == [3, 11]
+    assert ddmin(list(range(40)), lambda s: 7 in s) == [7]
+    assert len(runs) < 60
+
+
+def test_metric_parsing():
+    assert parse_metric("tokens") == ("tokens", 1e-3)
+    assert parse_metric("logits:0.01") == ("logits", 0.01)
+    for bad in ("tokens:1", "logit", "logits:x", "logits:-1", "logits:nan"):
+        with pytest.raises(ValueError, match="--metric"):
+            parse_metric(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ops.configure("torch")
+    return load_model(None, "official", "float32", "cpu", progress=False).model
+
+
+def _planted(op_name: str, layer: int, factor: float):
+    """The reference everywhere, but op `op_name` scaled by `factor` at `layer`: a divergence born there."""
+    def impl(op):
+        ref = REGISTRY[op].ref
+        if op != op_name:
+            return ref
+
+        def perturbed(*a, **k):
+            out = ref(*a, **k)
+            return out * factor if ops.layer == layer else out
+        return perturbed
+    return impl
+
+
+@pytest.mark.parametrize("metric", ["tokens", "logits:1e-3"])
+def test_bisect_names_the_planted_site(tiny, metric):
+    res = bisect(tiny, PROMPT, 6, metric, _planted("hc_post", 2, 1.5), "ref", "planted", "float32")
+    assert not res.agree
+    assert [(c.op, c.layer) for c in res.culprits] == [("hc_post", 2)], res.culprits
+    c = res.culprits[0]
+    assert c.position is not None and c.logits_rel_err > 1e-3
+    assert res.runs > 2 and res.sites > 20
+
+
+def test_bisect_agrees_on_identical_configurations(tiny):
+    res = bisect(tiny, PROMPT, 4, "logits:1e-6", lambda op: REGISTRY[op].ref, "ref", "ref", "float32")
+    assert res.agree and res.culprits == [] and res.runs == 2
+
+
+def test_cli(tiny_dir):
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "backend=torch,dtype=float32",
+                                 "--test", "backend=torch,dtype=float32", "--steps", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["agree"] and d["culprits"] == [] and d["sites"] > 20
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "dtype=float32", "--test", "dtype=bfloat16"])
+    assert r.exit_code == 2 and "differ in dtype" in r.output
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--metric", "bits"])
+    assert r.exit_code == 2 and "--metric" in r.output
