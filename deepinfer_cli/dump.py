@@ -85,12 +85,17 @@ def dump_cmd(
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
     seed: int = common.SEED,
+    engine: str = typer.Option("deepinfer", "--engine", help="deepinfer | transformers: its "
+                               "DeepseekV4ForCausalLM on the same checkpoint (exact numerics, hooks writing our "
+                               "tap names where it has seams; deepinfer/debug/hf_dump.py)."),
 ):
     """Capture named tensors (per layer: hc mixes, sub-layer inputs, q, kv, compressed kv, indexer,
     attention output, router, MoE output) plus input_ids and logits, into one HDF5 file.
 
     Example: deepinfer dump "北京是" --layers 0-1 --steps 4 --out dumps/ref.h5
     """
+    if engine not in ("deepinfer", "transformers"):
+        raise UserError(f"--engine {engine!r}: deepinfer | transformers")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     if steps < 0:
@@ -98,6 +103,8 @@ def dump_cmd(
     if out is not None:  # checked before any work; the default path's dumps/ is created when missing
         check_output(out, "--out")
     torch.manual_seed(seed)
+    if engine == "transformers":
+        return _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dtype, device, seed)
     lm = common.setup(model, backend, strict, numerics, dtype, device, flaggems=flaggems)
     sel = parse_layers(layer, layers, lm.cfg.n_layers)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
@@ -118,6 +125,45 @@ def dump_cmd(
     path = _save_or_rescue(run, path, attrs, con)
     size = os.path.getsize(path)
     con.print(f"wrote {path}: {len(run.records) + 1} tensors, {size / 1e6:.1f} MB; "
+              f"{len(ids)} prompt tokens, {steps} decode steps, generated {run.tokens}", highlight=False)
+    print(path)
+
+
+def _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dtype, device, seed) -> None:
+    """`dump --engine transformers`: the same prompt, steps and schema from transformers (exact numerics)."""
+    import transformers
+
+    from deepinfer.checkpoint import load_state, open_checkpoint
+    from deepinfer.config import load_config
+    from deepinfer.debug.hf_dump import MISSING_TAPS, run_hf_dump
+    from deepinfer.engine.loader import resolve_device, resolve_model_dir
+    from deepinfer.engine.peer import build_hf_peer
+    from deepinfer.model.weights import DTYPES
+    from deepinfer.tokenizer import V4Tokenizer
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    d = resolve_model_dir(model)
+    dev = resolve_device(device)
+    cfg = load_config(d)
+    if model in (None, "", "deepinfer-tiny"):
+        cfg = cfg.replace(name="deepinfer-tiny")
+    sel = parse_layers(layer, layers, cfg.n_layers)
+    ids = V4Tokenizer.from_model_dir(d).encode_prompt(text, "chat" if chat else "raw")
+    forced = _follow_tokens(follow, steps) if follow else None
+    hf = build_hf_peer(cfg, load_state(open_checkpoint(d), cfg, dev), dev, dtype=DTYPES[dtype])
+    run = run_hf_dump(hf, ids, steps, sel, force_tokens=forced)
+    path = out or default_path(cfg.name, "transformers", "exact", dtype)
+    if out is None:
+        check_output(path, "--out", create_parents=True)
+    attrs = run_fingerprint(device=dev, backend="transformers", numerics="exact", dtype=dtype, model_path=d,
+                            model_name=cfg.name, config_fingerprint=cfg.fingerprint(), prompt=text, seed=seed,
+                            steps=steps, layers="all" if sel is None else ",".join(map(str, sel)),
+                            prompt_mode="chat" if chat else "raw", followed=follow or "", engine="transformers",
+                            transformers_version=transformers.__version__, missing_taps=",".join(MISSING_TAPS))
+    con = Console(stderr=True)
+    path = _save_or_rescue(run, path, attrs, con)
+    con.print(f"wrote {path}: {len(run.records) + 1} tensors (transformers {transformers.__version__}); "
               f"{len(ids)} prompt tokens, {steps} decode steps, generated {run.tokens}", highlight=False)
     print(path)
 

@@ -124,10 +124,10 @@ def peer_bytes(cfg: ModelConfig) -> int:
 
 
 @torch.no_grad()
-def build_hf_peer(cfg: ModelConfig, state: dict, device: torch.device):
-    """transformers' DeepseekV4ForCausalLM in bf16 (eager attention) holding the same weights as `state`.
+def build_hf_peer(cfg: ModelConfig, state: dict, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """transformers' DeepseekV4ForCausalLM in `dtype` (eager attention) holding the same weights as `state`.
 
-    Built on the device with bf16 as the default dtype (the modules transformers keeps in fp32 create
+    Built on the device with `dtype` as the default dtype (the modules transformers keeps in fp32 create
     themselves in fp32, as under from_pretrained), then every parameter and persistent buffer is copied
     from the dequantised official tensors by name (`hf_name`); routed experts are stacked into
     `gate_up_proj` [E, 2I, D] (w1 then w3) and `down_proj` [E, D, I]. Any parameter left unfilled or any
@@ -144,7 +144,7 @@ def build_hf_peer(cfg: ModelConfig, state: dict, device: torch.device):
         except ImportError:
             from contextlib import nullcontext as no_init_weights
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device), no_init_weights():
             hf = DeepseekV4ForCausalLM(hcfg)
