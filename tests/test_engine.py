@@ -11,18 +11,29 @@ def rel(a, b):
 
 
 def test_official_vs_exact_close_but_not_equal(tiny_dir):
+    """The two numerics part where the official code first quantises: the mHC mix and the norm before the
+    first FP8 projection are the same maths (equal in float32), the first q after FP8 activations and
+    weights carries e4m3 rounding (3 mantissa bits: a few % relative; none would be ~1e-7, a misread
+    scale > 10 %), and the logits stay finite and related."""
+    from deepinfer.capture import capturing
+
     ids = torch.tensor([[0, 6127, 389, 17607, 1234, 99, 4321, 777, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
-    out = {}
+    rec = {}
     for num in ("official", "exact"):
         lm = load_model(None, numerics=num, dtype="float32", progress=False)
         lm.model.allocate(1, 32)
-        out[num] = lm.model.prefill(ids, all_logits=True)[0]
-    err = rel(out["official"], out["exact"])
-    print(f"official vs exact (float32) logits rel err {err:.3e}")
-    assert torch.isfinite(out["official"]).all() and torch.isfinite(out["exact"]).all()
-    # Activation FP8 (3 mantissa bits) costs ~4 % per GEMM on this random, untrained model and grows
-    # through 4 layers (~20 % measured); a wrong format (e.g. e8m0 read as a number) gives >100 %.
-    assert 1e-3 < err < 0.5
+        with capturing() as cap:
+            lm.model.prefill(ids, all_logits=True)
+        rec[num] = dict(cap.records)
+    o, e = rec["official"], rec["exact"]
+    for n in ("layers.0.hc_attn.post", "layers.0.hc_attn.comb", "layers.0.attn.in"):
+        assert rel(o[n], e[n]) < 1e-6, n
+    q_err = rel(o["layers.0.attn.q"], e["layers.0.attn.q"])
+    assert 1e-2 < q_err < 0.1, q_err  # measured 3.7e-2
+    err = rel(o["logits"], e["logits"])
+    print(f"official vs exact (float32): first q rel err {q_err:.3e}, logits {err:.3e}")
+    assert torch.isfinite(o["logits"]).all() and torch.isfinite(e["logits"]).all()
+    assert 1e-2 < err < 0.5  # ~20 % measured: the QAT's error grows through 4 layers of an untrained model
 
 
 def test_decode_equals_full_forward_official_bf16():
