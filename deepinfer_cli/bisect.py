@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from deepinfer import settings
-from deepinfer.debug.bisect import backend_impls, bisect, parse_metric
+from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, parse_metric
 from deepinfer.debug.margin import parse_spec, spec_str
 from deepinfer.ops.registry import BackendError
 from deepinfer_cli import common
@@ -21,17 +21,18 @@ def bisect_cmd(
     prompt: str = typer.Argument(..., help="Prompt text, or - to read it from stdin."),
     model: str = common.MODEL,
     ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
-    test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same numerics, dtype and device, "
-                             "another backend."),
+    test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same dtype and device; another "
+                             "backend (op sites) or other numerics (layer sites), not both."),
     steps: int = typer.Option(8, "--steps", "-k", help="Greedy positions compared (prefill + steps-1 decodes)."),
     metric: str = typer.Option("tokens", "--metric", help="tokens (greedy tokens differ) | logits[:rtol] "
                                "(teacher-forced logits beyond rtol relative, default 1e-3)."),
     chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ):
-    """Delta debugging over the (op, layer) sites of one model: which op at which layer, swapped from the
-    reference's backend to the test's, makes the tokens (or logits) diverge. Exit 0 when reference and test
-    agree, 1 when culprits were found, 2 on bad input.
+    """Delta debugging over sites: which op at which layer, swapped from the reference's backend to the
+    test's (op sites), or which layers, switched to the test's numerics (layer sites: e.g. --ref
+    numerics=exact --test numerics=official), make the tokens (or logits) diverge. Exit 0 when reference
+    and test agree, 1 when culprits were found, 2 on bad input.
 
     Example: deepinfer bisect "北京是" --ref backend=torch --test backend=triton --steps 8
     """
@@ -39,20 +40,28 @@ def bisect_cmd(
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be at least 1")
     rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
-    for k in ("numerics", "dtype", "device"):
+    for k in ("dtype", "device"):
         if (rs.get(k) or None) != (ts.get(k) or None):
-            raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect swaps "
-                                     "op implementations of one model; give both the same numerics, dtype, device")
+            raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "
+                             "sites of one compute dtype and device; give both the same")
+    by_numerics = rs["numerics"] != ts["numerics"]
+    if by_numerics and (rs["backend"] or None) != (ts["backend"] or None):
+        raise ValueError("--ref and --test differ in numerics and backend: bisect one axis at a time")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
-    test_backend = ts["backend"] or "torch"
-    impl = backend_impls(test_backend)
     lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"], progress=not as_json)
-    if test_backend != "torch" and lm.model.device.type != "cuda" and not (
-            test_backend == "triton" and settings.triton_interpreted()):
-        raise BackendError(f"--test backend={test_backend} needs a CUDA device (device is {lm.model.device})")
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
-    res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
+    if by_numerics:  # layer sites: the test's numerics per layer (its blocks from a second model)
+        tm = common.setup(model, rs["backend"], False, ts["numerics"], ts["dtype"], ts["device"],
+                          progress=not as_json)
+        res = bisect_numerics(lm.model, tm.model, ids, steps, metric, spec_str(rs), spec_str(ts), rs["dtype"])
+    else:
+        test_backend = ts["backend"] or "torch"
+        impl = backend_impls(test_backend)
+        if test_backend != "torch" and lm.model.device.type != "cuda" and not (
+                test_backend == "triton" and settings.triton_interpreted()):
+            raise BackendError(f"--test backend={test_backend} needs a CUDA device (device is {lm.model.device})")
+        res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
     if as_json:
         print(json.dumps(res.to_dict(), ensure_ascii=False))
     else:

@@ -80,3 +80,28 @@ def test_cli(tiny_dir):
     assert r.exit_code == 2 and "differ in dtype" in r.output
     r = CliRunner().invoke(app, ["bisect", "北京是", "--metric", "bits"])
     assert r.exit_code == 2 and "--metric" in r.output
+
+
+def test_bisect_numerics_names_the_switched_layer(tiny):
+    """Layer sites: a test model that differs from the exact reference only in layer 2's numerics (its block
+    from the official model) is named at ("numerics", 2) and nowhere else."""
+    from deepinfer.debug.bisect import bisect_numerics, hybrid
+
+    exact = load_model(None, "exact", "float32", "cpu", progress=False).model
+    test = hybrid(exact, tiny, {2})  # `tiny` is the official float32 model
+    res = bisect_numerics(exact, test, PROMPT, 4, "logits:1e-3", "exact", "exact+official L2", "float32")
+    assert not res.agree and [(c.op, c.layer) for c in res.culprits] == [("numerics", 2)], res.culprits
+    same = bisect_numerics(exact, exact, PROMPT, 3, "logits:1e-6", dtype="float32")
+    assert same.agree and same.runs == 2
+
+
+def test_cli_numerics_sites(tiny_dir):
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "numerics=exact,dtype=float32",
+                                 "--test", "numerics=official,dtype=float32", "--steps", "3",
+                                 "--metric", "logits:1e-3", "--json"])
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["sites"] == 4 and d["culprits"] and all(c["op"] == "numerics" for c in d["culprits"])
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "numerics=exact,backend=torch",
+                                 "--test", "numerics=official,backend=triton"])
+    assert r.exit_code == 2 and "one axis" in r.output

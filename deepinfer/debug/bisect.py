@@ -14,12 +14,18 @@ culprit is then run alone to say where it first matters (position, logits' relat
 whether the flipped token was a near-tie: the reference's margin within the rounding band of
 `deepinfer.debug.margin`).
 
-Only backend sites are bisected: reference and test must share numerics, dtype and device (one model, the
-kernels swapped op by op). Switching numerics per layer is not a site here.
+Two kinds of site, one axis at a time:
+* (op, layer), when reference and test differ in backend only: one model, each site's op dispatched to
+  the test backend's implementation;
+* ("numerics", layer), when they differ in numerics only (e.g. exact -> official, same dtype): the
+  reference model with those layers' blocks taken from a model built in the test's numerics (`hybrid`),
+  so the search names the layers whose quantisation points matter. The KV layout goes with a layer's
+  numerics (official: the FP8 layout).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -96,33 +102,20 @@ def ddmin(items: list, fails: Callable[[list], bool]) -> list:
 
 
 class Bisector:
-    """One model, one prompt: runs of the reference with some sites swapped to `test_impl(op)`."""
+    """One prompt; `run_with(sites, force) -> (logits, tokens)` runs the reference with `sites` switched to
+    the test (`op_runner`, `numerics_runner`); force: teacher-forced tokens, or None (greedy)."""
 
-    def __init__(self, model, prompt_ids: list[int], steps: int, metric: str, test_impl: Callable[[str], Callable],
-                 dtype: str = "bfloat16"):
-        from deepinfer.ops import ops
-
-        self.ops, self.model, self.prompt, self.steps = ops, model, list(prompt_ids), steps
+    def __init__(self, run_with: Callable, steps: int, metric: str, dtype: str = "bfloat16"):
+        self.run_with, self.steps = run_with, steps
         self.kind, self.rtol = parse_metric(metric)
-        self.test_impl, self.u = test_impl, UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
+        self.u = UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
         self.runs = 0
-        ops.record_sites(True)
-        try:
-            self.ref_logits, self.ref_tokens = self._run({})
-        finally:
-            self.ref_sites = ops.record_sites(False)
+        self.ref_tokens = None
+        self.ref_logits, self.ref_tokens = self._run([])
 
-    def _run(self, sites: dict) -> tuple[list[torch.Tensor], list[int]]:
+    def _run(self, sites: list[Site]) -> tuple[list[torch.Tensor], list[int]]:
         self.runs += 1
-        self.ops.override_sites(sites)
-        try:
-            force = self.ref_tokens if self.kind == "logits" and hasattr(self, "ref_tokens") else None
-            return decode_logits(self.model, self.prompt, self.steps, force=force)
-        finally:
-            self.ops.override_sites(None)
-
-    def swap(self, sites: list[Site]) -> dict:
-        return {s: self.test_impl(s[0]) for s in sites}
+        return self.run_with(sites, self.ref_tokens if self.kind == "logits" else None)
 
     def first_difference(self, logits: list[torch.Tensor], tokens: list[int]) -> int | None:
         if self.kind == "tokens":
@@ -130,11 +123,11 @@ class Bisector:
         return next((i for i, (a, b) in enumerate(zip(logits, self.ref_logits)) if _rel(a, b) > self.rtol), None)
 
     def diverges(self, sites: list[Site]) -> bool:
-        logits, tokens = self._run(self.swap(sites))
+        logits, tokens = self._run(sites)
         return self.first_difference(logits, tokens) is not None
 
     def culprit(self, site: Site) -> Culprit:
-        logits, tokens = self._run(self.swap([site]))
+        logits, tokens = self._run([site])
         pos = self.first_difference(logits, tokens)
         errs = [_rel(a, b) for a, b in zip(logits, self.ref_logits)]
         at = pos if pos is not None else max(range(len(errs)), key=errs.__getitem__)
@@ -150,11 +143,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d) if torch.isfinite(d) else math.inf
 
 
-def bisect(model, prompt_ids: list[int], steps: int, metric: str, test_impl: Callable[[str], Callable],
-           ref: str = "", test: str = "", dtype: str = "bfloat16", sites: list[Site] | None = None) -> BisectResult:
-    """The minimal set of sites whose swap to `test_impl` makes the run diverge (module docstring)."""
-    b = Bisector(model, prompt_ids, steps, metric, test_impl, dtype)
-    cand = sorted(sites if sites is not None else b.ref_sites, key=lambda s: (s[1] is None, s[1] or 0, s[0]))
+def search(b: Bisector, cand: list[Site], ref: str, test: str, metric: str, steps: int) -> BisectResult:
+    """ddmin over `cand` with `b`'s runs (the reference run already made)."""
+    cand = sorted(cand, key=lambda s: (s[1] is None, s[1] or 0, s[0]))
     res = BisectResult(ref, test, metric, steps, len(cand), 0, agree=True)
     if not b.diverges(cand):
         res.runs = b.runs
@@ -166,6 +157,59 @@ def bisect(model, prompt_ids: list[int], steps: int, metric: str, test_impl: Cal
     if len(minimal) > 1:
         res.note = "no single site diverges alone: these switch together"
     return res
+
+
+def op_runner(model, prompt_ids: list[int], steps: int, test_impl: Callable[[str], Callable]) -> Callable:
+    """Runs of `model` with sites (op, layer) dispatched to `test_impl(op)` (`Dispatcher.override_sites`)."""
+    from deepinfer.ops import ops
+
+    def run(sites, force):
+        ops.override_sites({s: test_impl(s[0]) for s in sites})
+        try:
+            return decode_logits(model, list(prompt_ids), steps, force=force)
+        finally:
+            ops.override_sites(None)
+    return run
+
+
+def bisect(model, prompt_ids: list[int], steps: int, metric: str, test_impl: Callable[[str], Callable],
+           ref: str = "", test: str = "", dtype: str = "bfloat16", sites: list[Site] | None = None) -> BisectResult:
+    """Op sites: the minimal set of (op, layer) whose swap to `test_impl` makes the run diverge."""
+    from deepinfer.ops import ops
+
+    run = op_runner(model, prompt_ids, steps, test_impl)
+    ops.record_sites(True)
+    try:
+        b = Bisector(run, steps, metric, dtype)
+    finally:
+        seen = ops.record_sites(False)
+    return search(b, list(sites if sites is not None else seen), ref, test, metric, steps)
+
+
+def hybrid(ref_model, test_model, from_test: set[int]):
+    """The reference model with the blocks `from_test` taken from `test_model` (the same config and compute
+    dtype; each block keeps its numerics: its weights' form, its QAT points, its cache layout)."""
+    m = copy.copy(ref_model)
+    m.layers = [test_model.layers[i] if i in from_test else blk for i, blk in enumerate(ref_model.layers)]
+    return m
+
+
+def numerics_runner(ref_model, test_model, prompt_ids: list[int], steps: int) -> Callable:
+    """Runs with the layers of the sites ("numerics", L) in the test model's numerics."""
+    def run(sites, force):
+        return decode_logits(hybrid(ref_model, test_model, {s[1] for s in sites}), list(prompt_ids), steps,
+                             force=force)
+    return run
+
+
+def bisect_numerics(ref_model, test_model, prompt_ids: list[int], steps: int, metric: str, ref: str = "",
+                    test: str = "", dtype: str = "bfloat16") -> BisectResult:
+    """Layer sites ("numerics", L): the minimal set of layers whose switch to the test model's numerics
+    (e.g. exact -> official) makes the run diverge. Both models: the same checkpoint, config and dtype."""
+    if ref_model.numerics.dtype != test_model.numerics.dtype:
+        raise ValueError("bisect over numerics needs one compute dtype on both sides")
+    b = Bisector(numerics_runner(ref_model, test_model, prompt_ids, steps), steps, metric, dtype)
+    return search(b, [("numerics", L) for L in range(len(ref_model.layers))], ref, test, metric, steps)
 
 
 def backend_impls(backend: str) -> Callable[[str], Callable]:
