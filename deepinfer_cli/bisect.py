@@ -7,10 +7,9 @@ import json
 import typer
 from rich.table import Table
 
-from deepinfer import settings
 from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, parse_metric
 from deepinfer.debug.margin import parse_spec, spec_str
-from deepinfer.ops.registry import BackendError
+from deepinfer.engine.loader import resolve_device
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
@@ -49,6 +48,10 @@ def bisect_cmd(
         raise ValueError("--ref and --test differ in numerics and backend: bisect one axis at a time")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
+    test_backend = ts["backend"] or "torch"
+    if not by_numerics:  # before any load: the test backend must run here
+        common.check_backend_runs(test_backend, resolve_device(rs["device"]), rs["dtype"], "--test backend")
+        impl = backend_impls(test_backend)
     lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"], progress=not as_json)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
     if by_numerics:  # layer sites: the test's numerics per layer (its blocks from a second model)
@@ -56,11 +59,6 @@ def bisect_cmd(
                           progress=not as_json)
         res = bisect_numerics(lm.model, tm.model, ids, steps, metric, spec_str(rs), spec_str(ts), rs["dtype"])
     else:
-        test_backend = ts["backend"] or "torch"
-        impl = backend_impls(test_backend)
-        if test_backend != "torch" and lm.model.device.type != "cuda" and not (
-                test_backend == "triton" and settings.triton_interpreted()):
-            raise BackendError(f"--test backend={test_backend} needs a CUDA device (device is {lm.model.device})")
         res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
     if as_json:
         print(json.dumps(res.to_dict(), ensure_ascii=False))

@@ -42,6 +42,20 @@ def check_prompt(text: str, mode: str = "raw", where: str = "PROMPT") -> None:
                         "to read it from stdin")
 
 
+def check_backend_runs(backend: str, dev, dtype: str, what: str = "--backend") -> None:
+    """Refuse a backend that cannot run (or would lie) on `dev` in `dtype`: a kernel backend needs CUDA, or
+    Triton's interpreter, which computes a bf16 tl.dot wrongly."""
+    interpreted = backend == "triton" and settings.triton_interpreted()
+    if backend != "torch" and dev.type != "cuda" and not interpreted:
+        from deepinfer.ops.registry import BackendError
+
+        raise BackendError(f"{what} {backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
+    if interpreted and dev.type != "cuda" and dtype == "bfloat16":
+        raise UserError(f"{what} triton under TRITON_INTERPRET=1 with --dtype bfloat16: Triton's interpreter "
+                        "computes a bf16 tl.dot wrongly (logits off by 70-140 %), so this run would lie; use "
+                        "--dtype float32 or float16 here, or run bf16 on a GPU")
+
+
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
           device: str | None, progress: bool = True, flaggems: str | None = None) -> LoadedModel:
     """Choose the backend (before any compute, so --strict fails early), enable a FlagGems allow-list
@@ -50,14 +64,6 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
 
     dev = resolve_device(device)
     ops.configure(backend or None, strict if strict else None)
-    interpreted = ops.backend == "triton" and settings.triton_interpreted()
-    if ops.backend != "torch" and dev.type != "cuda" and not interpreted:
-        from deepinfer.ops.registry import BackendError
-
-        raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
-    if interpreted and dev.type != "cuda" and dtype == "bfloat16":
-        raise UserError("--backend triton under TRITON_INTERPRET=1 with --dtype bfloat16: Triton's interpreter "
-                           "computes a bf16 tl.dot wrongly (logits off by 70-140 %), so this run would lie; use "
-                           "--dtype float32 or float16 here, or run bf16 on a GPU")
+    check_backend_runs(ops.backend, dev, dtype)
     enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress)

@@ -131,27 +131,22 @@ def dump_cmd(
 
 def _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dtype, device, seed) -> None:
     """`dump --engine transformers`: the same prompt, steps and schema from transformers (exact numerics)."""
-    import transformers
-
-    from deepinfer.checkpoint import load_state, open_checkpoint
-    from deepinfer.config import load_config
     from deepinfer.debug.hf_dump import MISSING_TAPS, run_hf_dump
-    from deepinfer.engine.loader import resolve_device, resolve_model_dir
-    from deepinfer.engine.peer import build_hf_peer
+    from deepinfer.engine.loader import load_checkpoint, resolve_device
+    from deepinfer.engine.peer import build_hf_peer, require_transformers
     from deepinfer.model.weights import DTYPES
     from deepinfer.tokenizer import V4Tokenizer
 
+    transformers = require_transformers()
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    d = resolve_model_dir(model)
+    forced = _follow_tokens(follow, steps) if follow else None
     dev = resolve_device(device)
-    cfg = load_config(d)
-    if model in (None, "", "deepinfer-tiny"):
-        cfg = cfg.replace(name="deepinfer-tiny")
+    cfg, state, d, _ = load_checkpoint(model, dev)
     sel = parse_layers(layer, layers, cfg.n_layers)
     ids = V4Tokenizer.from_model_dir(d).encode_prompt(text, "chat" if chat else "raw")
-    forced = _follow_tokens(follow, steps) if follow else None
-    hf = build_hf_peer(cfg, load_state(open_checkpoint(d), cfg, dev), dev, dtype=DTYPES[dtype])
+    hf = build_hf_peer(cfg, state, dev, dtype=DTYPES[dtype])
+    del state
     run = run_hf_dump(hf, ids, steps, sel, force_tokens=forced)
     path = out or default_path(cfg.name, "transformers", "exact", dtype)
     if out is None:

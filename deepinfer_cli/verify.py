@@ -35,6 +35,9 @@ def verify_cmd(
         raise ValueError(f"--against {against!r}: transformers is the one engine verify knows")
     if steps < 0:
         raise ValueError(f"--steps {steps}: must be >= 0")
+    from deepinfer.engine.peer import require_transformers
+
+    require_transformers()
     text = common.read_prompt(prompt)
     common.check_prompt(text, "raw")
     from deepinfer.engine.loader import resolve_model_dir

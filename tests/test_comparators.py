@@ -221,3 +221,14 @@ def test_bad_tolerances_are_refused():
         judge_float(torch.ones(1), torch.ones(1), (NAN, 0.0))
     with pytest.raises(ValueError):
         judge_float(torch.ones(1), torch.ones(1), (0.1, 0.0), combine="avg")
+
+
+def test_rel_norm():
+    from deepinfer.debug.comparators import rel_norm
+
+    a = torch.tensor([3.0, 4.0])
+    assert rel_norm(a, a) == 0.0 and rel_norm(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert abs(rel_norm(a * 1.1, a) - 0.1) < 1e-6  # 1.1 in float32
+    assert rel_norm(a, torch.zeros(2)) == float("inf")
+    assert rel_norm(torch.tensor([float("nan"), 1.0]), a) == float("inf")
+    assert rel_norm(a, torch.tensor([float("nan"), 1.0])) == float("inf")

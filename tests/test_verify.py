@@ -72,3 +72,14 @@ def test_dump_engine_transformers_compares_with_ours(tmp_path, tiny_dir):
     assert any(n.endswith("attn.q") for n in rep.only_a)  # a tap transformers has no seam for
     r = runner.invoke(app, ["dump", "北京是", "--engine", "vllm"])
     assert r.exit_code == 2 and "--engine" in r.output
+
+
+@pytest.mark.parametrize("argv", [["verify"], ["dump", "北京是", "--engine", "transformers"]])
+def test_without_transformers_one_line(monkeypatch, argv):
+    """A machine without transformers: one line naming the package, exit 2, before any model work."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    assert "pip install 'transformers" in r.output and "internal error" not in r.output

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from deepinfer.debug.comparators import rel_norm
 from deepinfer.debug.margin import UNIT_ROUNDOFF, decode_logits, top2
 
 Site = tuple  # (op name, layer index or None)
@@ -120,7 +121,7 @@ class Bisector:
     def first_difference(self, logits: list[torch.Tensor], tokens: list[int]) -> int | None:
         if self.kind == "tokens":
             return next((i for i, (a, b) in enumerate(zip(tokens, self.ref_tokens)) if a != b), None)
-        return next((i for i, (a, b) in enumerate(zip(logits, self.ref_logits)) if _rel(a, b) > self.rtol), None)
+        return next((i for i, (a, b) in enumerate(zip(logits, self.ref_logits)) if rel_norm(a, b) > self.rtol), None)
 
     def diverges(self, sites: list[Site]) -> bool:
         logits, tokens = self._run(sites)
@@ -129,7 +130,7 @@ class Bisector:
     def culprit(self, site: Site) -> Culprit:
         logits, tokens = self._run([site])
         pos = self.first_difference(logits, tokens)
-        errs = [_rel(a, b) for a, b in zip(logits, self.ref_logits)]
+        errs = [rel_norm(a, b) for a, b in zip(logits, self.ref_logits)]
         at = pos if pos is not None else max(range(len(errs)), key=errs.__getitem__)
         ref = self.ref_logits[at]
         _, m = top2(ref)
@@ -138,9 +139,6 @@ class Bisector:
         return Culprit(site[0], site[1], pos, errs[at], m, (m <= band) if flipped else None)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    d = (a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)
-    return float(d) if torch.isfinite(d) else math.inf
 
 
 def search(b: Bisector, cand: list[Site], ref: str, test: str, metric: str, steps: int) -> BisectResult:

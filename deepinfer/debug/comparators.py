@@ -191,6 +191,18 @@ def mismatch(got: torch.Tensor, ref: torch.Tensor, strict_dtype: bool = True, sh
     return None
 
 
+def rel_norm(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖got - ref‖ / ‖ref‖ in float64 (on got's device): 0 when equal, inf when not finite or against a zero
+    reference."""
+    ref = ref.to(got.device, torch.float64)
+    d = (got.double() - ref).norm()
+    n = ref.norm()
+    if not n > 0:
+        return 0.0 if d == 0 else math.inf
+    r = float(d / n)
+    return r if math.isfinite(r) else math.inf
+
+
 def _max_rel(d: torch.Tensor, ref: torch.Tensor) -> float:
     """max |Δ| / |ref| (an element with ref 0 counts 0 when equal, inf when not)."""
     if not d.numel():

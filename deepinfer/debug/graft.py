@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from deepinfer.debug.comparators import rel_norm
 
 @dataclass
 class LayerError:
@@ -51,10 +52,6 @@ class GraftResult:
         return d
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    d = (a - b).norm() / b.norm().clamp_min(1e-30)
-    return float(d) if torch.isfinite(d) else float("inf")
 
 
 def grafted_layers(names: list[str]) -> list[int]:
@@ -98,14 +95,14 @@ def graft(model, dump, layers: list[int] | None = None, tol: float = 1e-2) -> Gr
             try:
                 ctx = model._ctx(ids, rows, pos, prefill=True)
                 out = block(dump.tensor(f"layers.{L}.hc_attn.in").to(dev, dt).unsqueeze(0), ctx, ids.to(dev))
-                pre = _rel(out[0], dump.tensor(f"layers.{L}.hc_ffn.out"))
+                pre = rel_norm(out[0], dump.tensor(f"layers.{L}.hc_ffn.out"))
                 dec = []
                 for k in range(1, steps + 1):
                     tok = torch.tensor([[gen[k - 1]]], device=dev)
                     ctx = model._ctx(tok, rows, torch.tensor([[T + k - 1]], device=dev), prefill=False)
                     h = dump.tensor(f"step{k}.layers.{L}.hc_attn.in").to(dev, dt).unsqueeze(0)
                     out = block(h, ctx, tok)
-                    dec.append(_rel(out[0], dump.tensor(f"step{k}.layers.{L}.hc_ffn.out")))
+                    dec.append(rel_norm(out[0], dump.tensor(f"step{k}.layers.{L}.hc_ffn.out")))
             finally:
                 ops.layer = None
             worst = max(range(len(dec)), key=dec.__getitem__) if dec else None

@@ -44,12 +44,11 @@ def _hooks(hf) -> list:
         def pre(name):
             return lambda mod, args, kwargs: tap(name, args[0] if args else kwargs["hidden_states"])
 
-        def post_comb(sub):
+        def post_comb(sub, n=n):
             def hook(mod, args, out):
                 post, comb, _ = out
-                tap(f"{n_}.hc_{sub}.post", post)
-                tap(f"{n_}.hc_{sub}.comb", comb)
-            n_ = n
+                tap(f"{n}.hc_{sub}.post", post)
+                tap(f"{n}.hc_{sub}.comb", comb)
             return hook
 
         def out_tap(name):

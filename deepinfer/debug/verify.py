@@ -58,29 +58,25 @@ def known_differences(hf_config) -> list[str]:
 def verify(model_dir: str | None, prompt_ids: list[int], steps: int, out_dir: str, device: str = "cpu",
            progress: bool = False) -> VerifyResult:
     """Dump both engines to `out_dir` (ours.h5, transformers.h5), compare them, measure the margins."""
-    from deepinfer.checkpoint import load_state, open_checkpoint
-    from deepinfer.config import load_config
     from deepinfer.debug.compare import compare_dumps
     from deepinfer.debug.dumper import run_dump, save
     from deepinfer.debug.hf_dump import run_hf_dump
     from deepinfer.debug.margin import measure
-    from deepinfer.engine.loader import load_model, resolve_model_dir
-    from deepinfer.engine.peer import build_hf_peer
+    from deepinfer.engine.loader import build_model, load_checkpoint, resolve_device, resolve_numerics
+    from deepinfer.engine.peer import build_hf_peer, require_transformers
     from deepinfer.ops import ops
     from deepinfer.outpath import check_output_dir
 
+    require_transformers()
     check_output_dir(out_dir, "--out-dir")
     ops.configure("torch")
-    lm = load_model(model_dir, "exact", "float32", device, progress=progress)
-    run = run_dump(lm.model, prompt_ids, steps)
+    dev = resolve_device(device)
+    cfg, state, _, _ = load_checkpoint(model_dir, dev, progress)  # read once: both engines hold its tensors
+    run = run_dump(build_model(cfg, state, resolve_numerics("exact", "float32"), dev), prompt_ids, steps)
     ours = os.path.join(out_dir, "ours.h5")
     save(run, ours, {"engine": "deepinfer", "numerics": "exact", "dtype": "float32"})
     ours_logits = [t for n, t in run.records if n.endswith("logits")]
-    cfg = lm.cfg
-    del lm
-    d = resolve_model_dir(model_dir, progress)
-    state = load_state(open_checkpoint(d), load_config(d), torch.device(device), progress=progress)
-    hf = build_hf_peer(cfg, state, torch.device(device), dtype=torch.float32)
+    hf = build_hf_peer(cfg, state, dev, dtype=torch.float32)
     del state
     hrun = run_hf_dump(hf, prompt_ids, steps, force_tokens=run.tokens)
     theirs = os.path.join(out_dir, "transformers.h5")

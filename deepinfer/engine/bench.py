@@ -27,8 +27,8 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine.floor import floors, held_bytes, model_bytes
+from deepinfer.engine.loader import build_model
 from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
-from deepinfer.engine.schedule import Schedule
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
 from deepinfer.ops.registry import backend_facts
@@ -73,17 +73,9 @@ def build(opts: BenchOptions, device: torch.device, numerics) -> tuple[ModelConf
     """(cfg, model, official-format state, source description, seconds to make the weights)."""
     t0 = time.perf_counter()
     if opts.model:
-        from deepinfer.checkpoint import load_state, mtp_layers_present, open_checkpoint
-        from deepinfer.config import load_config
-        from deepinfer.engine.loader import resolve_model_dir
+        from deepinfer.engine.loader import load_checkpoint
 
-        model_dir = resolve_model_dir(opts.model, opts.progress)
-        ckpt = open_checkpoint(model_dir)
-        cfg = load_config(model_dir)
-        if cfg.n_mtp_layers and mtp_layers_present(ckpt) == 0 and ckpt.layout == "transformers":
-            cfg = cfg.replace(n_mtp_layers=0, attn_kinds=cfg.attn_kinds[:cfg.n_layers],
-                              compress_ratios=cfg.compress_ratios[:cfg.n_layers])
-        state = load_state(ckpt, cfg, device, progress=opts.progress)
+        cfg, state, model_dir, _ = load_checkpoint(opts.model, device, opts.progress)
         source = f"checkpoint {model_dir}"
     else:
         from deepinfer.engine.random_weights import random_state
@@ -94,8 +86,7 @@ def build(opts: BenchOptions, device: torch.device, numerics) -> tuple[ModelConf
         source = f"preset {opts.preset or 'tiny'} (random weights, seed {opts.seed})"
     sync(device)
     t_weights = time.perf_counter() - t0
-    model = Transformer(cfg, state, numerics, device)
-    model.schedule = Schedule()  # as the loader builds it: side streams and fusions
+    model = build_model(cfg, state, numerics, device)  # as the loader builds it: with the decode plan
     return cfg, model, state, source, t_weights
 
 

@@ -62,6 +62,31 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> str:
     return model
 
 
+def load_checkpoint(model: str | None, device: torch.device, progress: bool = True,
+                    expert_range: tuple[int, int] | None = None) -> tuple[ModelConfig, dict, str, str]:
+    """Open and validate a checkpoint (None: deepinfer-tiny) and read its tensors onto `device` ->
+    (cfg, official-format state, model directory, layout). A transformers-layout checkpoint without the
+    MTP block gets a config without it (transformers drops MTP)."""
+    model_dir = resolve_model_dir(model, progress)
+    ckpt = open_checkpoint(model_dir)
+    cfg = load_config(model_dir)
+    if cfg.n_mtp_layers and mtp_layers_present(ckpt) == 0 and ckpt.layout == "transformers":
+        cfg = cfg.replace(n_mtp_layers=0, attn_kinds=cfg.attn_kinds[:cfg.n_layers],
+                          compress_ratios=cfg.compress_ratios[:cfg.n_layers])
+    if model in (None, "", "deepinfer-tiny"):
+        cfg = cfg.replace(name="deepinfer-tiny")
+    state = load_state(ckpt, cfg, device, progress=progress, expert_range=expert_range)
+    return cfg, state, model_dir, ckpt.layout
+
+
+def build_model(cfg: ModelConfig, state: dict, numerics: Numerics, device,
+                expert_range: tuple[int, int] | None = None) -> Transformer:
+    """The model over `state` (its tensors are used, not copied), with the engine's decode plan."""
+    net = Transformer(cfg, state, numerics, device, expert_range=expert_range)
+    net.schedule = Schedule()
+    return net
+
+
 def load_model(model: str | None = None, numerics: str = "official", dtype: str = "bfloat16",
                device: str | None = None, progress: bool = True,
                expert_range: tuple[int, int] | None = None) -> LoadedModel:
@@ -70,16 +95,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
     `expert_range` (lo, hi): hold (and read) only routed experts lo..hi-1 (expert parallelism)."""
     num = resolve_numerics(numerics, dtype)
     dev = resolve_device(device)
-    model_dir = resolve_model_dir(model, progress)
-    ckpt = open_checkpoint(model_dir)
-    cfg = load_config(model_dir)
-    if cfg.n_mtp_layers and mtp_layers_present(ckpt) == 0 and ckpt.layout == "transformers":
-        cfg = cfg.replace(n_mtp_layers=0, attn_kinds=cfg.attn_kinds[:cfg.n_layers],
-                          compress_ratios=cfg.compress_ratios[:cfg.n_layers])  # transformers drops MTP
-    if model in (None, "", "deepinfer-tiny"):
-        cfg = cfg.replace(name="deepinfer-tiny")
-    state = load_state(ckpt, cfg, dev, progress=progress, expert_range=expert_range)
-    net = Transformer(cfg, state, num, dev, expert_range=expert_range)
-    net.schedule = Schedule()
+    cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range)
+    net = build_model(cfg, state, num, dev, expert_range)
     del state
-    return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, ckpt.layout)
+    return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, layout)

@@ -22,6 +22,7 @@ from deepinfer.checkpoint.reader import _from_transformers, routed_expert, scale
 from deepinfer.checkpoint.schema import expected_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.engine.bench import WARMUP_STEPS, random_prompts
+from deepinfer.engine.loader import OptionError
 from deepinfer.engine.rates import sync
 from deepinfer.model.weights import Linear
 
@@ -38,8 +39,20 @@ _HF_TOP = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
 _TOP = {_from_transformers(t): t for t in _HF_TOP}
 
 
-class PeerError(RuntimeError):
-    """The transformers peer cannot be built or run; the message is the reason."""
+class PeerError(OptionError):
+    """The transformers peer cannot be built or run; the message is the reason (one line, exit 2 at the CLI)."""
+
+
+def require_transformers():
+    """The transformers module with its DeepseekV4ForCausalLM, or PeerError saying how to get it (call before
+    loading anything: a missing package is the user's environment, found before any work)."""
+    try:
+        import transformers
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+    except ImportError as e:
+        raise PeerError(f"transformers with DeepSeek-V4 is not importable here ({e}): "
+                        "pip install 'transformers>=5.2'") from None
+    return transformers
 
 
 def hf_name(name: str) -> str | None:
@@ -222,11 +235,9 @@ def run_peer(cfg: ModelConfig, state: dict, device, batches: list[int], P: int, 
     need, free = peer_bytes(cfg), _free_bytes(device)
     res = {"name": "transformers DeepseekV4ForCausalLM (bf16, eager)", "weight_bytes": need}
     try:
-        import transformers
-
-        res["version"] = transformers.__version__
-    except ImportError as e:
-        return {**res, "error": f"transformers is not importable ({e})"}
+        res["version"] = require_transformers().__version__
+    except PeerError as e:
+        return {**res, "error": str(e)}
     if need > 0.9 * free:
         return {**res, "error": f"does not fit: needs {need / 2**30:.1f} GiB of bf16 weights, "
                                 f"{free / 2**30:.1f} GiB free on {device}"}

@@ -83,11 +83,11 @@ class Schedule:
                 w_ix = a.indexer.start_decode(x, ctx)
         qa, kva = a.project(x, xq)
         qr = a.q_lora(qa)
-        slots = kv = None
+        slots = None
         bkv = fork(x, on=not csa, lane="kv")
         if not csa:  # SWA / HCA: kv norm, cache write and window slots need kva and the positions only
             with bkv:
-                kv = a.kv_decode(kva, ctx, cos, sin)
+                a.kv_decode(kva, ctx, cos, sin)  # into the cache, where the attention reads it
                 slots = a.window_slots(ctx)
         bi = fork(x, on=csa, lane="indexer")
         if csa:
@@ -95,8 +95,7 @@ class Schedule:
                 slots = a.select_decode(x, qr, ctx, w=w_ix, early=bk)
         q = a.q_heads(qr, cos, sin)
         if csa:
-            kv = a.kv_decode(kva, ctx, cos, sin)
+            a.kv_decode(kva, ctx, cos, sin)
             a.compressor.decode(x, ctx)
-        del kv  # written to the cache; read there by the attention
         o = a.attend_decode(q, ctx, slots, (cos, sin), branches=(br, bk, bi, bkv))
         return a.out(o)

@@ -146,6 +146,7 @@ class Dispatcher:
         self.layer: int | None = None
         self._sites: dict[tuple[str, int | None], Callable] | None = None
         self._seen: set[tuple[str, int | None]] | None = None
+        self._siting = False  # either of the two is on: the one check `resolve` makes on its fast path
 
     def configure(self, backend: str | None = None, strict: bool | None = None) -> "Dispatcher":
         backend = backend or default_backend()
@@ -174,17 +175,19 @@ class Dispatcher:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
         wherever given; None restores plain dispatch."""
         self._sites = dict(sites) if sites else None
+        self._siting = self._sites is not None or self._seen is not None
 
     def record_sites(self, on: bool = True) -> set | None:
         """Start (on) or stop recording the (op, layer) sites called; stopping returns them."""
         seen, self._seen = self._seen, (set() if on else None)
+        self._siting = self._sites is not None or self._seen is not None
         return seen
 
     def resolve(self, name: str) -> Callable:
-        if self._seen is not None:
-            self._seen.add((name, self.layer))
-        if self._sites is not None:
-            fn = self._sites.get((name, self.layer))
+        if self._siting:
+            if self._seen is not None:
+                self._seen.add((name, self.layer))
+            fn = self._sites.get((name, self.layer)) if self._sites is not None else None
             if fn is not None:
                 return fn
         fn = self._cache.get(name)
