@@ -19,9 +19,9 @@ from deepinfer_cli.errors import handle_errors
 def bisect_cmd(
     prompt: str = typer.Argument(..., help="Prompt text, or - to read it from stdin."),
     model: str = common.MODEL,
-    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
+    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8."),
     test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same dtype and device; another "
-                             "backend (op sites) or other numerics (layer sites), not both."),
+                             "backend (op sites), other numerics or another kv= (layer sites): one axis."),
     steps: int = typer.Option(8, "--steps", "-k", help="Greedy positions compared (prefill + steps-1 decodes)."),
     metric: str = typer.Option("tokens", "--metric", help="tokens (greedy tokens differ) | logits[:rtol] "
                                "(teacher-forced logits beyond rtol relative, default 1e-3)."),
@@ -30,7 +30,8 @@ def bisect_cmd(
 ):
     """Delta debugging over sites: which op at which layer, swapped from the reference's backend to the
     test's (op sites), or which layers, switched to the test's numerics (layer sites: e.g. --ref
-    numerics=exact --test numerics=official), make the tokens (or logits) diverge. Exit 0 when reference
+    numerics=exact --test numerics=official) or KV format (--ref kv=bf16 --test kv=fp8), make the tokens (or
+    logits) diverge. Exit 0 when reference
     and test agree, 1 when culprits were found, 2 on bad input.
 
     Example: deepinfer bisect "北京是" --ref backend=torch --test backend=triton --steps 8
@@ -44,20 +45,24 @@ def bisect_cmd(
             raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "
                              "sites of one compute dtype and device; give both the same")
     by_numerics = rs["numerics"] != ts["numerics"]
-    if by_numerics and (rs["backend"] or None) != (ts["backend"] or None):
-        raise ValueError("--ref and --test differ in numerics and backend: bisect one axis at a time")
+    by_kv = (rs["kv"] or None) != (ts["kv"] or None)
+    axes = [n for n, d in (("numerics", by_numerics), ("kv", by_kv),
+                           ("backend", (rs["backend"] or None) != (ts["backend"] or None))) if d]
+    if len(axes) > 1:
+        raise ValueError(f"--ref and --test differ in {' and '.join(axes)}: bisect one axis at a time")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     test_backend = ts["backend"] or "torch"
-    if not by_numerics:  # before any load: the test backend must run here
+    layers = by_numerics or by_kv
+    if not layers:  # before any load: the test backend must run here
         common.check_backend_runs(test_backend, resolve_device(rs["device"]), rs["dtype"], "--test backend")
         impl = backend_impls(test_backend)
-    lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"], progress=not as_json)
+    lm = common.setup_spec(model, rs, progress=not as_json)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
-    if by_numerics:  # layer sites: the test's numerics per layer (its blocks from a second model)
-        tm = common.setup(model, rs["backend"], False, ts["numerics"], ts["dtype"], ts["device"],
-                          progress=not as_json)
-        res = bisect_numerics(lm.model, tm.model, ids, steps, metric, spec_str(rs), spec_str(ts), rs["dtype"])
+    if layers:  # layer sites: the test's numerics or KV format per layer (its blocks from a second model)
+        tm = common.setup_spec(model, ts, progress=not as_json)
+        res = bisect_numerics(lm.model, tm.model, ids, steps, metric, spec_str(rs), spec_str(ts), rs["dtype"],
+                              site="kv_format" if by_kv else "numerics")
     else:
         res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
     if as_json:

@@ -67,3 +67,11 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
     check_backend_runs(ops.backend, dev, dtype)
     enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress)
+
+
+def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedModel:
+    """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
+    lm = setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress)
+    if spec.get("kv"):
+        lm.model.set_kv_qat(spec["kv"] == "fp8")
+    return lm

@@ -48,7 +48,7 @@ def margin_cmd(
     prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin (not with --from-dumps)."),
     model: str = common.MODEL,
     steps: int = typer.Option(16, "--steps", "-n", help="Greedy positions to compare (prefill + steps-1 decodes)."),
-    ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=."),
+    ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8."),
     test: str = typer.Option(DEFAULT_TEST, "--test", help="Test SPEC (teacher-forced on the reference's tokens)."),
     k: float = typer.Option(2.0, "--k", help="Noise band multiplier: k·std(Δmargin) of the reference's noise "
                             "run, and k·√2·u·max|logit| for the logits' rounding."),
@@ -81,15 +81,13 @@ def margin_cmd(
         common.check_prompt(text, "chat" if chat else "raw")
         rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
         # The reference loads first: its tokenizer encodes the prompt, and run_margin reuses it.
-        ref_lm = common.setup(model, rs["backend"], False, rs["numerics"], rs["dtype"], rs["device"],
-                              progress=not as_json)
+        ref_lm = common.setup_spec(model, rs, progress=not as_json)
         ids = ref_lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
 
         def load(spec):
             if spec is rs:
                 return ref_lm.model
-            return common.setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"],
-                                progress=not as_json).model
+            return common.setup_spec(model, spec, progress=not as_json).model
 
         res, _ = run_margin(ids, steps, rs, ts, load, k, tol, band, noise)
         token_text = ref_lm.tokenizer.token_text

@@ -105,3 +105,73 @@ def test_cli_numerics_sites(tiny_dir):
     r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "numerics=exact,backend=torch",
                                  "--test", "numerics=official,backend=triton"])
     assert r.exit_code == 2 and "one axis" in r.output
+
+
+def _planted_many(sites: dict):
+    """The reference, but op o scaled by sites[(o, layer)] at that layer."""
+    def impl(op):
+        ref = REGISTRY[op].ref
+        if op not in {o for o, _ in sites}:
+            return ref
+
+        def perturbed(*a, **k):
+            out = ref(*a, **k)
+            return out * sites.get((op, ops.layer), 1.0)
+        return perturbed
+    return impl
+
+
+def test_bisect_reports_a_set_that_diverges_only_together(tiny):
+    """Two sites each within the logits tolerance alone, beyond it together: both are culprits, and the result
+    carries the error they make together (each alone is within the metric, so its own error says little)."""
+    from deepinfer.debug.bisect import Bisector, op_runner
+    from deepinfer.debug.comparators import rel_norm
+
+    a, b = ("linear", None), ("rms_norm", None)  # the head's norm and LM head: each scales the logits by 1.002
+    impl = _planted_many({a: 1.002, b: 1.002})
+    probe = Bisector(op_runner(tiny, PROMPT, 3, impl), 3, "logits:1e-9", "float32")
+
+    def err(sites):
+        logits, _ = probe._run(sites)
+        return max(rel_norm(x, y) for x, y in zip(logits, probe.ref_logits))
+
+    one = {s: err([s]) for s in (a, b)}
+    err_both = err([a, b])
+    assert err_both > max(one.values()) * 1.5, (one, err_both)
+    rtol = (max(one.values()) + err_both) / 2
+    res = bisect(tiny, PROMPT, 3, f"logits:{rtol}", impl, "ref", "p", "float32")
+    assert not res.agree
+    assert sorted((c.op, c.layer) for c in res.culprits) == [a, b], res.culprits
+    assert all(c.logits_rel_err <= rtol for c in res.culprits)
+    assert res.joint_logits_rel_err > rtol and res.joint_position is not None
+    assert "together" in res.note and f"{res.joint_logits_rel_err:.2e}" in res.note
+
+
+def test_bisect_kv_format_names_the_switched_layer(tiny):
+    """KV-format sites: official numerics whose layer 1 alone holds its cache with the FP8 QAT (`set_kv_qat`)
+    is named at ("kv_format", 1) and nowhere else."""
+    from deepinfer.debug.bisect import bisect_numerics, hybrid
+
+    fp8 = load_model(None, "official", "float32", "cpu", progress=False).model
+    fp8.set_kv_qat(True)
+    assert all(a.fp8_kv for a in fp8.attentions()) and not any(a.fp8_kv for a in tiny.attentions())
+    test = hybrid(tiny, fp8, {1})
+    res = bisect_numerics(tiny, test, PROMPT, 4, "logits:1e-4", "bf16 kv", "fp8 kv at L1", "float32",
+                          site="kv_format")
+    assert not res.agree and [(c.op, c.layer) for c in res.culprits] == [("kv_format", 1)], res.culprits
+    exact = load_model(None, "exact", "float32", "cpu", progress=False).model
+    with pytest.raises(ValueError, match="official"):
+        exact.set_kv_qat(True)
+
+
+def test_cli_kv_sites(tiny_dir):
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "kv=bf16,dtype=float32", "--test", "kv=fp8,dtype=float32",
+                                 "--steps", "3", "--metric", "logits:1e-5", "--json"])
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["sites"] == 4 and d["culprits"] and all(c["op"] == "kv_format" for c in d["culprits"])
+    assert "kv=fp8" in d["test"]
+    for bad, msg in ((["--test", "kv=fp16"], "kv=fp16"), (["--test", "kv=fp8,numerics=exact"], "official"),
+                     (["--test", "kv=fp8,backend=triton"], "one axis")):
+        r = CliRunner().invoke(app, ["bisect", "北京是", *bad])
+        assert r.exit_code == 2 and msg in r.output, r.output

@@ -102,9 +102,11 @@ def test_indexer_fp4_blocks_of_32(monkeypatch, tiny_dir):
 
 def test_kv_nope_fp8_blocks_of_64(monkeypatch, tiny_dir):
     """model.py, Attention.forward: `act_quant(kv[..., :-rd], 64, scale_fmt, scale_dtype, True)`: the
-    cache's no-RoPE dims FP8-simulated per 64 (the compressed entries too). Official numerics hold the
-    cache in its FP8 layout, so the simulation is the packing (`kv_pack`: the codes and scales of
-    act_quant(kv_nope, 64)); decode packs inside `kv_store`."""
+    cache's no-RoPE dims FP8-simulated per 64 (the compressed entries too) -- as the release means it, which
+    DEEPINFER_KV_QAT=1 follows (by default its kernel's no-op is: `test_kv_qat_off_keeps_the_cache_as_computed`).
+    The QAT holds the cache in its FP8 layout, so the simulation is the packing (`kv_pack`: the codes and scales
+    of act_quant(kv_nope, 64)); decode packs inside `kv_store`."""
+    monkeypatch.setenv("DEEPINFER_KV_QAT", "1")
     rope_dims = _record(monkeypatch, "kv_pack")
     assert rope_dims and set(rope_dims) == {64}, rope_dims
     kv = _q(4, (6, 512)).float()
@@ -149,9 +151,11 @@ def test_fp4_scale_is_a_power_of_two_over_6():
 
 
 def test_kv_qat_off_keeps_the_cache_as_computed(monkeypatch, tiny_dir):
-    """DEEPINFER_KV_QAT=0: official numerics with kernel.py's act_quant(inplace=True) as it runs -- its inner
-    `T.Cast(out_dtype, ...)` with `out_dtype = in_dtype` for inplace leaves x unchanged -- so the window's kv
-    and the compressed entries stay off the FP8 grid, in a float cache; everything else stays official."""
+    """Official numerics by default (DEEPINFER_KV_QAT unset = 0) follow kernel.py's act_quant(inplace=True) as it
+    runs -- its inner `T.Cast(out_dtype, ...)` with `out_dtype = in_dtype` for inplace leaves x unchanged (H200:
+    0 of 28672 bf16 elements changed) -- so the window's kv and the compressed entries stay off the FP8 grid, in a
+    bf16 cache; DEEPINFER_KV_QAT=1 puts them on it (per 64, the QAT the release's comments describe), in the FP8
+    layout. Everything else is the same official numerics."""
     from deepinfer.capture import capturing
     from deepinfer.engine.loader import load_model
 
@@ -164,9 +168,10 @@ def test_kv_qat_off_keeps_the_cache_as_computed(monkeypatch, tiny_dir):
             logits, _ = m.prefill(ids)
         return m, dict(cap.records), logits
 
-    m_on, rec_on, logits_on = run()
-    monkeypatch.setenv("DEEPINFER_KV_QAT", "0")
+    monkeypatch.delenv("DEEPINFER_KV_QAT", raising=False)
     m_off, rec_off, logits_off = run()
+    monkeypatch.setenv("DEEPINFER_KV_QAT", "1")
+    m_on, rec_on, logits_on = run()
     a_on, a_off = m_on.attentions()[1], m_off.attentions()[1]  # a CSA layer: window kv and entries
     assert a_on.kv_cache.dtype == torch.uint8 and a_off.kv_cache.dtype == torch.bfloat16
     assert not a_off.kv_qat and not a_off.compressor.kv_qat
@@ -179,6 +184,33 @@ def test_kv_qat_off_keeps_the_cache_as_computed(monkeypatch, tiny_dir):
     assert not torch.equal(logits_on, logits_off)
     with pytest.raises(ValueError, match="KV QAT"):
         m_off.set_kv_layout("fp8")
+
+
+def test_indexer_scores_round_as_model_py(tiny_dir):
+    """model.py, Indexer.forward: `index_score = torch.einsum("bshd,btd->bsht", q, self.kv_cache[...])` on bf16
+    q and keys (bf16 logits), `weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)`
+    (bf16), `index_score = (index_score.relu_() * weights.unsqueeze(-1)).sum(dim=2)` (bf16). The reference's
+    rounding="bf16" is those lines on fresh random inputs, and official numerics use it (exact: fp32)."""
+    from deepinfer.engine.loader import load_model
+    from deepinfer.ops.reference import indexer_scores
+
+    g = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 9, 8, 64, generator=g).bfloat16()
+    kv = torch.randn(1, 13, 64, generator=g).bfloat16()
+    w = torch.randn(1, 9, 8, generator=g).bfloat16()
+    scale = 64 ** -0.5 * 8 ** -0.5
+    weights = w * scale
+    want = (torch.einsum("bshd,btd->bsht", q, kv).relu_() * weights.unsqueeze(-1)).sum(dim=2)
+    assert want.dtype == torch.bfloat16
+    got = indexer_scores(q, kv, w, w_scale=scale, rounding="bf16")
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    assert not torch.equal(indexer_scores(q, kv, w, w_scale=scale), want.float())  # fp32 rounds elsewhere
+    with pytest.raises(ValueError, match="rounding"):
+        indexer_scores(q, kv, w, w_scale=scale, rounding="fp16")
+    off = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+    ex = load_model(None, "exact", "bfloat16", "cpu", progress=False).model
+    assert {a.indexer.rounding for a in off.attentions() if a.indexer} == {"bf16"}
+    assert {a.indexer.rounding for a in ex.attentions() if a.indexer} == {"fp32"}
 
 
 # ------------------------------------------------------------------- the sparse attention

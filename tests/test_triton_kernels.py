@@ -519,6 +519,28 @@ def test_indexer_scores(seed, H, T, D, dtype):
     assert torch.equal(ref, REGISTRY["indexer_scores"].ref(q, cache, wb.float() * sc, rows))
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("H,T,D,dtype", [(4, 40, 24, torch.float32)]
+                         + ([(64, 50, 128, torch.bfloat16)] if COMPILED else []))  # bf16 dot: GPU only
+def test_indexer_scores_bf16_rounding(seed, H, T, D, dtype):
+    """rounding="bf16" (official numerics, model.py's bf16 einsum, weights and head sum): the Triton scores sit
+    on the bf16 grid and match the reference's to one bf16 rounding of a differently ordered fp32 sum. Inputs
+    bf16-exact (the interpreter's bf16 dot is wrong: fp32 operands there)."""
+    g = gen(seed)
+    B, S = 2, 3
+    q = randn(g, B, S, H, D, dtype=torch.bfloat16).to(dtype)
+    cache = randn(g, 5, T, D, dtype=torch.bfloat16).to(dtype)
+    rows = torch.tensor([3, 0], device=DEV)
+    wb, sc = randn(g, B, S, H, dtype=torch.bfloat16), D ** -0.5 * H ** -0.5
+    out, ref = run_both("indexer_scores", q, cache, wb, rows, w_scale=sc, rounding="bf16")
+    assert not torch.isnan(out).any() and (out != 0).any()
+    assert torch.equal(out, out.bfloat16().float()) and torch.equal(ref, ref.bfloat16().float())
+    torch.testing.assert_close(out, ref, rtol=2.0 ** -7, atol=2.0 ** -8 * ref.abs().max().item())
+    assert (out == ref).float().mean() > 0.9  # the same rounding points: mostly the same bits
+    fp32 = REGISTRY["indexer_scores"].ref(q, cache, wb, rows, w_scale=sc)
+    assert not torch.equal(fp32, ref)  # the form matters (the test would not see a missing rounding)
+
+
 def _tied_scores(g, B, S, T):
     s = torch.randn(B, S, T, generator=g).relu()  # ~half exact zeros: massive ties
     s = (s * 4).round() / 4  # more ties among the positives

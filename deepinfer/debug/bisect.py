@@ -59,6 +59,9 @@ class BisectResult:
     agree: bool  # the whole test configuration agrees with the reference
     culprits: list[Culprit] = field(default_factory=list)
     note: str = ""
+    # the culprits switched together (a minimal set of more than one site: each alone stays within the metric)
+    joint_position: int | None = None
+    joint_logits_rel_err: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +156,12 @@ def search(b: Bisector, cand: list[Site], ref: str, test: str, metric: str, step
     res.culprits = [b.culprit(s) for s in minimal]
     res.runs = b.runs
     if len(minimal) > 1:
-        res.note = "no single site diverges alone: these switch together"
+        logits, tokens = b._run(minimal)
+        res.runs = b.runs
+        res.joint_position = b.first_difference(logits, tokens)
+        res.joint_logits_rel_err = max(rel_norm(x, y) for x, y in zip(logits, b.ref_logits))
+        res.note = (f"no single site diverges alone: these switch together (together: logits rel_err "
+                    f"{res.joint_logits_rel_err:.2e}, first position {res.joint_position})")
     return res
 
 
@@ -201,13 +209,14 @@ def numerics_runner(ref_model, test_model, prompt_ids: list[int], steps: int) ->
 
 
 def bisect_numerics(ref_model, test_model, prompt_ids: list[int], steps: int, metric: str, ref: str = "",
-                    test: str = "", dtype: str = "bfloat16") -> BisectResult:
-    """Layer sites ("numerics", L): the minimal set of layers whose switch to the test model's numerics
-    (e.g. exact -> official) makes the run diverge. Both models: the same checkpoint, config and dtype."""
+                    test: str = "", dtype: str = "bfloat16", site: str = "numerics") -> BisectResult:
+    """Layer sites (site, L): the minimal set of layers whose switch to the test model's blocks makes the run
+    diverge -- its numerics (site "numerics": e.g. exact -> official) or its KV format (site "kv_format":
+    `Transformer.set_kv_qat`). Both models: the same checkpoint, config and dtype."""
     if ref_model.numerics.dtype != test_model.numerics.dtype:
         raise ValueError("bisect over numerics needs one compute dtype on both sides")
     b = Bisector(numerics_runner(ref_model, test_model, prompt_ids, steps), steps, metric, dtype)
-    return search(b, [("numerics", L) for L in range(len(ref_model.layers))], ref, test, metric, steps)
+    return search(b, [(site, L) for L in range(len(ref_model.layers))], ref, test, metric, steps)
 
 
 def backend_impls(backend: str) -> Callable[[str], Callable]:

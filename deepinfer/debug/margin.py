@@ -28,20 +28,26 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-SPEC_KEYS = ("backend", "numerics", "dtype", "device")
+SPEC_KEYS = ("backend", "numerics", "dtype", "device", "kv")
+KV_FORMATS = ("bf16", "fp8")  # the KV cache's form under official numerics (`Transformer.set_kv_qat`)
 DEFAULT_REF = "numerics=exact,dtype=float32"
 DEFAULT_TEST = "numerics=official,dtype=bfloat16"
 
 
 def parse_spec(spec: str, what: str = "--ref") -> dict:
-    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu` -> dict (missing keys: defaults)."""
-    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None}
+    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8` -> dict (missing keys: defaults; kv None:
+    the build's default, DEEPINFER_KV_QAT)."""
+    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
         if not eq or k not in SPEC_KEYS or not v:
             raise ValueError(f"{what} {spec!r}: expected key=value pairs with keys {', '.join(SPEC_KEYS)}")
         out[k] = v
+    if out["kv"] is not None and out["kv"] not in KV_FORMATS:
+        raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
+    if out["kv"] == "fp8" and out["numerics"] != "official":
+        raise ValueError(f"{what} {spec!r}: kv=fp8 is official numerics' KV QAT; {out['numerics']} keeps a float cache")
     return out
 
 

@@ -79,6 +79,7 @@ class Indexer:
         self.wq_b = W.linear(prefix + "wq_b")
         self.weights_proj = W.linear(prefix + "weights_proj", force_float=True)
         self.scale = self.d ** -0.5 * self.n_heads ** -0.5
+        self.rounding = "bf16" if numerics.official else "fp32"  # scores rounded as each numerics' source
         self.compressor = Compressor(W, prefix + "compressor.", ratio, self.d, self.rd, overlap=True, rotate=True,
                                      numerics=numerics, norm_eps=cfg.norm_eps)
 
@@ -121,7 +122,7 @@ class Indexer:
         if w is None:
             w = self.weights_proj(x)
         # the head weights as projected; the op scales them (w.float() * scale) as it loads them
-        scores = ops.indexer_scores(q, keys, w, rows, w_scale=self.scale)  # [B, S, T]
+        scores = ops.indexer_scores(q, keys, w, rows, w_scale=self.scale, rounding=self.rounding)  # [B, S, T]
         n_valid = ctx.memo(("n_valid", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)

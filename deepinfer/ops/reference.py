@@ -355,16 +355,27 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
 
 @defop("indexer_scores", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)})
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None,
-                   w_scale: float = 1.0) -> torch.Tensor:
-    """Lightning-indexer scores Σ_h w'[b,s,h] · relu(q[b,s,h]·k[b,t]) in float32, w' = w.float() · w_scale.
+                   w_scale: float = 1.0, rounding: str = "fp32") -> torch.Tensor:
+    """Lightning-indexer scores Σ_h w'[b,s,h] · relu(q[b,s,h]·k[b,t]), w' = w · w_scale.
 
     q [B, S, H, D], k [B, T, D], w [B, S, H] (the head weights as projected; w_scale = D^-0.5 · H^-0.5, the
-    model's scale, applied in float32 as `w.float() * w_scale`) -> [B, S, T] f32.
+    model's scale) -> [B, S, T] f32.
     rows [B] int64: k is a key cache [R, T, D] and batch b scores against k[rows[b]] (decode reads the
     cache in place instead of gathering every row's keys first).
+    rounding "fp32": every step in float32 (w' = w.float() * w_scale). "bf16": where DeepSeek's model.py
+    `Indexer.forward` rounds -- its einsum of bf16 q and keys returns bf16 logits (fp32 accumulation),
+    `weights_proj(x) * scale` is bf16, so is relu(logits) * w', and `.sum(dim=2)` over the heads accumulates
+    in fp32 and rounds once to bf16: scores on the bf16 grid, where ties are common (`topk_indices` breaks
+    them towards the lower index, as torch.topk's CUDA selection does).
     """
+    if rounding not in ("fp32", "bf16"):
+        raise ValueError(f"indexer_scores rounding {rounding!r}: fp32 | bf16")
     if rows is not None:
         k = k[rows]
+    if rounding == "bf16":
+        bf = torch.bfloat16
+        logits = torch.einsum("bshd,btd->bsht", q.to(bf), k.to(bf))
+        return (logits.relu() * (w.to(bf) * w_scale).unsqueeze(-1)).sum(dim=2).float()
     logits = torch.einsum("bshd,btd->bsht", q.float(), k.float())
     return (logits.relu() * (w.float() * w_scale).unsqueeze(-1)).sum(dim=2)
 

@@ -125,6 +125,15 @@ def tf32_exact(t: torch.Tensor) -> bool:
 
 
 @triton.jit
+def round_bf16(x):
+    """float32 x rounded to the nearest bf16 (ties to even), returned as float32: what `.to(tl.bfloat16)` does on
+    a GPU, spelled out in bits because Triton's CPU interpreter truncates that conversion instead."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tf32_hi(x):
     """float32 x with its low 13 mantissa bits cleared: the top 10 (tf32-exact); x - tf32_hi(x) is the rest."""
     return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)

@@ -33,19 +33,16 @@ dequantised weight): decode sizes stream the FP8 weight (`_fp8w_group_kernel`: e
 in registers, exact, the block's partial times its power-of-two scale); prefill dequantises into a per-call
 bf16 scratch for cuBLAS's bmm.
 
-fp8_gemm at prefill on sm_90 goes to cuBLASLt's block-scaled FP8 GEMM (`gemm_vendor`: the same numerics at 69-87 %
-of the FP8 rate at M 4096, where the kernel below reaches ~50 %), for the shapes it takes; every other prefill
-GEMM, and every one under DEEPINFER_FP8_GEMM=triton, runs the TMA kernel.
-
-fp8_gemm at prefill on sm_90+ (`_fp8_gemm_tma_kernel`): operands through TMA tensor descriptors and the
-fp32 promotion once per 128-K block (max_num_imprecise_acc = 128: the four k-32 wgmmas of a block
-accumulate in the tensor core, then the block's partial is scaled into the fp32 accumulator). This is
-DeepGEMM's and the official kernels' scheme (DeepSeek-V3 report: promotion interval 128). The decode
-kernel's promotion after every wgmma (max_num_imprecise_acc = 0) keeps prefill at ~290 TFLOP/s whatever
-the tile. Tiles: `TMA_TILES` (680-750 TFLOP/s at the flash prefill shapes, L2 flushed; 865-930 at
-K 4096-8192 with the weights warm in L2). The price is the tensor core's
-accumulator precision within a block (about 2^-13 relative to the block's sum of |a w|), below the bf16
-output's rounding (2^-9).
+fp8_gemm at prefill (M > 64) on sm_90+ runs the TMA kernel (`_fp8_gemm_tma_kernel`, operands through TMA tensor
+descriptors, `TMA_TILES`). By default (DEEPINFER_FP8_GEMM=exact) it promotes the tensor core's partial to the fp32
+accumulator after every wgmma (max_num_imprecise_acc = 0): the official fp8_gemm's fp32 accumulation, its outputs to
+5e-6 relative at M 4096 (H200, tools/official/check_kernels.py), at ~290 TFLOP/s. DEEPINFER_FP8_GEMM=triton promotes
+once per 128-K block (max_num_imprecise_acc = 128, DeepGEMM's scheme, the DeepSeek-V3 report's promotion interval:
+680-750 TFLOP/s at the flash prefill shapes, L2 flushed; 865-930 at K 4096-8192 with the weights warm in L2), and
+=auto hands the shapes cuBLASLt takes to its block-scaled GEMM (`gemm_vendor`, same promotion, 69-87 % of the FP8
+rate). The price of both is the tensor core's accumulator precision within a block (about 2^-13 relative to the
+block's sum of |a w|): below the bf16 output's rounding, but 6.7 % of outputs one ulp off the official kernel's,
+which the next FP8 quantisation turns into 1-8 % per layer against the official modules.
 """
 
 from __future__ import annotations
@@ -137,7 +134,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, KS_W,
-                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr):
     # BK = 128; the descriptors zero-fill rows and K columns past the edges
     pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
@@ -149,7 +146,10 @@ def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, K
         w = w_desc.load([pid_n * BN, kb * 128])
         sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + (rn // 128) * KS_W + kb, mask=rn < N, other=0.0)
-        acc += tl.dot(a, w.T, max_num_imprecise_acc=128) * (sa[:, None] * sw[None, :])
+        if EXACT:  # fp32 after every wgmma, as the official kernel accumulates
+            acc += tl.dot(a, w.T, max_num_imprecise_acc=0) * (sa[:, None] * sw[None, :])
+        else:
+            acc += tl.dot(a, w.T, max_num_imprecise_acc=128) * (sa[:, None] * sw[None, :])
     _store_out(acc, c_ptr, c_ptr, c_ptr, rm, rn, M, N, False)
 
 
@@ -189,7 +189,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
         ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
-                                   BM=BM, BN=BN, GROUP_M=GM, num_warps=nw, num_stages=ns, **pdl())
+                                   BM=BM, BN=BN, GROUP_M=GM, EXACT=gemm_vendor.mode() == "exact",
+                                   num_warps=nw, num_stages=ns, **pdl())
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:

@@ -2,12 +2,13 @@
 
 C[M, N] = A Wᵀ with A e4m3 [M, K] and its per-row, per-128-K scales, W e4m3 [N, K] with its 128x128 block scales:
 the numerics of `fp8_gemm`. cuBLASLt (CUDA 12.9+) implements that scaling on Hopper (`VEC128_32F` for A,
-`BLK128x128_32F` for W), promoting the tensor-core partials to fp32 per 128-K block as DeepGEMM and our Triton TMA
-kernel do; its error against the fp32 reference is the same (H200, flash shapes at M 2048 / 4096: 0.22-0.47 of the
-`tc_bounds` bound for both). At M 4096 it runs at 965-1218 TFLOP/s, 69-87 % of the ~1400 TFLOP/s FP8 rate the
-bench measures, where the Triton TMA kernel reaches 686-753; it is faster at every size from 128 rows on
-(docs/perf-log.md, "Prefill FP8 GEMMs on cuBLASLt, fewer decode launches"). So on sm_90 `fp8_gemm` hands
-prefill-sized M to it.
+`BLK128x128_32F` for W), promoting the tensor-core partials to fp32 per 128-K block as DeepGEMM does. At M 4096 it
+runs at 965-1218 TFLOP/s, 69-87 % of the ~1400 TFLOP/s FP8 rate the bench measures (docs/perf-log.md). Its
+accumulation within a block is the tensor core's, not fp32: against DeepSeek's own fp8_gemm (TileLang, fp32
+accumulation) 6.9e-4 relative with 6.7 % of the bf16 outputs one ulp off (H200, M 4096, N 1536, K 4096,
+tools/official/check_kernels.py), where the exact Triton kernel is 5e-6 / 0.001 %; through the FP8 re-quantisation of
+the next layer that grows to 1-8 % per layer against the official modules. So it is opt-in (`DEEPINFER_FP8_GEMM=auto`
+or `cublas`; prefill 4096 ~10 % faster); the default `exact` keeps every shape on the Triton kernels.
 
 When it is used is decided from facts, never by catching an error: `unavailable(device)` names why not (the env switch,
 no CUDA, a torch or CUDA without block-scaled `scaled_mm`, a GPU other than sm_90, where it was not measured) and
@@ -26,14 +27,15 @@ import torch.nn.functional as F
 MIN_M = 65
 """From this many rows on (`fp8_gemm`'s prefill path); decode sizes stay on the split-K Triton kernel."""
 
-_MODES = ("auto", "cublas", "triton")
+_MODES = ("exact", "auto", "cublas", "triton")
 
 
 def mode() -> str:
-    """DEEPINFER_FP8_GEMM: auto (cuBLASLt on sm_90), cublas (on any CUDA GPU that has it) or triton."""
+    """DEEPINFER_FP8_GEMM: exact (the Triton kernel, promotion after every wgmma), auto (cuBLASLt on sm_90),
+    cublas (on any CUDA GPU that has it) or triton (the Triton kernel, promotion per 128-K block)."""
     from deepinfer import settings
 
-    return settings.choice("DEEPINFER_FP8_GEMM") or "auto"
+    return settings.choice("DEEPINFER_FP8_GEMM") or "exact"
 
 
 def _cuda_version() -> tuple[int, int]:
@@ -43,8 +45,8 @@ def _cuda_version() -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _unavailable(index: int, m: str) -> str | None:
-    if m == "triton":
-        return "DEEPINFER_FP8_GEMM=triton"
+    if m in ("triton", "exact"):
+        return f"DEEPINFER_FP8_GEMM={m}"
     if torch.version.hip is not None:
         return "ROCm build: no cuBLASLt"
     if _cuda_version() < (12, 9):

@@ -26,13 +26,13 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
-from ._common import key_index, p2, pdl, pdl_wait, sort_key
+from ._common import key_index, p2, pdl, pdl_wait, round_bf16, sort_key
 
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D, w_scale,
                            BH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
-                           ROWS: tl.constexpr):
+                           ROWS: tl.constexpr, BF16: tl.constexpr):
     pdl_wait()
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     tb = tl.program_id(1)
@@ -51,13 +51,20 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, o_ptr, rows_ptr, S, H, T, D, w_s
         else:
             acc += tl.dot(q, k)
     w = tl.load(w_ptr + bs * H + h, mask=h < H, other=0.0).to(tl.float32) * w_scale  # the model's w.float() * scale
-    sc = tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0)
+    if BF16:  # rounding "bf16": logits, w', each head's term and the head sum on the bf16 grid
+        lg = round_bf16(acc)
+        term = round_bf16(tl.maximum(lg, 0.0) * round_bf16(w)[:, None])
+        sc = round_bf16(tl.sum(term, 0))
+    else:
+        sc = tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0)
     tl.store(o_ptr + bs * T + t, sc, mask=t < T)
 
 
 @implement("indexer_scores", "triton")
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None = None,
-                   w_scale: float = 1.0) -> torch.Tensor:
+                   w_scale: float = 1.0, rounding: str = "fp32") -> torch.Tensor:
+    if rounding not in ("fp32", "bf16"):
+        raise ValueError(f"indexer_scores rounding {rounding!r}: fp32 | bf16")
     B, S, H, D = q.shape
     T = k.size(1)
     q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
@@ -72,7 +79,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torc
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
     _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, float(w_scale), BH=BH,
-                                                        BT=BT, BD=BD, IEEE=ieee, ROWS=rows is not None, num_warps=4,
+                                                        BT=BT, BD=BD, IEEE=ieee, ROWS=rows is not None,
+                                                        BF16=rounding == "bf16", num_warps=4,
                                                         **pdl())
     return out
 

@@ -5,7 +5,8 @@ against our outputs, for the torch and the Triton backends of `--numerics offici
 Relative error ||ours - official|| / ||official|| (fp32) per layer: the attention sub-layer (attn.in ->
 attn.out), the MoE (ffn.in -> ffn.out), the whole block (hc_attn.in -> hc_ffn.out). Plus the torch backend with
 the previous sparse attention (fp32 P, max seeded with the sink) patched in, to show what that change moved, and
-both backends with DEEPINFER_KV_QAT=0 (the KV cache as kernel.py's act_quant(inplace=True) leaves it).
+both backends with DEEPINFER_KV_QAT=1 (the FP8 KV QAT the release means, which its act_quant(inplace=True) skips).
+Arguments pick configurations (`CONFIGS`); none runs them all.
 """
 import json
 import os
@@ -86,7 +87,7 @@ def old_sparse_attn(q, kv, sink, idx, scale):
     return torch.einsum("bshk,bskd->bshd", p / den, g).to(q.dtype)
 
 
-def ours(backend, old_attn=False, kv_qat=True):
+def ours(backend, old_attn=False, kv_qat=False):
     os.environ["DEEPINFER_KV_QAT"] = "1" if kv_qat else "0"  # read when the model is built
     real = reference.sparse_attn
     if old_attn:
@@ -104,7 +105,7 @@ def ours(backend, old_attn=False, kv_qat=True):
     return ids, run.tokens, dict(run.records)
 
 
-def check(label, backend, old_attn=False, kv_qat=True):
+def check(label, backend, old_attn=False, kv_qat=False):
     ids, toks, rec = ours(backend, old_attn, kv_qat)
     torch.set_default_dtype(torch.bfloat16)  # as generate.py: kernel.py allocates in the default dtype,
     torch.set_default_device("cuda")  # model.py's index helpers on the default device
@@ -145,14 +146,24 @@ def _check(label, ids, toks, rec):
     return rows
 
 
+CONFIGS = {  # key: (label, backend, old_attn, kv_qat)
+    "torch": ("torch backend", "torch", False, False),
+    "triton": ("triton backend", "triton", False, False),
+    "torch_old_attn": ("torch backend, the previous sparse attention", "torch", True, False),
+    # the KV cache's FP8 QAT the release means to apply (its act_quant(inplace=True) leaves the values in bf16)
+    "torch_kv_qat1": ("torch backend, DEEPINFER_KV_QAT=1", "torch", False, True),
+    "triton_kv_qat1": ("triton backend, DEEPINFER_KV_QAT=1", "triton", False, True),
+}
+
 if __name__ == "__main__":
+    keys = sys.argv[1:] or list(CONFIGS)
+    bad = [k for k in keys if k not in CONFIGS]
+    if bad:
+        sys.exit(f"unknown config {bad}; choose from {', '.join(CONFIGS)}")
     out = {}
-    out["torch"] = check("torch backend", "torch")
-    out["triton"] = check("triton backend", "triton")
-    out["torch_old_attn"] = check("torch backend, the previous sparse attention", "torch", old_attn=True)
-    # kernel.py's act_quant(inplace=True) leaves the KV cache and the compressed entries in bf16 as computed:
-    # DEEPINFER_KV_QAT=0 computes the same (tools/official/README.md)
-    out["torch_kv_qat0"] = check("torch backend, DEEPINFER_KV_QAT=0", "torch", kv_qat=False)
-    out["triton_kv_qat0"] = check("triton backend, DEEPINFER_KV_QAT=0", "triton", kv_qat=False)
+    for k in keys:
+        label, backend, old_attn, kv_qat = CONFIGS[k]
+        env = os.environ.get("DEEPINFER_FP8_GEMM")
+        out[k] = check(label + (f", DEEPINFER_FP8_GEMM={env}" if env else ""), backend, old_attn=old_attn, kv_qat=kv_qat)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "official22.json")
     json.dump(out, open(path, "w"), indent=1)

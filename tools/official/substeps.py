@@ -1,4 +1,6 @@
-"""Where the official-vs-ours attention gap is born: layer 0 (SWA) prefill, step by step."""
+"""Where the official-vs-ours attention gap is born: prefill, step by step (q, kv for every layer; the sparse
+attention core and the output projections for the window-only layers). SUBSTEPS_KV_QAT=1 runs ours with the FP8
+KV QAT (DEEPINFER_KV_QAT=1); the official side always runs as released."""
 import os, sys
 import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -8,13 +10,14 @@ om = o22.om
 
 
 def main():
+    kv_qat = os.environ.get("SUBSTEPS_KV_QAT", "0") == "1"
     for backend in ("torch", "triton"):
-        ids, toks, rec = o22.ours(backend)
+        ids, toks, rec = o22.ours(backend, kv_qat=kv_qat)
         torch.set_default_dtype(torch.bfloat16)
         torch.set_default_device("cuda")
         with torch.inference_mode():
             m = o22.official_model()
-            for L in (0, 2):
+            for L in range(len(m.layers)):
                 a = m.layers[L].attn
                 x = rec[f"layers.{L}.attn.in"][None].cuda()
                 S = x.size(1)
