@@ -157,7 +157,7 @@ def search(b: Bisector, cand: list[Site], ref: str, test: str, metric: str, step
     res.runs = b.runs
     if len(minimal) > 1:
         logits, tokens = b._run(minimal)
-        res.runs = b.runs
+        res.runs = b.runs  # this run too
         res.joint_position = b.first_difference(logits, tokens)
         res.joint_logits_rel_err = max(rel_norm(x, y) for x, y in zip(logits, b.ref_logits))
         res.note = (f"no single site diverges alone: these switch together (together: logits rel_err "

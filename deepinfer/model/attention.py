@@ -173,10 +173,17 @@ class Attention:
         self.q_norm_form = "official_q" if numerics.official else "transformers_q"
         self.kv_cache = None
         # official numerics' QAT of the cache: its no-RoPE dims (and the compressed entries) on the FP8 grid
-        self.kv_qat = numerics.official and settings.flag("DEEPINFER_KV_QAT")
+        self.set_kv_qat(numerics.official and settings.flag("DEEPINFER_KV_QAT"))
+
+    def set_kv_qat(self, on: bool) -> None:
+        """Official numerics' KV QAT on (no-RoPE dims and compressed entries FP8-rounded per 64, the cache in its
+        FP8 layout) or off (kept as computed, a float cache); before `allocate`."""
+        if on and not self.numerics.official:
+            raise ValueError("the KV QAT (kv=fp8) is official numerics'; exact numerics keep a float cache")
+        self.kv_qat = on
         if self.compressor is not None:
-            self.compressor.kv_qat = self.kv_qat
-        self.set_kv_layout("fp8" if self.kv_qat else "float")
+            self.compressor.kv_qat = on
+        self.set_kv_layout("fp8" if on else "float")
 
     def set_kv_layout(self, layout: str) -> None:
         """How the cache holds kv (before `allocate`): "fp8", official numerics' form, the FP8 KV layout

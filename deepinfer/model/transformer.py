@@ -142,13 +142,8 @@ class Transformer:
         """Official numerics: the KV QAT on (the no-RoPE dims and compressed entries FP8-rounded per 64, the cache
         in its FP8 layout) or off (kept as computed, a float cache), whatever DEEPINFER_KV_QAT said at build;
         allocate after it. Exact numerics have no KV QAT (ValueError)."""
-        if on and not self.numerics.official:
-            raise ValueError("the KV QAT (kv=fp8) is official numerics'; exact numerics keep a float cache")
         for a in self.attentions():
-            a.kv_qat = on
-            if a.compressor is not None:
-                a.compressor.kv_qat = on
-            a.set_kv_layout("fp8" if on else "float")
+            a.set_kv_qat(on)
 
     def set_kv_layout(self, layout: str) -> None:
         """Every attention cache's form, "fp8" | "float" (`Attention.set_kv_layout`); allocate after it."""
