@@ -25,6 +25,8 @@ SETTINGS = {s.name: s for s in (
             "else ~/.cache/deepinfer)"),
     Setting("DEEPINFER_BACKEND", "choice", "", "kernel backend when --backend is not given (default: triton "
             "on CUDA, else torch)", ("", "torch", "triton", "tilelang")),
+    Setting("DEEPINFER_OPS", "str", "", "per-op backends when --op is not given: op=backend,... (e.g. "
+            "grouped_gemm=tilelang); ops not named run on the backend"),
     Setting("DEEPINFER_STRICT", "flag", "0", "any op without a kernel in the backend is an error (--strict)"),
     Setting("DEEPINFER_DEBUG", "flag", "0", "tracebacks instead of one-line errors (--debug)"),
     Setting("DEEPINFER_BRANCHES", "flag", "1", "decode issues independent work on side streams (CUDA); 0: "

@@ -78,7 +78,7 @@ def record(path: str, report: dict, command: str) -> None:
     last = dec[-1]
     cells = [
         datetime.date.today().isoformat(), report["device_name"],
-        f"{report['torch']} / {report['triton'] or '-'}", f"{report['backend']} · {report['numerics']}",
+        f"{report['torch']} / {report['triton'] or '-'}", f"{_backend_cell(report)} · {report['numerics']}",
         report["model"], f"`{command}`", f"{pf['ttft_ms']:.1f} ({pf['prompt_len']})", f"{pf['tokens_per_s']:.0f}",
         "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in dec),
         f"{last['tokens_per_s']:.0f} @{last['batch']}",
@@ -99,11 +99,16 @@ def record(path: str, report: dict, command: str) -> None:
     atomic_write(path, "\n".join(lines))
 
 
+def _backend_cell(report: dict) -> str:
+    """The backend and, when there is one, the per-op map (`--op`) the run used."""
+    return report["backend"] + (f" (--op {report['op_map']})" if report.get("op_map") else "")
+
+
 def _print(report: dict, con: Console) -> None:
     gb = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     con.print(f"[bold]{report['model']}[/bold] · {report['source']}", highlight=False)
     con.print(f"{report['device_name']} · torch {report['torch']} · triton {report['triton'] or '-'} · backend "
-              f"{report['backend']} · {report['numerics']}/{report['dtype']}", highlight=False)
+              f"{_backend_cell(report)} · {report['numerics']}/{report['dtype']}", highlight=False)
     con.print(f"measured: copy bandwidth {report['bandwidth_Bps'] / 1e9:.0f} GB/s, {report['matmul_measured']} "
               f"{report['matmul_flops'] / 1e12:.1f} TFLOP/s; weights made in {report['weights_s']:.1f} s; engine "
               f"holds {gb(report['engine_weight_bytes'])} GiB of weights (checkpoint format, main layers: "
@@ -156,7 +161,7 @@ def _print(report: dict, con: Console) -> None:
     if report.get("fp8_prefill_gemm"):
         con.print(f"prefill FP8 GEMMs (M >= 65): {report['fp8_prefill_gemm']}", highlight=False)
     if report.get("fallbacks"):
-        con.print(f"ops on the torch reference (no {report['backend']} kernel): {', '.join(report['fallbacks'])}",
+        con.print(f"ops on the torch reference (no kernel in their backend): {', '.join(report['fallbacks'])}",
                   highlight=False)
     peer = report.get("peer")
     if peer:
@@ -183,6 +188,7 @@ def bench_cmd(
     gen_len: int = typer.Option(32, "--gen-len", help="Timed decode steps per batch size."),
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    op_map: str = common.OPS,
     numerics: str = common.NUMERICS,
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
@@ -205,7 +211,8 @@ def bench_cmd(
     if record_to:
         check_output(record_to, "--record")
     opts = BenchOptions(preset=None if model else (preset or "tiny"), model=model, batches=_parse_batches(batch),
-                        prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, numerics=numerics,
+                        prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
+                        numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
                         profile=profile)
     err = Console(stderr=True)
@@ -214,6 +221,7 @@ def bench_cmd(
         argv = ["deepinfer", "bench"] + (["--model", model] if model else ["--preset", opts.preset])
         argv += ["--batch", batch, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
         argv += ["--backend", backend] if backend else []
+        argv += ["--op", op_map] if op_map else []
         argv += ["--numerics", numerics] if numerics != "official" else []
         argv += (["--device", device] if device else []) + (["--peer", peer] if peer else [])
         record(record_to, report, shlex.join(argv))

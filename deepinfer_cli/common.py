@@ -17,6 +17,9 @@ BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton |
                        "kernels yet: every op falls back to the torch reference, and --strict refuses it) "
                        "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")
 STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the backend is an error.")
+OPS = typer.Option(None, "--op", help="Per-op backends, op=backend,... (e.g. grouped_gemm=tilelang,"
+                   "sparse_attn_fp8=tilelang): those ops run there, the rest on --backend "
+                   "(default: $DEEPINFER_OPS).")
 NUMERICS = typer.Option("official", "--numerics", help="official (FP8/FP4 QAT simulation) | exact (dequantised).")
 DTYPE = typer.Option("bfloat16", "--dtype", help="Compute dtype: bfloat16 | float32 | float16.")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available).")
@@ -57,14 +60,16 @@ def check_backend_runs(backend: str, dev, dtype: str, what: str = "--backend") -
 
 
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
-          device: str | None, progress: bool = True, flaggems: str | None = None) -> LoadedModel:
-    """Choose the backend (before any compute, so --strict fails early), enable a FlagGems allow-list
-    once the device is chosen, then load the model."""
+          device: str | None, progress: bool = True, flaggems: str | None = None,
+          op_map: str | None = None) -> LoadedModel:
+    """Choose the backend and per-op map (before any compute, so --strict fails early), enable a FlagGems
+    allow-list once the device is chosen, then load the model."""
     from deepinfer.engine.flaggems import enable_flaggems, parse_names
 
     dev = resolve_device(device)
-    ops.configure(backend or None, strict if strict else None)
-    check_backend_runs(ops.backend, dev, dtype)
+    ops.configure(backend or None, strict if strict else None, op_map)
+    for b in ops.backends():
+        check_backend_runs(b, dev, dtype, "--backend" if b == ops.backend else "--op backend")
     enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress)
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from deepinfer.debug.dumper import parse_layers, run_dump, save
 from deepinfer.debug.fingerprint import run_fingerprint
 from deepinfer.debug.h5schema import DumpReader
+from deepinfer.ops.registry import op_map_str
 from deepinfer.outpath import check_output
 from deepinfer_cli import common
 from deepinfer_cli.errors import UserError, handle_errors
@@ -80,6 +81,7 @@ def dump_cmd(
     chat: bool = typer.Option(False, "--chat", help="V4 chat layout around the prompt."),
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    op_map: str = common.OPS,
     flaggems: str = common.FLAGGEMS,
     numerics: str = common.NUMERICS,
     dtype: str = common.DTYPE,
@@ -105,7 +107,7 @@ def dump_cmd(
     torch.manual_seed(seed)
     if engine == "transformers":
         return _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dtype, device, seed)
-    lm = common.setup(model, backend, strict, numerics, dtype, device, flaggems=flaggems)
+    lm = common.setup(model, backend, strict, numerics, dtype, device, flaggems=flaggems, op_map=op_map)
     sel = parse_layers(layer, layers, lm.cfg.n_layers)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
     check_dump_fits(lm, len(ids), steps, sel)
@@ -120,7 +122,8 @@ def dump_cmd(
                             config_fingerprint=lm.cfg.fingerprint(), prompt=text, seed=seed,
                             steps=steps, layers="all" if sel is None else ",".join(map(str, sel)),
                             prompt_mode="chat" if chat else "raw", followed=follow or "",
-                            fallback_ops=",".join(sorted(common.ops.fallbacks)))
+                            fallback_ops=",".join(sorted(common.ops.fallbacks)),
+                            op_map=op_map_str(common.ops.op_map))
     con = Console(stderr=True)
     path = _save_or_rescue(run, path, attrs, con)
     size = os.path.getsize(path)

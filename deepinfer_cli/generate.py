@@ -34,6 +34,7 @@ def generate_cmd(
     numerics: str = common.NUMERICS,
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    op_map: str = common.OPS,
     flaggems: str = common.FLAGGEMS,
     logprobs: int = typer.Option(0, "--logprobs", help="Report the top-N alternatives per generated token."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text and a table "
@@ -71,7 +72,8 @@ def generate_cmd(
     else:
         items = [(common.read_prompt(prompt), mode, base)]
         common.check_prompt(items[0][0], mode)
-    lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems)
+    lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems,
+                      op_map=op_map)
     tok = lm.tokenizer
     ids = [tok.encode_prompt(text, m) for text, m, _ in items]
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"

@@ -21,6 +21,7 @@ def graft_cmd(
     model: str = common.MODEL,
     backend: str = common.BACKEND,
     strict: bool = common.STRICT,
+    op_map: str = common.OPS,
     numerics: str = typer.Option(None, "--numerics", help="official | exact (default: the dump's)."),
     dtype: str = typer.Option(None, "--dtype", help="bfloat16 | float32 | float16 (default: the dump's)."),
     device: str = common.DEVICE,
@@ -41,7 +42,8 @@ def graft_cmd(
         raise ValueError(f"--tol {tol}: must be positive")
     with DumpReader(ref) as d:
         lm = common.setup(model, backend, strict, numerics or str(d.attrs.get("numerics", "official")),
-                          dtype or str(d.attrs.get("dtype", "bfloat16")), device, progress=not as_json)
+                          dtype or str(d.attrs.get("dtype", "bfloat16")), device, progress=not as_json,
+                          op_map=op_map)
         sel = parse_layers(None, layers, lm.cfg.n_layers) if layers else None
         res = graft(lm.model, d, sel, tol)
     if as_json:

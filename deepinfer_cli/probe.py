@@ -53,16 +53,18 @@ def _checks_table(title: str, rows: list[dict]) -> Table:
 # ----------------------------------------------------------------------------------------- kernels
 @probe_app.command("kernels")
 @handle_errors
-def kernels_cmd(as_json: bool = JSON):
+def kernels_cmd(as_json: bool = JSON, op_map: str = typer.Option(None, "--op", help="Per-op backends to show "
+                                                                   "as a run would use them (default: $DEEPINFER_OPS).")):
     """Coverage matrix op x backend: implemented, importable here, and used or falling back here."""
     from deepinfer.debug.probes import probe_kernels
 
-    _emit(probe_kernels(), as_json, _render_kernels)
+    _emit(probe_kernels(op_map), as_json, _render_kernels)
 
 
 def _render_kernels(d: dict, con: Console) -> None:
     bk = list(d["backends"])
-    t = Table(title=f"kernel coverage · a run here uses backend {d['default_backend']} ({d['device']})")
+    omap = f", --op {d['op_map']}" if d.get("op_map") else ""
+    t = Table(title=f"kernel coverage · a run here uses backend {d['default_backend']}{omap} ({d['device']})")
     t.add_column("op")
     for b in bk:
         t.add_column(b)
@@ -77,8 +79,8 @@ def _render_kernels(d: dict, con: Console) -> None:
                 cells.append("[yellow]source only[/]")
             else:
                 cells.append("-")
-        here = row["here"]
-        cells.append(f"[green]{here}[/]" if here == "used" else f"[yellow]{here}[/]")
+        here = row["here"] + (f" ({row['backend_here']})" if row["backend_here"] != d["default_backend"] else "")
+        cells.append(f"[green]{here}[/]" if row["here"] == "used" else f"[yellow]{here}[/]")
         t.add_row(row["op"], *cells)
     con.print(t)
     for b, info in d["backends"].items():

@@ -66,9 +66,15 @@ def _static_impls(backend: str) -> set[str]:
     return found
 
 
-def probe_kernels() -> dict:
-    """Coverage matrix op x backend, and what a run here would use (default_backend())."""
+def probe_kernels(op_map: str | None = None) -> dict:
+    """Coverage matrix op x backend, and what a run here would use: default_backend(), with the per-op map
+    (`--op` text; None: DEEPINFER_OPS) sending single ops elsewhere."""
+    from deepinfer import settings
+    from deepinfer.ops.registry import op_map_str, parse_op_map
+
     _ensure_reference()
+    omap = parse_op_map(settings.path("DEEPINFER_OPS") if op_map is None else op_map,
+                        "DEEPINFER_OPS" if op_map is None else "--op")
     backends = {}
     for b in BACKENDS:
         ok, reason = backend_available(b)
@@ -85,18 +91,20 @@ def probe_kernels() -> dict:
             src = op in backends[b]["in_source"]
             row["backends"][b] = {"implemented": reg or src, "registered": reg,
                                   "importable": backends[b]["importable"]}
-        chosen_info = backends.get(chosen)
-        if chosen_info is None:
+        here = omap.get(op, chosen)
+        info = backends.get(here)
+        if info is None:
             use = "unknown backend"
-        elif not chosen_info["importable"]:
+        elif not info["importable"]:
             use = "fallback (backend not importable)"
-        elif chosen in d.impls:
+        elif here in d.impls:
             use = "used"
         else:
             use = "fallback (no implementation)"
-        row["here"] = use
+        row["backend_here"], row["here"] = here, use
         rows.append(row)
-    return {"probe": "kernels", "default_backend": chosen, "device": "cuda" if torch.cuda.is_available() else "cpu",
+    return {"probe": "kernels", "default_backend": chosen, "op_map": op_map_str(omap),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
             "backends": {b: {k: v for k, v in info.items()} for b, info in backends.items()}, "ops": rows,
             "ok": True}
 

@@ -31,7 +31,7 @@ from deepinfer.engine.loader import build_model
 from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
-from deepinfer.ops.registry import backend_facts
+from deepinfer.ops.registry import backend_facts, op_map_str
 from deepinfer.quant.kv_layout import kv_packed_width
 
 WARMUP_STEPS = 2
@@ -48,6 +48,7 @@ class BenchOptions:
     gen_len: int = 32
     backend: str | None = None
     strict: bool = False
+    op_map: str | None = None  # --op: per-op backends (None: DEEPINFER_OPS)
     numerics: str = "official"
     dtype: str = "bfloat16"
     device: str | None = None
@@ -198,11 +199,13 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         raise OptionError("--prompt-len and --gen-len must be >= 1")
     if opts.peer not in (None, "", "transformers"):
         raise OptionError(f"--peer {opts.peer!r}: only 'transformers' is supported")
-    ops.configure(opts.backend or None, opts.strict if opts.strict else None)
-    if ops.backend != "torch" and device.type != "cuda":
-        from deepinfer.ops.registry import BackendError
+    ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
+    for b in ops.backends():
+        if b != "torch" and device.type != "cuda":
+            from deepinfer.ops.registry import BackendError
 
-        raise BackendError(f"--backend {ops.backend} needs a CUDA device (device is {device})")
+            what = "--backend" if b == ops.backend else "--op backend"
+            raise BackendError(f"{what} {b} needs a CUDA device (device is {device})")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -223,7 +226,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
 
     report = {
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
-        "device_name": device_name(device), **_versions(), "backend": ops.backend, "numerics": numerics.mode,
+        "device_name": device_name(device), **_versions(), "backend": ops.backend,
+        "op_map": op_map_str(ops.op_map), "numerics": numerics.mode,
         "dtype": opts.dtype, "eager": not graphs, "cuda_graphs": graphs,
         "layers": cfg.n_layers, "attn_kinds": list(cfg.attn_kinds[:cfg.n_layers]),
         "weights_s": t_weights, "engine_weight_bytes": held_bytes(model),

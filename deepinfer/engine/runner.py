@@ -106,7 +106,7 @@ class DecodeRunner:
         self.warmup_iters = warmup_iters
         self.buckets: dict[int, _Bucket] = {}
         self._allocation = model.rope  # `allocate` builds new RopeTables (and new caches)
-        self._backend = ops.backend
+        self._backend = ops.describe()  # the backend and the per-op map the graphs captured
         self.captured = False
         if self.bucketed:
             if model.rows < max_batch + 1:
@@ -124,7 +124,7 @@ class DecodeRunner:
         """Can this runner serve these settings (same allocation, backend and mode; graphs: up to the
         captured max_batch, so a smaller batch does not re-capture; otherwise the same max_batch)?"""
         want_graphs = bool(graphs) and model.device.type == "cuda"
-        if not (model is self.model and model.rope is self._allocation and ops.backend == self._backend
+        if not (model is self.model and model.rope is self._allocation and ops.describe() == self._backend
                 and want_graphs == self.graphs):
             return False
         if self.graphs:

@@ -5,6 +5,8 @@ reference (the spec, in `deepinfer/ops/reference.py`), a tolerance justified by 
 more backend implementations (`torch`, `triton`, `tilelang`). The model calls `ops.<name>(...)`; the
 active `Dispatcher` resolves each name to the chosen backend's implementation or, when that backend
 lacks one, to the reference -- recorded, announced once on stderr, and an error under `strict`.
+A per-op map (`--op grouped_gemm=tilelang,...`, `DEEPINFER_OPS`) sends single ops to other backends:
+the one mechanism every per-op choice goes through (`Dispatcher.backend_of`).
 
 Backends are imported only when chosen (`kernels/triton` as `deepinfer_kernels.triton`, ...), so
 importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
@@ -19,6 +21,8 @@ from typing import Callable
 
 BACKENDS = ("torch", "triton", "tilelang")
 _BACKEND_MODULES = {"triton": "deepinfer_kernels.triton", "tilelang": "deepinfer_kernels.tilelang"}
+# what a backend needs installed, for the one line that says so: (package, pip extra of this project)
+_BACKEND_PACKAGES = {"triton": ("triton", "triton"), "tilelang": ("tilelang", "tilelang")}
 
 
 class BackendError(RuntimeError):
@@ -89,6 +93,10 @@ def load_backend(backend: str) -> None:
         importlib.import_module(_BACKEND_MODULES[backend])
     except Exception as e:  # ImportError, or a compiler that fails at import
         _import_errors[backend] = f"{type(e).__name__}: {e}"
+        pkg, extra = _BACKEND_PACKAGES[backend]
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == pkg:
+            raise BackendError(f"backend {backend!r} needs the {pkg} package, which is not installed: "
+                               f"pip install -e '.[{extra}]'") from None
         raise BackendError(f"backend {backend!r} is unavailable: {type(e).__name__}: {e}") from None
 
 
@@ -110,6 +118,28 @@ def backend_available(backend: str) -> tuple[bool, str]:
         return True, ""
     except BackendError as e:
         return False, str(e)
+
+
+def parse_op_map(text: str | None, what: str = "--op") -> dict[str, str]:
+    """`grouped_gemm=tilelang,sparse_attn_fp8=tilelang` -> {op: backend}. An unknown op or backend, or a
+    malformed entry, is a ValueError naming the valid choices."""
+    _ensure_reference()
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        op, eq, b = (x.strip() for x in part.partition("="))
+        if not eq or not op or not b:
+            raise ValueError(f"{what} {part!r}: expected op=backend, e.g. grouped_gemm=tilelang")
+        if op not in REGISTRY:
+            raise ValueError(f"{what} {part!r}: unknown op {op!r}; ops: {', '.join(REGISTRY)}")
+        if b not in BACKENDS:
+            raise ValueError(f"{what} {part!r}: unknown backend {b!r}; backends: {', '.join(BACKENDS)}")
+        out[op] = b
+    return out
+
+
+def op_map_str(op_map: dict[str, str]) -> str:
+    """The map as `--op` takes it (sorted, so equal maps print alike); "" for none."""
+    return ",".join(f"{op}={b}" for op, b in sorted(op_map.items()))
 
 
 def default_backend() -> str:
@@ -136,6 +166,7 @@ class Dispatcher:
 
     def __init__(self):
         self.backend = "torch"
+        self.op_map: dict[str, str] = {}  # op -> the backend that runs it instead of `backend`
         self.strict = False
         self.fallbacks: dict[str, str] = {}  # op -> reason, for every op that fell back
         self.used: set[str] = set()
@@ -148,13 +179,20 @@ class Dispatcher:
         self._seen: set[tuple[str, int | None]] | None = None
         self._siting = False  # either of the two is on: the one check `resolve` makes on its fast path
 
-    def configure(self, backend: str | None = None, strict: bool | None = None) -> "Dispatcher":
+    def configure(self, backend: str | None = None, strict: bool | None = None,
+                  op_map: dict[str, str] | str | None = None) -> "Dispatcher":
+        """Choose the backend, strictness and per-op map (None: `DEEPINFER_OPS`; a string is parsed as `--op`)."""
         backend = backend or default_backend()
         from deepinfer import settings
 
         strict = settings.flag("DEEPINFER_STRICT") if strict is None else strict
-        load_backend(backend)
-        self.backend, self.strict = backend, strict
+        if op_map is None:
+            op_map = parse_op_map(settings.path("DEEPINFER_OPS"), "DEEPINFER_OPS")
+        elif isinstance(op_map, str):
+            op_map = parse_op_map(op_map)
+        for b in (backend, *sorted(set(op_map.values()))):
+            load_backend(b)
+        self.backend, self.strict, self.op_map = backend, strict, dict(op_map)
         self._cache.clear()
         self.fallbacks.clear()
         self.used.clear()
@@ -163,13 +201,27 @@ class Dispatcher:
             missing = self.missing()
             if missing:
                 raise BackendError(
-                    f"--strict: backend {backend!r} lacks {len(missing)} op(s): {', '.join(missing)}"
+                    f"--strict: backend {self.backend!r}" + (f" with --op {op_map_str(self.op_map)}" if self.op_map
+                                                             else "") + f" lacks {len(missing)} op(s): {', '.join(missing)}"
                 )
         return self
 
+    def backend_of(self, name: str) -> str:
+        """The backend chosen for op `name`: its entry in the per-op map, else the backend."""
+        return self.op_map.get(name, self.backend)
+
+    def backends(self) -> list[str]:
+        """Every backend this configuration runs ops on (the backend first)."""
+        return [self.backend] + sorted(set(self.op_map.values()) - {self.backend})
+
+    def describe(self) -> str:
+        """`triton` or `triton; grouped_gemm=tilelang,...`: what fingerprints and bench rows record."""
+        m = op_map_str(self.op_map)
+        return self.backend + (f"; {m}" if m else "")
+
     def missing(self) -> list[str]:
         _ensure_reference()
-        return [n for n, d in REGISTRY.items() if self.backend not in d.impls]
+        return [n for n, d in REGISTRY.items() if self.backend_of(n) not in d.impls]
 
     def override_sites(self, sites: dict | None) -> None:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
@@ -197,9 +249,10 @@ class Dispatcher:
         if name not in REGISTRY:
             raise AttributeError(f"no op named {name!r}")
         d = REGISTRY[name]
-        fn = d.impls.get(self.backend)
+        b = self.backend_of(name)
+        fn = d.impls.get(b)
         if fn is None:
-            reason = f"backend {self.backend!r} has no implementation"
+            reason = f"backend {b!r} has no implementation"
             if self.strict:
                 raise BackendError(f"--strict: op {name!r}: {reason}")
             self.fallbacks[name] = reason

@@ -1,0 +1,114 @@
+"""The per-op backend map (`--op op=backend,...`, DEEPINFER_OPS): parsing, resolution op by op, strictness
+and fallbacks per mapped backend, the missing-package line, and where the map is recorded (dump fingerprint,
+bench rows, probe kernels)."""
+
+import json
+
+import h5py
+import pytest
+from typer.testing import CliRunner
+
+from deepinfer.ops.registry import REGISTRY, BackendError, Dispatcher, op_map_str, parse_op_map
+from deepinfer_cli.app import app
+
+pytest.importorskip("triton")
+
+
+def test_parse_op_map():
+    assert parse_op_map("grouped_gemm=tilelang, sparse_attn_fp8=triton") == {"grouped_gemm": "tilelang",
+                                                                             "sparse_attn_fp8": "triton"}
+    assert parse_op_map("") == {} and parse_op_map(None) == {}
+    assert op_map_str({"b_op": "triton", "a_op": "torch"}) == "a_op=torch,b_op=triton"
+    with pytest.raises(ValueError, match="unknown op 'gemm'; ops: rms_norm, act_quant"):
+        parse_op_map("gemm=triton")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; backends: torch, triton, tilelang"):
+        parse_op_map("rms_norm=cuda")
+    with pytest.raises(ValueError, match="expected op=backend"):
+        parse_op_map("rms_norm")
+
+
+def test_each_op_resolves_to_its_own_backend():
+    d = Dispatcher().configure("torch", False, {"rms_norm": "triton"})
+    assert d.backend_of("rms_norm") == "triton" and d.backend_of("act_quant") == "torch"
+    assert d.resolve("rms_norm") is REGISTRY["rms_norm"].impls["triton"]
+    assert d.resolve("act_quant") is REGISTRY["act_quant"].ref
+    assert d.backends() == ["torch", "triton"] and d.describe() == "torch; rms_norm=triton"
+    d.configure("triton", False, {"rms_norm": "torch"})  # the other way round
+    assert d.resolve("rms_norm") is REGISTRY["rms_norm"].ref
+    assert d.resolve("act_quant") is REGISTRY["act_quant"].impls["triton"]
+    assert d.fallbacks == {}
+
+
+def test_a_mapped_backend_without_the_op_falls_back_visibly_or_refuses_under_strict(monkeypatch, capsys):
+    monkeypatch.delitem(REGISTRY["swiglu"].impls, "triton")
+    d = Dispatcher().configure("torch", False, "swiglu=triton")
+    assert d.resolve("swiglu") is REGISTRY["swiglu"].ref
+    assert d.fallbacks == {"swiglu": "backend 'triton' has no implementation"}
+    assert "op swiglu falls back to the torch reference" in capsys.readouterr().err
+    with pytest.raises(BackendError, match=r"--strict: backend 'torch' with --op swiglu=triton lacks 1 op\(s\): swiglu"):
+        Dispatcher().configure("torch", True, "swiglu=triton")
+
+
+def test_the_setting_is_the_default_map(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_OPS", "rms_norm=triton")
+    assert Dispatcher().configure("torch", False).op_map == {"rms_norm": "triton"}
+    assert Dispatcher().configure("torch", False, {}).op_map == {}  # an explicit map wins
+    monkeypatch.setenv("DEEPINFER_OPS", "rms_norm=gpu")
+    with pytest.raises(ValueError, match="DEEPINFER_OPS 'rms_norm=gpu': unknown backend"):
+        Dispatcher().configure("torch", False)
+
+
+def test_a_backend_not_installed_is_one_line_naming_package_and_extra():
+    pytest.importorskip("deepinfer_kernels")
+    try:
+        import tilelang  # noqa: F401
+        pytest.skip("tilelang is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(BackendError, match=r"backend 'tilelang' needs the tilelang package, which is not "
+                                           r"installed: pip install -e '\.\[tilelang\]'"):
+        Dispatcher().configure("torch", False, "grouped_gemm=tilelang")
+    r = CliRunner().invoke(app, ["generate", "北京是", "-n", "1", "--op", "grouped_gemm=tilelang"])
+    assert r.exit_code == 2 and "pip install -e '.[tilelang]'" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("op,msg", [("bogus=triton", "unknown op 'bogus'; ops: rms_norm"),
+                                    ("rms_norm=cuda", "unknown backend 'cuda'; backends: torch, triton, tilelang")])
+def test_cli_bad_map_is_one_line_exit_2(op, msg):
+    for cmd in (["generate", "北京是", "-n", "1"], ["dump", "北京是", "--steps", "1"], ["probe", "kernels"]):
+        r = CliRunner().invoke(app, [*cmd, "--op", op])
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output, (cmd, r.output)
+
+
+def test_cli_mapped_kernel_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = CliRunner().invoke(app, ["generate", "北京是", "-n", "1", "--device", "cpu", "--op", "rms_norm=triton"])
+    assert r.exit_code == 2 and "--op backend triton needs a CUDA device" in r.output, r.output
+
+
+def test_dump_records_the_map(monkeypatch, tmp_path, tiny_dir):
+    """Under the interpreter (fp32) a dump with rms_norm on Triton runs and its fingerprint holds the map."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "d.h5"
+    r = CliRunner().invoke(app, ["dump", "北京", "--steps", "1", "--dtype", "float32", "--device", "cpu",
+                                 "--op", "rms_norm=triton", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    with h5py.File(out) as f:
+        assert f.attrs["op_map"] == "rms_norm=triton" and f.attrs["backend"] == "torch"
+
+
+def test_probe_kernels_shows_the_map():
+    r = CliRunner().invoke(app, ["probe", "kernels", "--op", "rms_norm=triton", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    rows = {row["op"]: row for row in d["ops"]}
+    assert d["op_map"] == "rms_norm=triton"
+    assert rows["rms_norm"]["backend_here"] == "triton" and rows["act_quant"]["backend_here"] == d["default_backend"]
+
+
+def test_bench_cell_carries_the_map():
+    from deepinfer_cli.bench import _backend_cell
+
+    assert _backend_cell({"backend": "triton", "op_map": "grouped_gemm=tilelang"}) == \
+        "triton (--op grouped_gemm=tilelang)"
+    assert _backend_cell({"backend": "triton", "op_map": ""}) == "triton"
