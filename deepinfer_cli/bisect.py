@@ -19,7 +19,7 @@ from deepinfer_cli.errors import handle_errors
 def bisect_cmd(
     prompt: str = typer.Argument(..., help="Prompt text, or - to read it from stdin."),
     model: str = common.MODEL,
-    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8."),
+    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8,op.NAME=BACKEND."),
     test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same dtype and device; another "
                              "backend (op sites), other numerics or another kv= (layer sites): one axis."),
     steps: int = typer.Option(8, "--steps", "-k", help="Greedy positions compared (prefill + steps-1 decodes)."),
@@ -47,16 +47,18 @@ def bisect_cmd(
     by_numerics = rs["numerics"] != ts["numerics"]
     by_kv = (rs["kv"] or None) != (ts["kv"] or None)
     axes = [n for n, d in (("numerics", by_numerics), ("kv", by_kv),
-                           ("backend", (rs["backend"] or None) != (ts["backend"] or None))) if d]
+                           ("backend", (rs["backend"] or None) != (ts["backend"] or None) or rs["ops"] != ts["ops"]))
+            if d]
     if len(axes) > 1:
         raise ValueError(f"--ref and --test differ in {' and '.join(axes)}: bisect one axis at a time")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     test_backend = ts["backend"] or "torch"
     layers = by_numerics or by_kv
-    if not layers:  # before any load: the test backend must run here
-        common.check_backend_runs(test_backend, resolve_device(rs["device"]), rs["dtype"], "--test backend")
-        impl = backend_impls(test_backend)
+    if not layers:  # before any load: the test's backends must run here
+        for b in {test_backend, *ts["ops"].values()}:
+            common.check_backend_runs(b, resolve_device(rs["device"]), rs["dtype"], "--test backend")
+        impl = backend_impls(test_backend, ts["ops"])
     lm = common.setup_spec(model, rs, progress=not as_json)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
     if layers:  # layer sites: the test's numerics or KV format per layer (its blocks from a second model)

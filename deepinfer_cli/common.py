@@ -76,7 +76,10 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
 
 def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedModel:
     """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
-    lm = setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress)
+    from deepinfer.ops.registry import op_map_str
+
+    lm = setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
+               op_map=op_map_str(spec.get("ops") or {}) or None)
     if spec.get("kv"):
         lm.model.set_kv_qat(spec["kv"] == "fp8")
     return lm

@@ -48,7 +48,7 @@ def margin_cmd(
     prompt: str = typer.Argument(None, help="Prompt text, or - to read it from stdin (not with --from-dumps)."),
     model: str = common.MODEL,
     steps: int = typer.Option(16, "--steps", "-n", help="Greedy positions to compare (prefill + steps-1 decodes)."),
-    ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8."),
+    ref: str = typer.Option(DEFAULT_REF, "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8,op.NAME=BACKEND."),
     test: str = typer.Option(DEFAULT_TEST, "--test", help="Test SPEC (teacher-forced on the reference's tokens)."),
     k: float = typer.Option(2.0, "--k", help="Noise band multiplier: k·std(Δmargin) of the reference's noise "
                             "run, and k·√2·u·max|logit| for the logits' rounding."),

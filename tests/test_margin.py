@@ -22,7 +22,7 @@ STEPS = 8
 
 def test_parse_spec():
     s = parse_spec("backend=torch,numerics=exact,dtype=float32,device=cpu")
-    assert s == {"backend": "torch", "numerics": "exact", "dtype": "float32", "device": "cpu", "kv": None}
+    assert s == {"backend": "torch", "numerics": "exact", "dtype": "float32", "device": "cpu", "kv": None, "ops": {}}
     assert parse_spec("dtype=float32")["numerics"] == "official"
     for bad in ("dtype", "color=red", "dtype="):
         with pytest.raises(ValueError):

@@ -112,3 +112,26 @@ def test_bench_cell_carries_the_map():
     assert _backend_cell({"backend": "triton", "op_map": "grouped_gemm=tilelang"}) == \
         "triton (--op grouped_gemm=tilelang)"
     assert _backend_cell({"backend": "triton", "op_map": ""}) == "triton"
+
+
+def test_specs_carry_the_map():
+    """`margin` / `bisect` SPECs take the map as op.NAME=BACKEND keys; bisect's test implementation of an op is
+    its mapped backend's."""
+    from deepinfer.debug.bisect import backend_impls
+    from deepinfer.debug.margin import parse_spec, spec_str
+
+    s = parse_spec("backend=torch,op.rms_norm=triton,op.act_quant=torch", "--test")
+    assert s["ops"] == {"rms_norm": "triton", "act_quant": "torch"}
+    assert spec_str(s) == "backend=torch,numerics=official,dtype=bfloat16,op.act_quant=torch,op.rms_norm=triton"
+    with pytest.raises(ValueError, match="unknown op 'bogus'"):
+        parse_spec("op.bogus=triton", "--test")
+    impl = backend_impls("torch", s["ops"])
+    assert impl("rms_norm") is REGISTRY["rms_norm"].impls["triton"] and impl("swiglu") is REGISTRY["swiglu"].ref
+
+
+def test_bisect_over_a_map_that_changes_nothing_agrees(tiny_dir):
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "backend=torch,dtype=float32",
+                                 "--test", "backend=torch,dtype=float32,op.rms_norm=torch", "--steps", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["agree"] and d["test"].endswith("op.rms_norm=torch")

@@ -219,10 +219,13 @@ def bisect_numerics(ref_model, test_model, prompt_ids: list[int], steps: int, me
     return search(b, [(site, L) for L in range(len(ref_model.layers))], ref, test, metric, steps)
 
 
-def backend_impls(backend: str) -> Callable[[str], Callable]:
-    """op -> `backend`'s implementation (the reference where it has none)."""
+def backend_impls(backend: str, op_map: dict[str, str] | None = None) -> Callable[[str], Callable]:
+    """op -> the implementation of its backend: `op_map`'s entry, else `backend` (the reference where that
+    backend has none)."""
     from deepinfer.ops.registry import REGISTRY, _ensure_reference, load_backend
 
     _ensure_reference()
-    load_backend(backend)
-    return lambda op: REGISTRY[op].impls.get(backend, REGISTRY[op].ref)
+    op_map = dict(op_map or {})
+    for b in {backend, *op_map.values()}:
+        load_backend(b)
+    return lambda op: REGISTRY[op].impls.get(op_map.get(op, backend), REGISTRY[op].ref)

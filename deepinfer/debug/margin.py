@@ -35,14 +35,21 @@ DEFAULT_TEST = "numerics=official,dtype=bfloat16"
 
 
 def parse_spec(spec: str, what: str = "--ref") -> dict:
-    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8` -> dict (missing keys: defaults; kv None:
-    the build's default, DEEPINFER_KV_QAT)."""
-    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None}
+    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8,op.grouped_gemm=tilelang` -> dict
+    (missing keys: defaults; kv None: the build's default, DEEPINFER_KV_QAT; "ops": the per-op backend map of
+    the `op.NAME=BACKEND` keys, as `--op` takes it, {} for none)."""
+    from deepinfer.ops.registry import parse_op_map
+
+    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "ops": {}}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
+        if k.startswith("op.") and eq and v:
+            out["ops"].update(parse_op_map(f"{k[3:]}={v}", f"{what} {spec!r}:"))
+            continue
         if not eq or k not in SPEC_KEYS or not v:
-            raise ValueError(f"{what} {spec!r}: expected key=value pairs with keys {', '.join(SPEC_KEYS)}")
+            raise ValueError(f"{what} {spec!r}: expected key=value pairs with keys {', '.join(SPEC_KEYS)}, "
+                             "op.NAME")
         out[k] = v
     if out["kv"] is not None and out["kv"] not in KV_FORMATS:
         raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
@@ -51,8 +58,16 @@ def parse_spec(spec: str, what: str = "--ref") -> dict:
     return out
 
 
+def configure_spec(spec: dict) -> None:
+    """Point the process-wide dispatcher at a SPEC's backend and per-op map."""
+    from deepinfer.ops import ops
+
+    ops.configure(spec.get("backend") or None, None, spec.get("ops") or None)
+
+
 def spec_str(spec: dict) -> str:
-    return ",".join(f"{k}={spec[k]}" for k in SPEC_KEYS if spec.get(k))
+    return ",".join([f"{k}={spec[k]}" for k in SPEC_KEYS if spec.get(k)]
+                    + [f"op.{op}={b}" for op, b in sorted((spec.get("ops") or {}).items())])
 
 
 @dataclass
@@ -252,15 +267,13 @@ def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dic
     """`load(spec) -> model` loads (and configures the backend for) one side. The backend is process-global,
     so it is switched before each side runs; the reference runs first and fixes the tokens. With `noise`
     (and no `band`), the reference configuration runs once more in `noise_dtype` for its own noise."""
-    from deepinfer.ops import ops
-
     check_thresholds(k, tol, band)
     ref_model = load(ref_spec)
-    ops.configure(ref_spec.get("backend") or None)
+    configure_spec(ref_spec)
     ref_logits, toks = decode_logits(ref_model, prompt_ids, steps)
     del ref_model
     test_model = load(test_spec)
-    ops.configure(test_spec.get("backend") or None)
+    configure_spec(test_spec)
     test_logits, _ = decode_logits(test_model, prompt_ids, steps, force=toks)
     del test_model
     rd, td = ref_spec.get("dtype") or "bfloat16", test_spec.get("dtype") or "bfloat16"
@@ -271,7 +284,7 @@ def run_margin(prompt_ids: list[int], steps: int, ref_spec: dict, test_spec: dic
     if noise and band is None and nd is not None:
         nspec = {**ref_spec, "dtype": nd}
         noise_model = load(nspec)
-        ops.configure(nspec.get("backend") or None)
+        configure_spec(nspec)
         noise_logits, _ = decode_logits(noise_model, prompt_ids, steps, force=toks)
         attach_noise(res, ref_logits, noise_logits, spec_str(nspec))
     return res, toks
