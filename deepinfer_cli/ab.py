@@ -42,6 +42,9 @@ def _fmt(x, spec=".2e") -> str:
 def ab_cmd(
     backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang (no kernels yet: nothing to test) | torch."),
     ref: str = typer.Option("torch", "--ref", help="Reference backend (torch = the plain-PyTorch spec)."),
+    against: str = typer.Option(None, "--against", help="A peer backend (e.g. triton for --backend tilelang): "
+                                "each case also runs there, judged against the same reference; with --bench "
+                                "both are timed in the same run and the ratio is printed."),
     ops_regex: str = typer.Option(None, "--ops", help="Only ops whose name matches this regular expression."),
     shapes: str = typer.Option("all", "--shapes", help="tiny | flash | pro | all (comma-separated). Flash/Pro "
                                "shapes need CUDA; without it they are reported skipped."),
@@ -59,14 +62,19 @@ def ab_cmd(
 
       deepinfer ab --backend triton --shapes tiny
       deepinfer ab --backend triton --ops 'gemm|quant' --bench
+      deepinfer ab --backend tilelang --against triton --bench
       deepinfer ab --backend torch --dump cases/      # on host A
       deepinfer ab --backend triton --compare cases/  # on host B
     """
     if dump and compare:
         raise UserError("--dump and --compare are exclusive")
+    if against and compare:
+        raise UserError("--against and --compare are exclusive (a replay runs one backend on saved cases)")
+    if against and against not in ("torch", "triton", "tilelang"):
+        raise UserError(f"--against {against!r}: choose torch, triton or tilelang")
     if dump:
         dump = check_output_dir(dump, "--dump")
-    note = _prepare_interpreter(backend, bool(compare))
+    note = _prepare_interpreter(backend, bool(compare)) or (_prepare_interpreter(against, False) if against else None)
     from deepinfer.debug.ab import compare_dir, run_ab
 
     err = Console(stderr=True)
@@ -80,7 +88,7 @@ def ab_cmd(
     if compare:
         rep = compare_dir(compare, backend, ops_regex, do_bench, device, progress)
     else:
-        rep = run_ab(backend, ref, ops_regex, shapes, seed, dump, do_bench, device, progress)
+        rep = run_ab(backend, ref, ops_regex, shapes, seed, dump, do_bench, device, progress, against)
     vendor = _vendor_note(rep)
     note = "\n".join(n for n in (note, vendor) if n) or None
     if as_json:
@@ -111,16 +119,22 @@ def _vendor_note(rep) -> str | None:
 def _print_table(rep, note, do_bench: bool) -> None:
     con = console()
     src = f"saved cases in {rep.source}" if rep.source else f"ref {rep.ref}"
-    title = f"A/B · {rep.backend} vs {src} · device {rep.device}" + (" (Triton interpreter)" if rep.interpreter else "")
+    title = f"A/B · {rep.backend}" + (f" and {rep.against}" if rep.against else "") + f" vs {src} · device {rep.device}" + (" (Triton interpreter)" if rep.interpreter else "")
     if rep.seed is not None:
         title += f" · seed {rep.seed}"
     t = Table(title=title, show_lines=False)
     cols = ["case", "inputs", "dtype", "rel err", "max abs", "bit=", "tol", "result"]
     if do_bench:
         cols += ["time", "GB/s", "TFLOP/s", "of roofline"]
+    if rep.against:
+        cols += [f"{rep.against} rel err", f"{rep.against}"]
+        if do_bench:
+            cols += [f"{rep.against} time", f"{rep.against}/{rep.backend} time"]
+    right = {"rel err", "max abs", "time", "GB/s", "TFLOP/s", "of roofline"}
+    if rep.against:
+        right |= {f"{rep.against} rel err", f"{rep.against} time", f"{rep.against}/{rep.backend} time"}
     for c in cols:
-        t.add_column(c, justify="right" if c in ("rel err", "max abs", "time", "GB/s", "TFLOP/s", "of roofline")
-                     else "left",
+        t.add_column(c, justify="right" if c in right else "left",
                      overflow="fold" if c in ("case", "inputs") else "ellipsis")
     style = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "yellow"}
     grouped: dict[str, list] = {}  # whole shape sets skipped for one reason: one line each below the table
@@ -141,6 +155,17 @@ def _print_table(rep, note, do_bench: bool) -> None:
         if do_bench:
             row += ["-" if r.time_ms is None else f"{r.time_ms * 1e3:.1f} µs", _fmt(r.gbps, ".1f"),
                     _fmt(r.tflops, ".1f"), "-" if r.of_roofline is None else f"{r.of_roofline:.0%}"]
+        if rep.against:
+            pr = r.peer
+            pw = pr.worst() if pr is not None else {}
+            row += [_fmt(pw.get("rel_err")),
+                    "-" if pr is None else f"[{style.get(pr.status, '')}]{pr.status.upper()}[/]"]
+            if pr is not None and pr.status != "pass" and (pr.reason or pr.outputs):
+                problems.append((pr, f"{rep.against}: " + (pr.reason or "; ".join(m["detail"] for m in pr.outputs
+                                                                                   if not m["ok"]))))
+            if do_bench:
+                row += ["-" if pr is None or pr.time_ms is None else f"{pr.time_ms * 1e3:.1f} µs",
+                        _fmt(r.peer_time_ratio, ".2f")]
         t.add_row(*row)
     con.print(t)
     for r, reason in problems:

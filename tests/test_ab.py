@@ -188,3 +188,36 @@ def test_triton_backend_under_interpreter():
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["interpreter"] is True and "TRITON_INTERPRET=1" in d["note"]
     assert d["summary"]["failed"] == 0 and d["summary"]["passed"] >= 14
+
+
+def test_against_judges_both_backends_on_the_same_cases(fake_triton, monkeypatch):
+    """--against: every case also runs on the peer, judged against the same reference; a wrong peer fails the
+    run (exit 1) with its own status per case while the backend under test passes."""
+    ref = REGISTRY["rms_norm"].ref
+    fake_triton("rms_norm", lambda x, w, eps: ref(x, w, eps))
+    monkeypatch.setitem(REGISTRY["rms_norm"].impls, "tilelang", lambda x, w, eps: (ref(x, w, eps).float() * 1.05).to(x.dtype))
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--against", "tilelang", "--ops", "^rms_norm$",
+                            "--shapes", "tiny", "--seed", "4", "--json"])
+    assert r.exit_code == 1, r.output
+    d = _json(r)
+    assert d["against"] == "tilelang" and d["summary"]["failed"] == 0
+    assert all(c["status"] == "pass" and c["peer"]["status"] == "fail" for c in d["cases"])
+    assert "tilelang: 0 passed, 4 failed" in d["summary"]["line"]
+    fake_triton("rms_norm", lambda x, w, eps: ref(x, w, eps))
+    monkeypatch.setitem(REGISTRY["rms_norm"].impls, "tilelang", lambda x, w, eps: ref(x, w, eps))
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--against", "tilelang", "--ops", "^rms_norm$",
+                            "--shapes", "tiny", "--seed", "4"])
+    assert r.exit_code == 0 and "tilelang: 4 passed, 0 failed" in r.output, r.output
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--against", "triton"])
+    assert r.exit_code == 2 and "--against triton" in r.output
+    r = runner.invoke(app, ["ab", "--backend", "triton", "--against", "cuda"])
+    assert r.exit_code == 2 and "--against 'cuda'" in r.output
+
+
+def test_peer_time_ratio():
+    from deepinfer.debug.ab import CaseResult
+
+    c = CaseResult("rms_norm", "tiny", "decode", "v", "pass", time_ms=0.5)
+    assert c.peer_time_ratio is None
+    c.peer = CaseResult("rms_norm", "tiny", "decode", "v", "pass", time_ms=1.5)
+    assert c.peer_time_ratio == 3.0 and c.to_dict()["peer"]["time_ms"] == 1.5

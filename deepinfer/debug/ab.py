@@ -56,6 +56,7 @@ class CaseResult:
     tflops: float | None = None
     of_roofline: float | None = None  # max(bytes / measured bandwidth, FLOPs / measured rate) / time
     ran_as: str = ""  # "float16": a bf16 case the interpreter ran in fp16 (its bf16 tl.dot is wrong)
+    peer: "CaseResult | None" = None  # --against: the same case on the peer backend, judged the same way
 
     @property
     def case_id(self) -> str:
@@ -71,7 +72,16 @@ class CaseResult:
         return {"op": self.op, "shapes": self.shapes, "phase": self.phase, "variant": self.variant,
                 "case": self.case_id, "status": self.status, "inputs": self.summary, "reason": self.reason,
                 "outputs": self.outputs, "time_ms": self.time_ms, "gbps": self.gbps,
-                "tflops": self.tflops, "of_roofline": self.of_roofline, "ran_as": self.ran_as}
+                "tflops": self.tflops, "of_roofline": self.of_roofline, "ran_as": self.ran_as,
+                "peer": self.peer.to_dict() if self.peer is not None else None,
+                "peer_time_ratio": self.peer_time_ratio}
+
+    @property
+    def peer_time_ratio(self) -> float | None:
+        """The peer's time over this backend's (> 1: this backend is faster), when both were timed."""
+        if self.peer is None or not self.time_ms or not self.peer.time_ms:
+            return None
+        return self.peer.time_ms / self.time_ms
 
 
 # --------------------------------------------------------------------------------------- comparison
@@ -312,20 +322,27 @@ class ABReport:
     not_implemented: list[str] = field(default_factory=list)
     source: str | None = None  # --compare DIR
     dumped: str | None = None
+    against: str | None = None  # the peer backend each case also ran on
 
-    def counts(self) -> tuple[int, int, int]:
-        p = sum(r.status == "pass" for r in self.results)
-        f = sum(r.status in ("fail", "error") for r in self.results)
-        s = sum(r.status == "skip" for r in self.results)
+    def counts(self, peer: bool = False) -> tuple[int, int, int]:
+        rs = [r.peer for r in self.results if r.peer is not None] if peer else self.results
+        p = sum(r.status == "pass" for r in rs)
+        f = sum(r.status in ("fail", "error") for r in rs)
+        s = sum(r.status == "skip" for r in rs)
         return p, f, s
 
     @property
     def ok(self) -> bool:
-        return self.counts()[1] == 0
+        """No case failed, on the backend or (--against) on its peer."""
+        return self.counts()[1] == 0 and self.counts(peer=True)[1] == 0
 
     def summary_line(self) -> str:
         p, f, s = self.counts()
-        return f"{p} passed, {f} failed, {s} skipped"
+        line = f"{p} passed, {f} failed, {s} skipped"
+        if self.against:
+            p, f, s = self.counts(peer=True)
+            line += f"; {self.against}: {p} passed, {f} failed, {s} skipped"
+        return line
 
     def dtype_note(self) -> str | None:
         """Says what was really tested when the interpreter ran bf16 cases in fp16."""
@@ -338,7 +355,8 @@ class ABReport:
 
     def to_dict(self) -> dict:
         p, f, s = self.counts()
-        return {"backend": self.backend, "ref": self.ref, "seed": self.seed, "device": self.device,
+        return {"backend": self.backend, "against": self.against, "ref": self.ref, "seed": self.seed,
+                "device": self.device,
                 "interpreter": self.interpreter, "source": self.source, "dump": self.dumped,
                 "not_implemented": self.not_implemented, "cases": [r.to_dict() for r in self.results],
                 "dtype_note": self.dtype_note(),
@@ -407,10 +425,33 @@ def parse_shapes(shapes: str) -> list[str]:
     return out
 
 
+def _run_case(cr: CaseResult, fn, args: tuple, kwargs: dict, r_out: list, do_bench: bool,
+              on_cuda: bool) -> list | None:
+    """Run `fn` on the case's inputs: cr's status, its outputs judged against r_out and (do_bench) its rates.
+    Returns the outputs (None when it raised)."""
+    try:
+        got = call(cr.op, fn, args, kwargs)
+        if on_cuda:
+            torch.cuda.synchronize()
+    except Exception as e:
+        cr.status, cr.reason = "error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        return None
+    cr.outputs = compare_outputs(cr.op, got, r_out, args, kwargs)
+    cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
+    if do_bench:
+        ms = bench(cr.op, fn, args, kwargs)
+        if ms:
+            rate(cr, args, kwargs, got, ms)
+        else:
+            cr.reason = (cr.reason + "; " if cr.reason else "") + "bench skipped (no CUDA)"
+    return got
+
+
 def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shapes: str = "all",
            seed: int | None = None, dump: str | None = None, do_bench: bool = False,
-           device: str | None = None, progress=None) -> ABReport:
-    """Cases -> all references -> load backend -> backend outputs -> compare (-> dump)."""
+           device: str | None = None, progress=None, against: str | None = None) -> ABReport:
+    """Cases -> all references -> load backend -> backend outputs -> compare (-> dump). `against`: each case
+    also runs on that backend, judged against the same reference (and timed in the same run)."""
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -418,7 +459,9 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
     names = _select_ops(ops_regex)
     shape_sets = parse_shapes(shapes)
     # Triton's interpreter computes a bf16 tl.dot wrongly: interpreted runs feed both sides fp16 instead.
-    interp = settings.triton_interpreted() and backend == "triton"
+    interp = settings.triton_interpreted() and "triton" in (backend, against)
+    if against == backend:
+        raise ValueError(f"--against {against}: the backend under test itself; name another backend")
 
     if ref != "torch":
         load_backend(ref)
@@ -458,8 +501,10 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
                         torch.cuda.synchronize()
                     pending.append((cr, v, r_out))
                     results.append(cr)
-    # 2. the backend
+    # 2. the backend (and its peer)
     load_backend(backend)
+    if against:
+        load_backend(against)
     not_impl = [op for op in names if backend not in REGISTRY[op].impls]
     writer_dir = None
     if dump:
@@ -473,28 +518,21 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             continue
         if progress:
             progress(cr)
-        try:
-            got = call(cr.op, fn, v.args, v.kwargs)
-            if on_cuda:
-                torch.cuda.synchronize()
-        except Exception as e:
-            cr.status, cr.reason = "error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
-            got = None
-        if got is not None:
-            cr.outputs = compare_outputs(cr.op, got, r_out, v.args, v.kwargs)
-            cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
-            if do_bench:
-                ms = bench(cr.op, fn, v.args, v.kwargs)
-                if ms:
-                    rate(cr, v.args, v.kwargs, got, ms)
-                else:
-                    cr.reason = (cr.reason + "; " if cr.reason else "") + "bench skipped (no CUDA)"
+        got = _run_case(cr, fn, v.args, v.kwargs, r_out, do_bench, on_cuda)
+        if against:
+            cr.peer = CaseResult(cr.op, cr.shapes, cr.phase, cr.variant, "pending", summary=cr.summary,
+                                 ran_as=cr.ran_as)
+            pfn = REGISTRY[cr.op].impls.get(against)
+            if pfn is None:
+                cr.peer.status, cr.peer.reason = "skip", f"backend {against!r} has no implementation"
+            else:
+                _run_case(cr.peer, pfn, v.args, v.kwargs, r_out, do_bench, on_cuda)
         if writer_dir:
             write_case(os.path.join(writer_dir, cr.case_id + ".h5"), cr, v, r_out,
                        got if backend != ref else None, backend, ref, seed)
     # ops the backend does not implement are not cases: drop their skipped big-shape rows too
     results = [r for r in results if not (r.op in not_impl and r.status == "skip")]
-    return ABReport(backend, ref, seed, dev, interp, results, not_impl, dumped=dump)
+    return ABReport(backend, ref, seed, dev, interp, results, not_impl, dumped=dump, against=against)
 
 
 # ------------------------------------------------------------------------------------ dump/compare
@@ -600,18 +638,7 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
         cr.summary = ab_cases.shape_summary(args)
         if progress:
             progress(cr)
-        try:
-            got = call(op, fn, args, kwargs)
-        except Exception as e:
-            cr.status, cr.reason = "error", f"{type(e).__name__}: {e}"[:400]
-            results.append(cr)
-            continue
-        cr.outputs = compare_outputs(op, got, ref_out, args, kwargs)
-        cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
-        if do_bench:
-            ms = bench(op, fn, args, kwargs)
-            if ms:
-                rate(cr, args, kwargs, got, ms)
+        _run_case(cr, fn, args, kwargs, ref_out, do_bench, torch.device(dev).type == "cuda")
         results.append(cr)
     seed = next(iter(seeds)) if len(seeds) == 1 else None
     return ABReport(backend, None, seed, dev, interp, results, source=directory)
