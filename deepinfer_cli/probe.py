@@ -159,11 +159,12 @@ def _render_flaggems(d: dict, con: Console) -> None:
 @probe_app.command("tilelang")
 @handle_errors
 def tilelang_cmd(as_json: bool = JSON):
-    """TileLang: version, import, and a small kernel compiled and run (CUDA)."""
+    """TileLang: version, TileKernels version, import, the CUDA arch, and a small kernel compiled and run (CUDA)."""
     from deepinfer.debug.probes import probe_tilelang
 
     d = probe_tilelang()
-    _emit(d, as_json, lambda d, con: con.print(_checks_table(f"TileLang {d['version'] or ''}".strip(), d["rows"])))
+    title = f"TileLang {d['version'] or ''}".strip() + (f" · {d['arch']}" if d["arch"] else "")
+    _emit(d, as_json, lambda d, con: con.print(_checks_table(title, d["rows"])))
     if not d["ok"]:
         raise typer.Exit(1)
 

@@ -89,6 +89,19 @@ def test_probe_flaggems_and_tilelang_json_exit_0_when_absent():
     assert r.exit_code in (0, 1) and "FlagGems" in r.stdout
 
 
+def test_probe_tilelang_names_tile_kernels_and_the_extra():
+    import importlib.metadata as md
+
+    r = runner.invoke(app, ["probe", "tilelang", "--json"])
+    d = json.loads(r.stdout)
+    assert set(d) >= {"version", "tile_kernels_version", "arch"}
+    rows = {row["check"]: row for row in d["rows"]}
+    try:
+        assert d["tile_kernels_version"] == md.version("tile-kernels") and rows["tile-kernels"]["status"] == "pass"
+    except md.PackageNotFoundError:
+        assert d["tile_kernels_version"] is None and "pip install -e '.[tilelang]'" in rows["tile-kernels"]["detail"]
+
+
 def test_flaggems_name_resolution():
     from deepinfer.engine.flaggems import resolve_op_names
 

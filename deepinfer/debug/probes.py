@@ -412,11 +412,18 @@ class _nullctx:
 
 # ------------------------------------------------------------------------------------------ tilelang
 def probe_tilelang() -> dict:
+    """TileLang and DeepSeek's TileKernels: versions (without importing), the import, the CUDA arch a kernel is
+    built for here, and one small kernel compiled and run against torch."""
     dist, ver = _dist_version("tilelang")
+    _, tk_ver = _dist_version("tile-kernels")
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     out = {"probe": "tilelang", "installed": importlib.util.find_spec("tilelang") is not None, "version": ver,
-           "rows": [], "ok": True}
+           "tile_kernels_version": tk_ver, "arch": f"sm_{cap[0]}{cap[1]}" if cap else None, "rows": [], "ok": True}
+    out["rows"].append({"check": "tile-kernels", "status": "pass" if tk_ver else "skip",
+                        "detail": f"version {tk_ver}" if tk_ver else "not installed (pip install -e '.[tilelang]')"})
     if not out["installed"]:
-        out["rows"].append({"check": "tilelang", "status": "skip", "detail": "not installed (pip install tilelang)"})
+        out["rows"].append({"check": "tilelang", "status": "skip",
+                            "detail": "not installed (pip install -e '.[tilelang]')"})
         return out
     try:
         import tilelang
@@ -439,7 +446,8 @@ def probe_tilelang() -> dict:
                     C[bx * BLOCK + i] = A[bx * BLOCK + i] + B[bx * BLOCK + i]
 
         kernel = tilelang.compile(add, out_idx=[2])
-        out["rows"].append({"check": "compile", "status": "pass", "detail": "elementwise add, 4096 x fp32"})
+        out["rows"].append({"check": "compile", "status": "pass",
+                            "detail": f"elementwise add, 4096 x fp32, for {out['arch']}"})
         a, b = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
         c = kernel(a, b)
         err = (c - (a + b)).abs().max().item()
