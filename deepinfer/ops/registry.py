@@ -235,6 +235,17 @@ class Dispatcher:
         self._siting = self._sites is not None or self._seen is not None
         return seen
 
+    def runtime_fallback(self, name: str, reason: str) -> None:
+        """A backend's implementation of `name` could not run this call (e.g. a kernel that failed to compile
+        for this shape): under `strict` a BackendError naming op and reason; otherwise the call is the
+        reference's (the implementation returns it), recorded in `fallbacks` and announced once."""
+        if self.strict:
+            raise BackendError(f"--strict: op {name!r}: {reason}")
+        self.fallbacks[name] = reason
+        if (name, reason) not in self._announced:
+            self._announced.add((name, reason))
+            print(f"deepinfer: op {name} falls back to the torch reference ({reason})", file=sys.stderr)
+
     def resolve(self, name: str) -> Callable:
         if self._siting:
             if self._seen is not None:

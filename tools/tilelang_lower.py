@@ -1,0 +1,44 @@
+"""Lower every TileLang kernel of the backend to CUDA source for sm_90a, without a GPU: a check that each builds
+through TileLang's passes (layout inference, pipelining, TMA lowering) before a device run. Numerics are the GPU
+tests' (tests/test_tilelang_kernels.py).
+
+Needs TileLang importable, e.g. the H200 site of ../shared/device/make-site.sh (built for Python 3.12) with a
+Python 3.12 that has torch:
+    mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
+    mkdir -p /tmp/tlpkg && ln -sfn "$PWD/kernels" /tmp/tlpkg/deepinfer_kernels
+    PYTHONPATH=/tmp/tlpkg:$PWD:/tmp/site python3.12 tools/tilelang_lower.py
+"""
+import sys
+
+import tilelang
+import tvm
+
+from deepinfer_kernels.tilelang import gemm, quant
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+CASES = [
+    ("act_quant bf16 K=4096 block 128", lambda: quant.act_quant_kernel(4096, 128, "bfloat16")),
+    ("act_quant fp32 K=256 block 64", lambda: quant.act_quant_kernel(256, 64, "float32")),
+    ("rms_norm_quant bf16 K=4096 weighted", lambda: quant.rms_norm_quant_kernel(4096, "bfloat16", True, 1e-6)),
+    ("rms_norm_quant bf16 K=7168", lambda: quant.rms_norm_quant_kernel(7168, "bfloat16", False, 1e-6)),
+    ("fp8_gemm N=1536 K=4096 -> bf16", lambda: gemm.fp8_gemm_kernel(1536, 4096, "bfloat16")),
+    ("fp8_gemm N=4096 K=8192 -> f32", lambda: gemm.fp8_gemm_kernel(4096, 8192, "float32")),
+]
+
+
+def main() -> int:
+    bad = 0
+    for name, make in CASES:
+        try:
+            with tvm.target.Target(TARGET):
+                art = tilelang.lower(make(), target=TARGET)
+            print(f"ok    {name}: {len(art.kernel_source)} chars of CUDA")
+        except Exception as e:
+            bad += 1
+            print(f"FAIL  {name}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}")
+    print(f"{len(CASES) - bad} of {len(CASES)} lowered (tilelang {tilelang.__version__}, {TARGET['arch']})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
