@@ -14,7 +14,7 @@ from deepinfer_cli.errors import UserError
 MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
                      "Default: the embedded deepinfer-tiny.")
 BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang (tilelang has kernels "
-                       "for act_quant, rms_norm_quant and fp8_gemm so far: every other op falls back to the torch "
+                       "for act_quant, rms_norm_quant, fp8_gemm and sparse_attn so far: every other op falls back to the torch "
                        "reference, visibly, and --strict refuses it; --op puts single ops on it) "
                        "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")
 STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the backend is an error.")

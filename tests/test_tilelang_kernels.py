@@ -113,3 +113,27 @@ def test_fp8_gemm(M, out_dtype):
     assert rel < 5e-5, rel
     if out_dtype == torch.bfloat16:
         assert (out != ref).float().mean().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,H,D,N,K", [(1, 9, 4, 128, 40, 12), (2, 1, 64, 512, 4096, 640), (1, 70, 64, 512, 300, 200)])
+def test_sparse_attn(B, S, H, D, N, K):
+    """Rounded as the reference (blocks of 64, running max over the logits, p in bf16 for P V, sink last); empty
+    slots anywhere, and one token whose slots are all empty (0 out)."""
+    impl = _tilelang()("sparse_attn")
+    g = _g(B * 1000 + K)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.randint(0, N, (B, S, K), device="cuda", generator=g)
+    idx[torch.rand(B, S, K, device="cuda", generator=g) < 0.2] = -1
+    idx[0, 0] = -1  # nothing valid: 0
+    if K > 64:
+        idx[-1, -1, :64] = -1  # a first block all empty, valid slots later
+    out = impl(q, kv, sink, idx, D ** -0.5)
+    ref = REGISTRY["sparse_attn"].ref(q, kv, sink, idx, D ** -0.5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out.float()).all() and (out[0, 0] == 0).all()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 2e-3, rel
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)

@@ -13,7 +13,7 @@ import sys
 import tilelang
 import tvm
 
-from deepinfer_kernels.tilelang import gemm, quant
+from deepinfer_kernels.tilelang import attention, gemm, quant
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CASES = [
@@ -23,6 +23,8 @@ CASES = [
     ("rms_norm_quant bf16 K=7168", lambda: quant.rms_norm_quant_kernel(7168, "bfloat16", False, 1e-6)),
     ("fp8_gemm N=1536 K=4096 -> bf16", lambda: gemm.fp8_gemm_kernel(1536, 4096, "bfloat16")),
     ("fp8_gemm N=4096 K=8192 -> f32", lambda: gemm.fp8_gemm_kernel(4096, 8192, "float32")),
+    ("sparse_attn flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(64, 512, 640, "bfloat16", 512 ** -0.5)),
+    ("sparse_attn tiny H=16 D=128 K=12 bf16", lambda: attention.sparse_attn_kernel(16, 128, 12, "bfloat16", 128 ** -0.5)),
 ]
 
 
