@@ -40,7 +40,7 @@ def _fmt(x, spec=".2e") -> str:
 
 @handle_errors
 def ab_cmd(
-    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang (act_quant, rms_norm_quant, fp8_gemm, sparse_attn so far) | torch."),
+    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang (a subset so far: `deepinfer probe kernels`) | torch."),
     ref: str = typer.Option("torch", "--ref", help="Reference backend (torch = the plain-PyTorch spec)."),
     against: str = typer.Option(None, "--against", help="A peer backend (e.g. triton for --backend tilelang): "
                                 "each case also runs there, judged against the same reference; with --bench "

@@ -13,9 +13,9 @@ from deepinfer_cli.errors import UserError
 
 MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
                      "Default: the embedded deepinfer-tiny.")
-BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang (tilelang has kernels "
-                       "for act_quant, rms_norm_quant, fp8_gemm and sparse_attn so far: every other op falls back to the torch "
-                       "reference, visibly, and --strict refuses it; --op puts single ops on it) "
+BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang (tilelang implements a "
+                       "subset of the ops so far, listed by `deepinfer probe kernels`: every other op falls back to the "
+                       "torch reference, visibly, and --strict refuses it; --op puts single ops on it) "
                        "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")
 STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the backend is an error.")
 OPS = typer.Option(None, "--op", help="Per-op backends, op=backend,... (e.g. grouped_gemm=tilelang,"

@@ -137,3 +137,20 @@ def test_sparse_attn(B, S, H, D, N, K):
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 2e-3, rel
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T_,D", [(1, 4096), (300, 4096), (7, 256)])
+def test_hc_post_through_tile_kernels(T_, D):
+    impl = _tilelang()("hc_post")
+    pytest.importorskip("tile_kernels")
+    g = _g(T_ + D)
+    x = torch.randn(1, T_, D, device="cuda", generator=g).bfloat16()
+    res = torch.randn(1, T_, 4, D, device="cuda", generator=g).bfloat16()
+    post = torch.rand(1, T_, 4, device="cuda", generator=g) * 2
+    comb = torch.rand(1, T_, 4, 4, device="cuda", generator=g)
+    out = impl(x, res, post, comb)
+    ref = REGISTRY["hc_post"].ref(x, res, post, comb)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=0)  # one bf16 rounding apart at most
+    assert (out == ref).float().mean() > 0.99

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tilelang  # noqa: F401  (an ImportError here marks the backend unavailable, with the reason)
 
-from . import attention, gemm, quant  # noqa: F401
+from . import attention, gemm, mhc, quant  # noqa: F401
 
 REFERENCE_ONLY: dict[str, str] = {
     "sample": "sampling is a handful of small reductions over the vocabulary, latency-bound; the Triton kernel "
