@@ -75,14 +75,22 @@ def _render_kernels(d: dict, con: Console) -> None:
             c = row["backends"][b]
             if c["registered"]:
                 cells.append("[green]yes[/]")
+            elif c.get("reference_by_design"):
+                cells.append("[cyan]reference[/]")
             elif c["implemented"]:
                 cells.append("[yellow]source only[/]")
             else:
                 cells.append("-")
         here = row["here"] + (f" ({row['backend_here']})" if row["backend_here"] != d["default_backend"] else "")
-        cells.append(f"[green]{here}[/]" if row["here"] == "used" else f"[yellow]{here}[/]")
+        cells.append(f"[green]{here}[/]" if row["here"] in ("used", "reference (by design)") else f"[yellow]{here}[/]")
         t.add_row(row["op"], *cells)
     con.print(t)
+    for b in bk:
+        why = {r["op"]: r["backends"][b]["reference_by_design"] for r in d["ops"]
+               if r["backends"][b].get("reference_by_design")}
+        if why:
+            con.print(f"{b} leaves {len(why)} op(s) to the reference by design: "
+                      + "; ".join(f"{op}: {w}" for op, w in why.items()), highlight=False)
     for b, info in d["backends"].items():
         state = "importable" if info["importable"] else f"not importable: {info['reason']}"
         n = len(info["registered"]) or len(info["in_source"])

@@ -46,3 +46,19 @@ def test_cpu_model_dump_matches_h200_dump(tmp_path, tiny_dir):
     assert r.exit_code == 0, r.output[-3000:]
     r = runner.invoke(app, ["compare", out, h200, "--rtol", "1e-4", "--atol", "1e-5", "--json"])
     assert r.exit_code == 0, r.output[-3000:]
+
+
+def test_cross_stack_dumps_tilelang_against_triton():
+    """The same prompt dumped on the H200 (2026-12-02, official numerics, bf16, --strict) with the TileLang and the
+    Triton backends: the same tokens, equal through the prompt and the first two decode steps, first divergence at
+    decode step 3 in layer 0's MoE output (an FP8 activation code rounded the other way)."""
+    a, b = (os.path.join(REF, f"tiny_h200_{x}_official_bf16.h5") for x in ("tilelang", "triton"))
+    r = runner.invoke(app, ["compare", a, b, "--json"])
+    assert r.exit_code == 1, r.output[-3000:]  # a verdict of difference
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["first_divergence"]["name"] == "step3.layers.0.ffn.out"
+    assert d["fingerprint_diff"]["backend"] == ["tilelang", "triton"]
+    status = {t["name"]: t["status"] for t in d["rows"]}
+    fails = [n for n, st in status.items() if st == "fail"]
+    assert fails and all(n.startswith("step3.") for n in fails), fails
+    assert status["generated_ids"] == "pass" and status["step2.logits"] == "pass"

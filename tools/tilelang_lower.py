@@ -13,7 +13,7 @@ import sys
 import tilelang
 import tvm
 
-from deepinfer_kernels.tilelang import attention, gemm, quant
+from deepinfer_kernels.tilelang import attention, gemm, indexer, moe, quant
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CASES = [
@@ -25,12 +25,21 @@ CASES = [
     ("fp8_gemm N=4096 K=8192 -> f32", lambda: gemm.fp8_gemm_kernel(4096, 8192, "float32")),
     ("sparse_attn flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(64, 512, 640, "bfloat16", 512 ** -0.5)),
     ("sparse_attn tiny H=16 D=128 K=12 bf16", lambda: attention.sparse_attn_kernel(16, 128, 12, "bfloat16", 128 ** -0.5)),
+    ("grouped_gemm fp4 flash w1 E=256 N=2048 K=4096", lambda: moe.grouped_fp4_kernel(256, 2048, 4096, "bfloat16")),
+    ("grouped_gemm fp4 tiny E=8 N=64 K=256 -> f32", lambda: moe.grouped_fp4_kernel(8, 64, 256, "float32")),
+    ("grouped_gemm fp8 E=16 N=512 K=1024", lambda: moe.grouped_fp8_kernel(16, 512, 1024, "bfloat16")),
+    ("indexer_scores flash H=64 D=128", lambda: indexer.indexer_scores_kernel(64, 128)),
+    ("indexer_scores tiny H=4 D=64", lambda: indexer.indexer_scores_kernel(4, 64)),
+    ("fp4_fake_quant bf16 K=128 block 32", lambda: quant.fp4_fake_quant_kernel(128, 32, "bfloat16")),
 ]
 
 
 def main() -> int:
     bad = 0
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
     for name, make in CASES:
+        if only not in name:
+            continue
         try:
             with tvm.target.Target(TARGET):
                 art = tilelang.lower(make(), target=TARGET)

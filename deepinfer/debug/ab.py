@@ -36,7 +36,7 @@ from deepinfer.debug import ab_cases
 from deepinfer.debug.ab_cases import COMPARE, PHASES, SHAPES, CompareSpec, Variant
 from deepinfer.debug.comparators import (bitwise_equal, judge_float, judge_int, judge_scaled_fp8, judge_sets, mismatch,
                                          raw_bits, tolerance)
-from deepinfer.ops.registry import REGISTRY, BackendError, _ensure_reference, load_backend
+from deepinfer.ops.registry import REGISTRY, BackendError, _ensure_reference, by_design, load_backend
 
 AB_FORMAT = "deepinfer-ab-case"
 
@@ -513,7 +513,9 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
     for cr, v, r_out in pending:
         fn = REGISTRY[cr.op].impls.get(backend)
         if fn is None:
-            cr.status, cr.reason = "skip", f"backend {backend!r} has no implementation"
+            why = by_design(backend, cr.op)
+            cr.status, cr.reason = "skip", (f"backend {backend!r} runs the reference by design: {why}" if why
+                                            else f"backend {backend!r} has no implementation")
             results.remove(cr)
             continue
         if progress:
@@ -620,7 +622,9 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
             continue
         fn = REGISTRY[op].impls.get(backend)
         if fn is None:
-            cr.status, cr.reason = "skip", f"backend {backend!r} has no implementation"
+            why = by_design(backend, cr.op)
+            cr.status, cr.reason = "skip", (f"backend {backend!r} runs the reference by design: {why}" if why
+                                            else f"backend {backend!r} has no implementation")
             results.append(cr)
             continue
         if torch.device(dev).type != "cuda" and any(t.numel() > 64_000_000 for t in tensors.values()):

@@ -23,6 +23,7 @@ import torch
 from deepinfer.engine.flaggems import enable_only, resolve_op_names
 from deepinfer.ops.registry import (
     BACKENDS,
+    BY_DESIGN,
     REGISTRY,
     _ensure_reference,
     backend_available,
@@ -66,6 +67,19 @@ def _static_impls(backend: str) -> set[str]:
     return found
 
 
+def _static_by_design(backend: str) -> dict[str, str]:
+    """A backend's reference-only list (`kernels/<backend>/reference_only.py`, plain data), read without
+    importing the backend: what `probe kernels` shows where the backend's package is not installed."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels",
+                        backend, "reference_only.py")
+    if not os.path.isfile(path):
+        return {}
+    spec = importlib.util.spec_from_file_location(f"_reference_only_{backend}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return dict(getattr(mod, "REFERENCE_ONLY", {}))
+
+
 def probe_kernels(op_map: str | None = None) -> dict:
     """Coverage matrix op x backend, and what a run here would use: default_backend(), with the per-op map
     (`--op` text; None: DEEPINFER_OPS) sending single ops elsewhere."""
@@ -83,6 +97,7 @@ def probe_kernels(op_map: str | None = None) -> dict:
         backends[b] = {"importable": ok, "reason": reason, "registered": sorted(registered),
                        "in_source": sorted(static)}
     chosen = default_backend()
+    design = {b: {**_static_by_design(b), **BY_DESIGN.get(b, {})} for b in BACKENDS if b != "torch"}
     rows = []
     for op, d in REGISTRY.items():
         row = {"op": op, "doc": d.doc, "backends": {}}
@@ -91,6 +106,9 @@ def probe_kernels(op_map: str | None = None) -> dict:
             src = op in backends[b]["in_source"]
             row["backends"][b] = {"implemented": reg or src, "registered": reg,
                                   "importable": backends[b]["importable"]}
+            why = design.get(b, {}).get(op)
+            if why:
+                row["backends"][b]["reference_by_design"] = why
         here = omap.get(op, chosen)
         info = backends.get(here)
         if info is None:
@@ -99,6 +117,8 @@ def probe_kernels(op_map: str | None = None) -> dict:
             use = "fallback (backend not importable)"
         elif here in d.impls:
             use = "used"
+        elif design.get(here, {}).get(op):
+            use = "reference (by design)"
         else:
             use = "fallback (no implementation)"
         row["backend_here"], row["here"] = here, use

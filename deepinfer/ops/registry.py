@@ -42,6 +42,10 @@ class OpDef:
 
 REGISTRY: dict[str, OpDef] = {}
 
+BY_DESIGN: dict[str, dict[str, str]] = {}
+"""backend -> {op: reason}: ops a backend leaves to the torch reference on purpose (`reference_only`). They
+resolve to the reference without counting as a fallback, and `--strict` accepts them."""
+
 # Relative-error budgets per output dtype. fp32 references agree to rounding (~1e-6 relative
 # after a reduction); bf16 carries 8 mantissa bits, so 2^-8 per element grows to ~1e-2 over a sum.
 DEFAULT_TOL = {"float32": (1e-5, 1e-6), "bfloat16": (2e-2, 1e-2), "float16": (5e-3, 1e-3)}
@@ -73,6 +77,25 @@ def implement(name: str, backend: str):
         return fn
 
     return wrap
+
+
+def reference_only(backend: str, reasons: dict[str, str]) -> None:
+    """Declare that `backend` runs these ops as the torch reference on purpose, each with its reason (e.g. the
+    stack it stands for runs that op in PyTorch). An op the backend also implements cannot be on the list."""
+    _ensure_reference()
+    for name, why in reasons.items():
+        if name not in REGISTRY:
+            raise ValueError(f"{backend} lists unknown op {name!r} as reference-only")
+        if backend in REGISTRY[name].impls:
+            raise ValueError(f"{backend} both implements {name!r} and lists it as reference-only")
+        if not why.strip():
+            raise ValueError(f"{backend} lists {name!r} as reference-only without a reason")
+    BY_DESIGN.setdefault(backend, {}).update(reasons)
+
+
+def by_design(backend: str, name: str) -> str | None:
+    """The reason `backend` leaves op `name` to the reference on purpose, or None."""
+    return BY_DESIGN.get(backend, {}).get(name)
 
 
 def _ensure_reference():
@@ -220,8 +243,10 @@ class Dispatcher:
         return self.backend + (f"; {m}" if m else "")
 
     def missing(self) -> list[str]:
+        """Ops the configuration has no implementation for (reference-only ops by design are not missing)."""
         _ensure_reference()
-        return [n for n, d in REGISTRY.items() if self.backend_of(n) not in d.impls]
+        return [n for n, d in REGISTRY.items()
+                if self.backend_of(n) not in d.impls and by_design(self.backend_of(n), n) is None]
 
     def override_sites(self, sites: dict | None) -> None:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
@@ -262,6 +287,8 @@ class Dispatcher:
         d = REGISTRY[name]
         b = self.backend_of(name)
         fn = d.impls.get(b)
+        if fn is None and by_design(b, name) is not None:
+            fn = d.ref  # the backend's choice, not a fallback
         if fn is None:
             reason = f"backend {b!r} has no implementation"
             if self.strict:

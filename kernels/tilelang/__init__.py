@@ -1,7 +1,7 @@
 """TileLang backend (import name `deepinfer_kernels.tilelang`): importable only where TileLang is installed
 (`pip install -e '.[tilelang]'`); importing it registers its implementations with `implement(..., "tilelang")`.
 
-Each kernel is built per shape on first use (`_common.compiled`). A build that fails names the op and the shape:
+Each kernel is built per shape on first use (`_common.build`). A build that fails names the op and the shape:
 under `--strict` it is an error, otherwise that call runs the torch reference and says so once
 (`Dispatcher.runtime_fallback`).
 """
@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import tilelang  # noqa: F401  (an ImportError here marks the backend unavailable, with the reason)
 
-from . import attention, gemm, mhc, quant  # noqa: F401
+# TileLang logs each kernel compile at INFO on stdout, which would break `--json` output (as kernel.py, WARNING)
+tilelang.set_log_level("WARNING")
 
-REFERENCE_ONLY: dict[str, str] = {
-    "sample": "sampling is a handful of small reductions over the vocabulary, latency-bound; the Triton kernel "
-              "serves it and a TileLang one would add nothing to compare",
-    "logprobs": "a log-softmax of the logits, as sample",
-}
-"""Ops this backend leaves to the torch reference on purpose, with the reason."""
+from deepinfer.ops import registry
+
+from . import attention, gemm, indexer, mhc, moe, quant, routing  # noqa: F401
+from .reference_only import REFERENCE_ONLY
+
+registry.reference_only("tilelang", REFERENCE_ONLY)
 
 
 def facts(device) -> dict:

@@ -110,3 +110,14 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     bt = torch.arange(B, device=q.device, dtype=torch.int32).repeat_interleave(S)
     o = kern(qf.contiguous(), kv.contiguous(), sk.contiguous(), idx.reshape(B * S, K).int().contiguous(), bt)
     return o[:, :H].reshape(B, S, H, D)
+
+
+@implement("sparse_attn_fp8", "tilelang")
+def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                    rope_dim: int, out_rope: tuple | None = None) -> torch.Tensor:
+    """The FP8 KV layout unpacked to q's dtype in PyTorch (`kv_unpack`: a copy of the cache rows it is given), then
+    the TileLang sparse attention, then the output's RoPE removal in PyTorch (model.py's apply_rotary_emb)."""
+    o = sparse_attn(q, REGISTRY["kv_unpack"].ref(kv, q.size(-1), rope_dim, q.dtype), sink, idx, scale)
+    if out_rope is not None:
+        o[..., -rope_dim:] = REGISTRY["rope"].ref(o[..., -rope_dim:], *out_rope, inverse=True)
+    return o

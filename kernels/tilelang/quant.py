@@ -17,11 +17,13 @@ import tilelang.language as T
 import torch
 
 from deepinfer.ops.reference import bf16_split
+from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, implement
 
 from ._common import FP8_MAX, build, pow2_ceil, tl_dtype
 
 BLK_M = 32
+DTYPES_16 = (torch.bfloat16, torch.float16)
 
 
 def act_quant_kernel(N: int, block: int, in_dt: str):
@@ -106,6 +108,35 @@ def rms_norm_quant_kernel(N: int, in_dt: str, has_w: bool, eps: float):
     return rms_norm_quant_k
 
 
+def fp4_fake_quant_kernel(N: int, block: int, in_dt: str):
+    """X [M, N] in_dt -> Y [M, N] in_dt: each `block` of a row through e2m1 with a power-of-two scale and back
+    (M symbolic). amax floored at 6 x 2^-126; s = 2^ceil(log2(amax / 6)); the e2m1 rounding is the hardware cast
+    (round to nearest even, saturating), as kernel.py's fp4_quant_kernel with inplace=True."""
+    M = T.symbolic("M")
+    NB = N // block
+
+    @T.prim_func
+    def fp4_fake_quant_k(X: T.Tensor((M, N), in_dt), Y: T.Tensor((M, N), in_dt)):
+        with T.Kernel(T.ceildiv(M, BLK_M), NB, threads=128) as (bm, bk):
+            xs = T.alloc_shared((BLK_M, block), in_dt)
+            xf = T.alloc_fragment((BLK_M, block), "float32")
+            amax = T.alloc_fragment((BLK_M,), "float32")
+            sc = T.alloc_fragment((BLK_M,), "float32")
+            yf = T.alloc_fragment((BLK_M, block), in_dt)
+            T.copy(X[bm * BLK_M, bk * block], xs)
+            for i, j in T.Parallel(BLK_M, block):
+                xf[i, j] = T.Cast("float32", xs[i, j])
+            T.reduce_absmax(xf, amax, dim=1)
+            for i in T.Parallel(BLK_M):
+                sc[i] = pow2_ceil(T, T.max(amax[i], T.float32(6.0 * 2.0**-126)) / T.float32(6.0))
+            for i, j in T.Parallel(BLK_M, block):
+                yf[i, j] = T.Cast(in_dt, T.Cast("float32", T.Cast("float4_e2m1fn", T.clamp(xf[i, j] / sc[i], -6.0, 6.0)))
+                                  * sc[i])
+            T.copy(yf, Y[bm * BLK_M, bk * block])
+
+    return fp4_fake_quant_k
+
+
 @implement("act_quant", "tilelang")
 def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     K = x.size(-1)
@@ -138,3 +169,34 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
     y, q, s = kern(x2, w)
     y, q, s = y.view(x.shape), q.view(x.shape), s.view(*x.shape[:-1], K // 128)
     return (y, q, s, bf16_split(q, s)) if split else (y, q, s)
+
+
+@implement("fp4_fake_quant", "tilelang")
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    K = x.size(-1)
+    x2 = x.reshape(-1, K).contiguous()
+    if K % block or x2.size(0) == 0 or x.dtype not in DTYPES_16:
+        if x2.size(0):
+            ops.runtime_fallback("fp4_fake_quant", f"the TileLang kernel takes bf16/fp16 rows of a multiple of "
+                                                   f"{block}, not {x.dtype} [..., {K}]")
+        return REGISTRY["fp4_fake_quant"].ref(x, block)
+    kern = build("fp4_fake_quant", (K, block, str(x.dtype)), lambda: tilelang.compile(
+        fp4_fake_quant_kernel(K, block, tl_dtype(x.dtype)), out_idx=[1]))
+    if kern is None:
+        return REGISTRY["fp4_fake_quant"].ref(x, block)
+    return kern(x2).view(x.shape)
+
+
+@implement("fp8_fake_quant", "tilelang")
+def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The TileLang act_quant, dequantised in PyTorch (q x s is exact: s is a power of two)."""
+    q, s = act_quant(x, block)
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+@implement("swiglu_quant", "tilelang")
+def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
+    """The clamped SwiGLU in PyTorch (as model.py's Expert computes it) into the TileLang act_quant: unfused."""
+    q, s = act_quant(REGISTRY["swiglu"].ref(gate, up, limit, weight, out_dtype), block)
+    return (q, s, bf16_split(q, s)) if split else (q, s)
