@@ -169,7 +169,7 @@ def _fp4_weights(E, N, K, g):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (1000, 8, 128, 256)])
+@pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (600, 8, 256, 512), (1000, 8, 128, 256)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_gemm_fp4(P, E, N, K, out_dtype):
     """The FP4 experts as kernel.py's fp4_gemm computes them (e2m1 -> e4m3 in shared memory, one FP8 MMA per

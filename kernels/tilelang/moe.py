@@ -30,20 +30,27 @@ from deepinfer.quant.grouped import moe_align
 
 from ._common import build, tl_dtype
 
-BM, BN = 32, 128
+BN = 128
 
 
-def _e2m1(code):
-    """An e2m1 code (0..15, sign in bit 3) -> its float32 value."""
-    m = code & 7
-    ex = m >> 1
-    f = T.Cast("float32", m & 1)
-    mag = T.if_then_else(ex == 0, f * T.float32(0.5),
-                         (T.float32(1) + f * T.float32(0.5)) * T.Cast("float32", T.shift_left(1, ex - 1)))
-    return T.if_then_else(code >= 8, -mag, mag)
+def _e2m1_to_e4m3_bits(code):
+    """An e2m1 code (0..15: sign bit 3, exponent bits 2-1 with bias 1, mantissa bit 0) -> the e4m3 byte of the
+    same value, by bit placement: a normal e2m1 (exponent e >= 1) is 2^(e-1) (1 + m/2), the e4m3 exponent field
+    e + 6 (bias 7) with the mantissa bit at the top of e4m3's three; the subnormal 0.5 is e4m3's 2^-1 (0x30)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    mag = T.if_then_else(e == 0, m * 0x30, ((e + 6) << 3) | (m << 2))
+    return ((code & 8) << 4) | mag
 
 
-def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str):
+def block_m(P: int, E: int) -> int:
+    """Rows per block from the average rows per expert: decode (a few rows) 32, prefill up to 128, so a decoded
+    weight tile serves as many rows as the routing gives it."""
+    avg = P / max(E, 1)
+    return 32 if avg <= 32 else (64 if avg <= 80 else 128)
+
+
+def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32):
     """A [P, K] e4m3, AS [P, K/128] f32, W [E, N, K/2] uint8, WS [E, N, K/32] f32, ROWS [NB, BM] int64 (P = pad),
     BEXP [NB] int64 (-1 = unused) -> C [P, N] out_dt, rows of no block untouched (P, NB symbolic)."""
     P = T.symbolic("P")
@@ -55,7 +62,7 @@ def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str):
                       W: T.Tensor((E, N, K // 2), "uint8"), WS: T.Tensor((E, N, K // 32), "float32"),
                       ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
                       C: T.Tensor((P, N), out_dt)):
-        with T.Kernel(T.ceildiv(N, BN), NB, threads=128) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), NB, threads=128 if BM <= 64 else 256) as (bx, by):
             a_t = T.alloc_shared((BM, BK), "float8_e4m3")
             w_t = T.alloc_shared((BN, BK), "float8_e4m3")
             rows = T.alloc_shared((BM,), "int64")
@@ -76,8 +83,10 @@ def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str):
                     for i, j in T.Parallel(BN, BK // 2):
                         byte = T.if_then_else(bx * BN + i < N, W[ex[0], T.min(bx * BN + i, N - 1), k * (BK // 2) + j],
                                               T.uint8(0))
-                        w_t[i, 2 * j] = T.Cast("float8_e4m3", _e2m1(T.Cast("int32", byte & T.uint8(15))))
-                        w_t[i, 2 * j + 1] = T.Cast("float8_e4m3", _e2m1(T.Cast("int32", byte >> T.uint8(4))))
+                        lo = _e2m1_to_e4m3_bits(T.Cast("int32", byte & T.uint8(15)))
+                        hi = _e2m1_to_e4m3_bits(T.Cast("int32", byte >> T.uint8(4)))
+                        w_t[i, 2 * j] = T.reinterpret("float8_e4m3", T.Cast("uint8", lo))
+                        w_t[i, 2 * j + 1] = T.reinterpret("float8_e4m3", T.Cast("uint8", hi))
                     for i in T.Parallel(BM):
                         sa[i] = T.if_then_else(rows[i] < P, AS[T.min(rows[i], P - 1), k // 4], T.float32(0))
                     for i in T.Parallel(BN):
@@ -93,7 +102,7 @@ def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str):
     return grouped_fp4_k
 
 
-def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str):
+def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32):
     """A [P, K] e4m3, AS [P, K/128] f32, W [E, N, K] e4m3, WS [E, ceil(N/128), K/128] f32, ROWS, BEXP as the FP4
     kernel -> C [P, N] out_dt."""
     P = T.symbolic("P")
@@ -106,7 +115,7 @@ def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str):
                       W: T.Tensor((E, N, K), "float8_e4m3"), WS: T.Tensor((E, NW, K // 128), "float32"),
                       ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
                       C: T.Tensor((P, N), out_dt)):
-        with T.Kernel(T.ceildiv(N, BN), NB, threads=128) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), NB, threads=128 if BM <= 64 else 256) as (bx, by):
             a_t = T.alloc_shared((BM, BK), "float8_e4m3")
             w_t = T.alloc_shared((BN, BK), "float8_e4m3")
             rows = T.alloc_shared((BM,), "int64")
@@ -151,10 +160,10 @@ def _run(a, a_s, e, w, w_s, out_dtype, op):
         ops.runtime_fallback(op, f"the TileLang grouped GEMM takes e4m3 A with K % 128 == 0, not {a.dtype}, K {K}")
         return None
     dt = tl_dtype(out_dtype)
-    if fp4:
-        kern = build(op, ("fp4", E, N, K, dt), lambda: tilelang.compile(grouped_fp4_kernel(E, N, K, dt), out_idx=[]))
-    else:
-        kern = build(op, ("fp8", E, N, K, dt), lambda: tilelang.compile(grouped_fp8_kernel(E, N, K, dt), out_idx=[]))
+    BM = block_m(P, E)
+    make = grouped_fp4_kernel if fp4 else grouped_fp8_kernel
+    kern = build(op, ("fp4" if fp4 else "fp8", E, N, K, dt, BM), lambda: tilelang.compile(make(E, N, K, dt, BM),
+                                                                                          out_idx=[]))
     if kern is None:
         return None
     c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows of no expert (e = -1) are 0
