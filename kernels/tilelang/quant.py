@@ -159,6 +159,9 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
     K = x.size(-1)
     x2 = x.reshape(-1, K).contiguous()
     if block != 128 or K % 128 or x2.size(0) == 0:
+        if x2.size(0):
+            ops.runtime_fallback("rms_norm_quant", f"the TileLang kernel takes block 128 and K % 128 == 0, not "
+                                                   f"block {block}, K {K}")
         return REGISTRY["rms_norm_quant"].ref(x, weight, eps, block, split)
     key = (K, str(x.dtype), weight is not None, float(eps))
     kern = build("rms_norm_quant", key, lambda: tilelang.compile(
