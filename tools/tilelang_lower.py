@@ -25,6 +25,8 @@ CASES = [
     ("fp8_gemm N=4096 K=8192 -> f32", lambda: gemm.fp8_gemm_kernel(4096, 8192, "float32")),
     ("sparse_attn flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(64, 512, 640, "bfloat16", 512 ** -0.5)),
     ("sparse_attn tiny H=16 D=128 K=12 bf16", lambda: attention.sparse_attn_kernel(16, 128, 12, "bfloat16", 128 ** -0.5)),
+    ("sparse_attn_fp8 flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(
+        64, 512, 640, "bfloat16", 512 ** -0.5, (448, 464, 592))),
     ("grouped_gemm fp4 flash w1 E=256 N=2048 K=4096", lambda: moe.grouped_fp4_kernel(256, 2048, 4096, "bfloat16")),
     ("grouped_gemm fp4 tiny E=8 N=64 K=256 -> f32", lambda: moe.grouped_fp4_kernel(8, 64, 256, "float32")),
     ("grouped_gemm fp4 prefill BM=64", lambda: moe.grouped_fp4_kernel(256, 4096, 2048, "bfloat16", 64)),
