@@ -31,6 +31,8 @@ CASES = [
     ("grouped_gemm fp4 tiny E=8 N=64 K=256 -> f32", lambda: moe.grouped_fp4_kernel(8, 64, 256, "float32")),
     ("grouped_gemm fp4 prefill BM=64", lambda: moe.grouped_fp4_kernel(256, 4096, 2048, "bfloat16", 64)),
     ("grouped_gemm fp4 prefill BM=128", lambda: moe.grouped_fp4_kernel(256, 2048, 4096, "bfloat16", 128)),
+    ("grouped_gemm fp4 staged BM=128", lambda: moe.grouped_fp4_kernel(256, 2048, 4096, "bfloat16", 128, True)),
+    ("grouped_gemm fp4 staged BM=32", lambda: moe.grouped_fp4_kernel(256, 4096, 2048, "bfloat16", 32, True)),
     ("grouped_gemm fp8 BM=128", lambda: moe.grouped_fp8_kernel(16, 512, 1024, "bfloat16", 128)),
     ("grouped_gemm fp8 E=16 N=512 K=1024", lambda: moe.grouped_fp8_kernel(16, 512, 1024, "bfloat16")),
     ("indexer_scores flash H=64 D=128", lambda: indexer.indexer_scores_kernel(64, 128)),
