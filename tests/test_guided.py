@@ -1,0 +1,335 @@
+"""Guided decoding (issue 27): xgrammar constraints through a token bitmask applied before sampling.
+
+On the tiny model (random weights: unconstrained, it would pick anything, so every accepted structure comes
+from the mask): JSON-schema outputs validate (jsonschema), regex outputs match, choices are one of the
+choices, an allow-everything grammar gives the unconstrained tokens, mixed batches keep the unconstrained
+rows as they are; the bitmask op's Triton kernel against its reference (interpreter on CPU); bad input is
+one line, exit 2, before any model load. GPU tests (graphs, full vocabulary) are marked `gpu`.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from deepinfer.engine import guided
+from deepinfer.engine.generate import SamplingParams, generate
+from deepinfer.engine.loader import load_model
+from deepinfer.ops.registry import REGISTRY, load_backend
+from deepinfer_cli.app import app
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+runner = CliRunner()
+EOS = 1
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "n", "color"],
+}
+
+
+def _bits(mask: torch.Tensor, V: int) -> torch.Tensor:
+    """[B, W] int32 -> [B, V] bool, bit by bit (independent of the op's reference)."""
+    out = torch.zeros(mask.size(0), V, dtype=torch.bool)
+    for b in range(mask.size(0)):
+        for v in range(V):
+            w = v // 32
+            out[b, v] = w < mask.size(1) and (int(mask[b, w]) >> (v % 32)) & 1 == 1
+    return out
+
+
+# ------------------------------------------------------------------------------------ the op
+def test_bitmask_reference_bit_order():
+    g = torch.Generator().manual_seed(1)
+    V = 70
+    x = torch.randn(3, V, generator=g)
+    m = torch.randint(-2**31, 2**31, (3, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    m[1] = -1  # all ones: the row unchanged
+    y = REGISTRY["apply_token_bitmask"].ref(x, m)
+    allowed = _bits(m, V)
+    assert torch.equal(y[allowed], x[allowed])
+    assert bool(torch.isneginf(y[~allowed]).all())
+    assert torch.equal(y[1], x[1])
+    # a mask narrower than the vocabulary forbids the tokens past it
+    y2 = REGISTRY["apply_token_bitmask"].ref(x, torch.full((3, 1), -1, dtype=torch.int32))
+    assert torch.equal(y2[:, :32], x[:, :32]) and bool(torch.isneginf(y2[:, 32:]).all())
+
+
+@pytest.mark.parametrize("V", [1, 31, 33, 1000, 4097])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bitmask_triton_matches_reference(V, dtype):
+    load_backend("triton")
+    g = torch.Generator().manual_seed(V)
+    B = 5
+    x = (torch.randn(B, V, generator=g) * 4).to(dtype)
+    m = torch.randint(-2**31, 2**31, (B, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    m[0] = -1
+    m[1] = 0
+    m[2] = m[2] & 0x11111111  # sparse
+    ref = REGISTRY["apply_token_bitmask"].ref(x, m)
+    got = REGISTRY["apply_token_bitmask"].impls["triton"](x, m)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert not bool(torch.isnan(got).any())
+    assert torch.equal(got, ref)
+    allowed = _bits(m, V) if V <= 1000 else None
+    if allowed is not None:
+        assert bool(torch.isneginf(got[~allowed]).all()) and torch.equal(got[allowed], x[allowed])
+    assert torch.equal(got[0], x[0]) and bool(torch.isneginf(got[1]).all())
+
+
+# ------------------------------------------------------------------------------------ engine
+@pytest.fixture(scope="module")
+def lm(tiny_dir):
+    return load_model(None, numerics="official", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def compiler(lm):
+    return guided.GuideCompiler(lm.tokenizer, lm.cfg.vocab_size)
+
+
+PROMPTS = ["hello", "北京是", "The answer is", "x"]
+
+
+def _ids(lm, texts):
+    return [lm.tokenizer.encode_prompt(t, "raw") for t in texts]
+
+
+def _text(lm, c) -> str:
+    return lm.tokenizer.decode([t for t in c.token_ids if t != EOS])
+
+
+def _params(guide, n, seeds=(0, 1, 2), temps=(0.0, 1.0)):
+    return [SamplingParams(max_new_tokens=n, temperature=t, seed=s, guide=guide) for s in seeds for t in temps]
+
+
+def test_json_schema_outputs_validate(lm, compiler):
+    g = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
+    ps = _params(g, 64)
+    prompts = (_ids(lm, PROMPTS) * 2)[:len(ps)]
+    res = generate(lm.model, prompts, ps, EOS, lm.tokenizer.decode, max_batch=4)
+    for c in res.completions:
+        assert c.finish_reason == "eos" and c.constraint["status"] == "complete", (c.finish_reason, _text(lm, c))
+        assert c.constraint["satisfied"] is True and c.constraint["kind"] == "json_schema"
+        jsonschema.validate(json.loads(_text(lm, c)), SCHEMA)
+    assert len({_text(lm, c) for c in res.completions}) > 1  # the seeds / temperatures differ
+
+
+def test_json_schema_cut_by_max_tokens(lm, compiler):
+    g = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
+    res = generate(lm.model, _ids(lm, PROMPTS[:2]), SamplingParams(max_new_tokens=3, guide=g), EOS)
+    for c in res.completions:
+        assert c.finish_reason == "length" and len(c.token_ids) == 3
+        assert c.constraint == {"kind": "json_schema", "satisfied": False, "status": "cut by max tokens"}
+
+
+def test_regex_outputs_match(lm, compiler):
+    pat = r"[a-c]{2,5}-[0-9]{1,2}( ok)?"
+    g = compiler.compile(guided.regex(pat))
+    ps = _params(g, 16)
+    res = generate(lm.model, (_ids(lm, PROMPTS) * 2)[:len(ps)], ps, EOS, max_batch=6)
+    for c in res.completions:
+        assert c.constraint["satisfied"], _text(lm, c)
+        assert re.fullmatch(pat, _text(lm, c)), _text(lm, c)
+
+
+def test_choice_is_one_of_the_choices(lm, compiler):
+    choices = ["yes", "no", "maybe not", "北京"]
+    g = compiler.compile(guided.choice(",".join(choices)))
+    ps = _params(g, 8, seeds=(0, 1, 2, 3))
+    res = generate(lm.model, (_ids(lm, PROMPTS) * 2)[:len(ps)], ps, EOS)
+    for c in res.completions:
+        assert _text(lm, c) in choices and c.constraint["satisfied"]
+    assert len({_text(lm, c) for c in res.completions}) > 1
+
+
+def test_logprobs_are_after_the_mask(lm, compiler):
+    """One allowed token per step: the masked distribution gives it probability 1 (logprob 0); unmasked,
+    the random model gives it ~1/V."""
+    g = compiler.compile(guided.regex("a"))
+    c = generate(lm.model, _ids(lm, ["x"]), SamplingParams(max_new_tokens=4, logprobs=3, guide=g), EOS).completions[0]
+    assert lm.tokenizer.decode(c.token_ids) == "a" + lm.tokenizer.decode([EOS])
+    assert c.logprobs == [0.0, 0.0]
+    assert all(len(t) == 1 for t in c.top_logprobs)  # the -inf alternatives are not listed
+    free = generate(lm.model, _ids(lm, ["x"]), SamplingParams(max_new_tokens=1), EOS).completions[0]
+    assert free.logprobs[0] < -1
+
+
+ANY = r'root ::= [^\x00]*'  # any text of valid UTF-8 (no NUL), ending anywhere
+
+
+def test_allow_everything_grammar_gives_the_unconstrained_tokens(lm, compiler):
+    """The runs compared are those whose unconstrained tokens the grammar accepts: the random model also picks
+    special tokens (placeholders), which no grammar allows, and lone UTF-8 continuation bytes."""
+    g = compiler.compile(guided.grammar(ANY))
+    base = [SamplingParams(max_new_tokens=10, temperature=t, seed=s) for s in range(5) for t in (0.0, 1.0)]
+    prompts = (_ids(lm, PROMPTS) * 3)[:len(base)]
+    free = generate(lm.model, prompts, base, EOS).completions
+
+    def accepted(c):
+        m = g.matcher()
+        return all(m.accept_token(t) for t in c.token_ids)
+
+    keep = [i for i, c in enumerate(free) if accepted(c)]
+    assert len(keep) >= 4 and {base[i].temperature for i in keep} == {0.0, 1.0}, keep  # the test tests something
+    # the same indices (the sampling noise is seeded by the index): the other rows run unconstrained
+    ps = [SamplingParams(**{**p.__dict__, "guide": g}) if i in keep else p for i, p in enumerate(base)]
+    got = generate(lm.model, prompts, ps, EOS).completions
+    for i in keep:
+        assert free[i].token_ids == got[i].token_ids, i
+        assert got[i].constraint["status"] in ("cut by max tokens", "complete")
+
+
+def test_mixed_batch_unconstrained_rows_unchanged(lm, compiler):
+    """Constrained and unconstrained rows in one batch: the unconstrained ones (all-ones mask) decode as
+    they do alone; the constrained ones obey their constraints."""
+    gj = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
+    gc = compiler.compile(guided.choice("left,right"))
+    prompts = _ids(lm, PROMPTS)
+    free_p = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=3), SamplingParams(max_new_tokens=8)]
+    alone = generate(lm.model, [prompts[1], prompts[3]], free_p, EOS).completions
+    ps = [SamplingParams(max_new_tokens=64, guide=gj), free_p[0], SamplingParams(max_new_tokens=8, guide=gc),
+          free_p[1]]
+    res = generate(lm.model, prompts, ps, EOS).completions
+    # a sampled row's noise is seeded by its index in the submitted list: compare it with a run where it has
+    # the same index; the greedy row with its run alone
+    assert res[3].token_ids == alone[1].token_ids and res[3].constraint is None
+    assert torch.allclose(torch.tensor(res[3].logprobs), torch.tensor(alone[1].logprobs), atol=5e-2)
+    same_index = generate(lm.model, [prompts[0], prompts[1]], [SamplingParams(max_new_tokens=1), free_p[0]],
+                          EOS).completions[1]
+    assert res[1].token_ids == same_index.token_ids and res[1].constraint is None
+    jsonschema.validate(json.loads(_text(lm, res[0])), SCHEMA)
+    assert _text(lm, res[2]) in ("left", "right")
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_cli_jsonl_mixed_rows(tmp_path, tiny_dir):
+    schema_file = tmp_path / "s.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    rows = [
+        {"prompt": "hello", "json_schema": SCHEMA, "max_new_tokens": 64},
+        {"prompt": "北京是", "max_new_tokens": 4},
+        {"prompt": "x", "regex": "[0-9]{3}", "temperature": 1.0, "seed": 4},
+        {"prompt": "y", "choice": ["cat", "dog"], "temperature": 0.7},
+        {"prompt": "z", "json_schema": str(schema_file), "max_new_tokens": 64, "temperature": 1.0},
+    ]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n")
+    r = runner.invoke(app, ["generate", "--input-file", str(f), "--json", "--max-batch", "3"])
+    assert r.exit_code == 0, r.output
+    out = [json.loads(ln) for ln in r.stdout.strip().splitlines()]
+    assert [o["index"] for o in out] == list(range(5))
+    eos = "<｜end▁of▁sentence｜>"
+    text = [o["text"].removesuffix(eos) for o in out]
+    jsonschema.validate(json.loads(text[0]), SCHEMA)
+    jsonschema.validate(json.loads(text[4]), SCHEMA)
+    assert re.fullmatch("[0-9]{3}", text[2]) and text[3] in ("cat", "dog")
+    assert "constraint" not in out[1] and "logprobs_after_mask" not in out[1]
+    for i in (0, 2, 3, 4):
+        assert out[i]["constraint"]["status"] == "complete" and out[i]["logprobs_after_mask"] is True
+    assert out[3]["constraint"]["choices"] == ["cat", "dog"]
+
+
+def test_cli_cut_by_max_tokens_reported(tiny_dir):
+    r = runner.invoke(app, ["generate", "hi", "--regex", "[a-z]{20}", "-n", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    o = json.loads(r.stdout.strip().splitlines()[-1])
+    assert o["constraint"] == {"kind": "regex", "satisfied": False, "status": "cut by max tokens"}
+    assert all(m is None or isinstance(m, float) for m in o["margins"])
+
+
+def test_cli_bad_constraints_exit_2_before_model_load(tmp_path, monkeypatch):
+    import deepinfer_cli.common as common
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the constraint was checked")
+
+    monkeypatch.setattr(common, "setup", no_load)
+    bad_schema = tmp_path / "bad.json"
+    bad_schema.write_text('{"type": "object", "properties": {"a": {"type": "nonesuch"}}}')
+    not_json = tmp_path / "nj.json"
+    not_json.write_text('{"type": "object",\n "properties": }')
+    bad_ebnf = tmp_path / "g.ebnf"
+    bad_ebnf.write_text('root ::= "a" | rule_b\n')
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "a"}\n{"prompt": "b", "regex": "(unclosed"}\n')
+    jl2 = tmp_path / "q.jsonl"
+    jl2.write_text('{"prompt": "b", "regex": "a", "choice": ["x"]}\n')
+    cases = [
+        (["--json-schema", str(bad_schema)], ["--json-schema", "bad.json", "nonesuch"]),
+        (["--json-schema", str(not_json)], ["--json-schema", "not JSON", "line 2"]),
+        (["--json-schema", str(tmp_path / "missing.json")], ["--json-schema", "missing.json"]),
+        (["--regex", "a(b"], ["--regex", "invalid regex", "position"]),
+        (["--grammar", str(bad_ebnf)], ["--grammar", "g.ebnf", "rule_b"]),
+        (["--choice", "a,,b"], ["--choice", "empty"]),
+        (["--regex", "a", "--choice", "b"], ["--regex and --choice"]),
+        (["--input-file", str(jl)], ["line 2", "regex", "invalid regex"]),
+        (["--input-file", str(jl2)], ["line 1", "at most one"]),
+    ]
+    for args, words in cases:
+        full = ["generate", *(["x"] if "--input-file" not in args else []), *args]
+        r = runner.invoke(app, full)
+        assert r.exit_code == 2, (args, r.output)
+        assert "Traceback" not in r.output and "AssertionError" not in r.output, r.output
+        lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+        for w in words:
+            assert w in lines[0], (w, lines[0])
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_bitmask_kernel_full_vocab_gpu_and_in_a_graph():
+    load_backend("triton")
+    g = torch.Generator().manual_seed(0)
+    for B in (1, 64):
+        V = 129280
+        x = (torch.randn(B, V, generator=g) * 4).cuda()
+        m = torch.randint(-2**31, 2**31, (B, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32).cuda()
+        ref = REGISTRY["apply_token_bitmask"].ref(x, m)
+        fn = REGISTRY["apply_token_bitmask"].impls["triton"]
+        assert torch.equal(fn(x, m), ref)
+        graph = torch.cuda.CUDAGraph()
+        fn(x, m)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            y = fn(x, m)
+        m2 = torch.randint(-2**31, 2**31, m.shape, generator=g, dtype=torch.int64).to(torch.int32).cuda()
+        m.copy_(m2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, REGISTRY["apply_token_bitmask"].ref(x, m2))
+
+
+@pytest.mark.gpu
+def test_guided_with_cuda_graphs_gpu(tiny_dir):
+    """The Triton backend with captured decode graphs: constrained rows valid, and the same tokens as eager."""
+    from deepinfer.ops import ops
+
+    ops.configure("triton", strict=False)
+    lm = load_model(None, numerics="official", dtype="bfloat16", device="cuda", progress=False)
+    comp = guided.GuideCompiler(lm.tokenizer, lm.cfg.vocab_size)
+    gj = comp.compile(guided.json_schema(json.dumps(SCHEMA)))
+    gr = comp.compile(guided.regex("[a-c]{2,5}-[0-9]"))
+    ps = [SamplingParams(max_new_tokens=64, temperature=t, seed=s, guide=g) for s in range(4) for t in (0.0, 1.0)
+          for g in (gj, gr)] + [SamplingParams(max_new_tokens=8, temperature=1.0, seed=9)]
+    prompts = (_ids(lm, PROMPTS) * 5)[:len(ps)]
+    runs = {}
+    for graphs in (True, False):
+        runs[graphs] = generate(lm.model, prompts, ps, EOS, max_batch=8, graphs=graphs).completions
+    for c, p in zip(runs[True], ps):
+        if p.guide is gj:
+            jsonschema.validate(json.loads(_text(lm, c)), SCHEMA)
+        elif p.guide is gr:
+            assert re.fullmatch("[a-c]{2,5}-[0-9]", _text(lm, c))
+    assert [c.token_ids for c in runs[True]] == [c.token_ids for c in runs[False]]
