@@ -204,10 +204,13 @@ def test_mixed_batch_unconstrained_rows_unchanged(lm, compiler):
     # a sampled row's noise is seeded by its index in the submitted list: compare it with a run where it has
     # the same index; the greedy row with its run alone
     assert res[3].token_ids == alone[1].token_ids and res[3].constraint is None
-    assert torch.allclose(torch.tensor(res[3].logprobs), torch.tensor(alone[1].logprobs), atol=5e-2)
-    same_index = generate(lm.model, [prompts[0], prompts[1]], [SamplingParams(max_new_tokens=1), free_p[0]],
+    # 1e-2: a mask clearing 1 token in 32 moves a logprob by ~log(31/32) = -3e-2; batch-composition noise of
+    # official numerics is 0 on the CPU hosts tried, 7e-4 on the H200 (test_scheduler.py)
+    assert torch.allclose(torch.tensor(res[3].logprobs), torch.tensor(alone[1].logprobs), atol=1e-2)
+    same_index = generate(lm.model, [prompts[0], prompts[1]], [SamplingParams(max_new_tokens=8), free_p[0]],
                           EOS).completions[1]
     assert res[1].token_ids == same_index.token_ids and res[1].constraint is None
+    assert torch.allclose(torch.tensor(res[1].logprobs), torch.tensor(same_index.logprobs), atol=1e-2)
     jsonschema.validate(json.loads(_text(lm, res[0])), SCHEMA)
     assert _text(lm, res[2]) in ("left", "right")
 
