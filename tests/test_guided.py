@@ -290,6 +290,17 @@ def test_cli_bad_constraints_exit_2_before_model_load(tmp_path, monkeypatch):
             assert w in lines[0], (w, lines[0])
 
 
+# ------------------------------------------------------------------------------------ bench
+def test_bench_guided_runs(lm, compiler):
+    """`bench --guided`'s measurement at tiny shapes (the numbers mean something on the H200 only)."""
+    from deepinfer.engine.bench import time_guided
+
+    out = time_guided(lm.model, lm.cfg, 2, 8, 2, lm.model.device, 0, compiler)
+    for mode in ("off", "all_ones", "json"):
+        assert out[f"{mode}_ms"] > 0
+    assert out["json_fill_ms"] > 0 and "all_ones_overhead_ms" in out and out["batch"] == 2
+
+
 # ------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 def test_bitmask_kernel_full_vocab_gpu_and_in_a_graph():

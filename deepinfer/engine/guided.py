@@ -256,6 +256,10 @@ class GuideCompiler:
             g = self._cache[c] = Guide(c, compiled)
         return g
 
+    def compile_builtin_json(self) -> Guide:
+        """xgrammar's grammar of any JSON value (for `bench --guided`)."""
+        return Guide(Constraint("grammar", "<builtin json>", "bench"), self._compiler.compile_builtin_json_grammar())
+
 
 def words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
