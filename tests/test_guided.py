@@ -87,6 +87,35 @@ def test_bitmask_triton_matches_reference(V, dtype):
     assert torch.equal(got[0], x[0]) and bool(torch.isneginf(got[1]).all())
 
 
+def test_triton_sample_and_logprobs_on_masked_logits():
+    """The Triton `sample` and `logprobs` kernels on logits with -inf (masked) entries: the reference's tokens,
+    never a masked one, -inf logprobs where masked, no NaN; a row with one allowed token draws it."""
+    load_backend("triton")
+    g = torch.Generator().manual_seed(7)
+    B, V = 6, 777
+    x = torch.randn(B, V, generator=g) * 3
+    m = torch.randint(-2**31, 2**31, (B, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    m[1] = m[1] & 0x00100001  # few allowed
+    m[2] = 0
+    m[2, 5] = 1 << 3  # exactly one allowed: token 163
+    masked = REGISTRY["apply_token_bitmask"].ref(x, m)
+    temp = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.3, 0.0])
+    top_k = torch.tensor([0, 0, 0, 20, 0, 0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 1.0, 0.8, 1.0])
+    seeds = torch.arange(B) * 11
+    pos = torch.arange(B) + 100
+    ref = REGISTRY["sample"].ref(masked, temp, top_k, top_p, seeds, pos)
+    got = REGISTRY["sample"].impls["triton"](masked, temp, top_k, top_p, seeds, pos)
+    assert torch.equal(got, ref)
+    assert bool(torch.isfinite(masked[torch.arange(B), got]).all()) and int(got[2]) == 163
+    lp_ref = REGISTRY["logprobs"].ref(masked)
+    lp = REGISTRY["logprobs"].impls["triton"](masked)
+    assert not bool(torch.isnan(lp).any())
+    assert torch.equal(torch.isneginf(lp), torch.isneginf(masked))
+    fin = torch.isfinite(lp_ref)
+    assert torch.allclose(lp[fin], lp_ref[fin], atol=1e-5) and float(lp[2, 163]) == 0.0
+
+
 # ------------------------------------------------------------------------------------ engine
 @pytest.fixture(scope="module")
 def lm(tiny_dir):
