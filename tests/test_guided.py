@@ -142,6 +142,28 @@ def _params(guide, n, seeds=(0, 1, 2), temps=(0.0, 1.0)):
     return [SamplingParams(max_new_tokens=n, temperature=t, seed=s, guide=guide) for s in seeds for t in temps]
 
 
+def test_mask_buffer_fill(lm, compiler):
+    """Rows filled together (xgrammar's batch fill) equal each matcher's own fill; None rows are all ones;
+    the rows before `start` are left alone."""
+    gs = [compiler.compile(guided.regex("[a-c]+x")), None, compiler.compile(guided.choice("yes,no")),
+          compiler.compile(guided.json_schema(json.dumps(SCHEMA)))]
+    ms = [g.matcher() if g is not None else None for g in gs]
+    assert ms[0].accept_token(lm.tokenizer.encode("ab", add_bos=False)[0])
+    V = lm.cfg.vocab_size
+    buf = guided.MaskBuffer(6, V, "cpu")
+    buf.host.fill_(7)
+    buf.fill(ms, 1)
+    assert bool((buf.host[0] == 7).all()) and bool((buf.host[5] == 7).all())
+    for j, m in enumerate(ms, 1):
+        one = torch.zeros(1, buf.host.size(1), dtype=torch.int32)
+        if m is None:
+            one.fill_(-1)
+        else:
+            m.fill_next_token_bitmask(one, 0)
+        assert torch.equal(buf.host[j], one[0]), j
+    assert buf.host.size(1) == (V + 31) // 32 and torch.equal(buf.to_device(3), buf.host[:3])
+
+
 def test_json_schema_outputs_validate(lm, compiler):
     g = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
     ps = _params(g, 64)

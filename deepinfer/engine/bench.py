@@ -217,8 +217,7 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
             logits = runner.decode(ids, pos, rows)
             if mode != "off":
                 tf = time.perf_counter()
-                for j, m in enumerate(matchers):  # on the host while the device runs the step
-                    masks.fill(j, m)
+                masks.fill(matchers)  # on the host while the device runs the step
                 fill_s += time.perf_counter() - tf
                 logits = ops.apply_token_bitmask(logits, masks.to_device(B))
             toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)

@@ -281,13 +281,24 @@ class MaskBuffer:
         self.host = torch.empty(rows, W, dtype=torch.int32, pin_memory=pin)
         self.device_buf = self.host if device.type == "cpu" else torch.empty(rows, W, dtype=torch.int32, device=device)
         self.rows, self.vocab_size, self.device = rows, vocab_size, device
+        self._batch = None  # xgrammar.BatchGrammarMatcher: fills many rows on a thread pool
 
-    def fill(self, j: int, matcher) -> None:
-        """Row j: the matcher's allowed next tokens; all ones without a matcher."""
-        if matcher is None:
-            self.host[j].fill_(-1)
-        else:
-            matcher.fill_next_token_bitmask(self.host, j)
+    def fill(self, matchers: list, start: int = 0) -> None:
+        """Rows start, start + 1, ...: the allowed next tokens of matchers[0], matchers[1], ...; all ones for a
+        None (an unconstrained row). Two or more matchers fill in parallel (xgrammar's thread pool)."""
+        idx, ms = [], []
+        for j, m in enumerate(matchers, start):
+            if m is None:
+                self.host[j].fill_(-1)
+            else:
+                idx.append(j)
+                ms.append(m)
+        if len(ms) == 1:
+            ms[0].fill_next_token_bitmask(self.host, idx[0])
+        elif ms:
+            if self._batch is None:
+                self._batch = _xgr().BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(ms, self.host, idx)
 
     def to_device(self, n: int) -> torch.Tensor:
         """Rows 0 .. n - 1 on the device: [n, W] int32 (non-blocking from pinned memory on CUDA)."""

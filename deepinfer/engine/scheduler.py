@@ -144,10 +144,8 @@ class Scheduler:
 
     def _fill_masks(self, reqs: list[Request], start: int = 0) -> None:
         """Host bitmask rows start .. len(reqs) - 1 for the next sampling point of reqs[start:]."""
-        if self.masks is None:
-            return
-        for j in range(start, len(reqs)):
-            self.masks.fill(j, reqs[j].matcher)
+        if self.masks is not None and start < len(reqs):
+            self.masks.fill([r.matcher for r in reqs[start:]], start)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         dev = logits.device
