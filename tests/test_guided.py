@@ -164,6 +164,37 @@ def test_mask_buffer_fill(lm, compiler):
     assert buf.host.size(1) == (V + 31) // 32 and torch.equal(buf.to_device(3), buf.host[:3])
 
 
+def _allowed(matcher, V):
+    buf = guided.MaskBuffer(1, V, "cpu")
+    buf.fill([matcher])
+    return REGISTRY["apply_token_bitmask"].ref(torch.zeros(1, V), buf.host)[0].isfinite()
+
+
+def test_vocabulary_special_tokens_eos_and_padding(lm):
+    """EOS only where the grammar may end; BOS, pad and the other special tokens never; ids past the
+    tokenizer's vocabulary (a model vocabulary padded beyond it) never; a model vocabulary smaller than the
+    tokenizer's is cut to it."""
+    tok = lm.tokenizer
+    V = tok.vocab_size + 40  # a padded embedding
+    comp = guided.GuideCompiler(tok, V)
+    m = comp.compile(guided.regex("[a-c]{2}")).matcher()
+    a = _allowed(m, V)
+    assert not bool(a[tok.eos_id]) and bool(a[tok.encode("a", add_bos=False)[0]])
+    assert m.accept_token(tok.encode("a", add_bos=False)[0]) and m.accept_token(tok.encode("b", add_bos=False)[0])
+    a = _allowed(m, V)
+    assert bool(a[tok.eos_id]) and int(a.sum()) == 1  # complete: only EOS
+    anything = _allowed(comp.compile(guided.grammar(ANY)).matcher(), V)
+    assert bool(anything[tok.eos_id])
+    special = sorted(tok._special_ids - {tok.eos_id})
+    assert tok.bos_id in special and not bool(anything[special].any())
+    assert not bool(anything[tok.vocab_size:].any())
+    assert int(anything.sum()) > 0.9 * tok.vocab_size
+    assert bool(anything[tok.think_start_id])  # a non-special added token is its text
+    small = guided.GuideCompiler(tok, 1000)
+    a = _allowed(small.compile(guided.regex("[a-z]+")).matcher(), 1000)
+    assert a.shape == (1000,) and bool(a[tok.encode("a", add_bos=False)[0]])
+
+
 def test_json_schema_outputs_validate(lm, compiler):
     g = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
     ps = _params(g, 64)
