@@ -195,6 +195,7 @@ def test_vocabulary_special_tokens_eos_and_padding(lm):
     assert a.shape == (1000,) and bool(a[tok.encode("a", add_bos=False)[0]])
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate(lm, compiler):
     g = compiler.compile(guided.json_schema(json.dumps(SCHEMA)))
     ps = _params(g, 64)
@@ -250,6 +251,7 @@ def test_logprobs_are_after_the_mask(lm, compiler):
 ANY = r'root ::= [^\x00]*'  # any text of valid UTF-8 (no NUL), ending anywhere
 
 
+@pytest.mark.slow
 def test_allow_everything_grammar_gives_the_unconstrained_tokens(lm, compiler):
     """The runs compared are those whose unconstrained tokens the grammar accepts: the random model also picks
     special tokens (placeholders), which no grammar allows, and lone UTF-8 continuation bytes."""
@@ -298,6 +300,7 @@ def test_mixed_batch_unconstrained_rows_unchanged(lm, compiler):
 
 
 # ------------------------------------------------------------------------------------ CLI
+@pytest.mark.slow
 def test_cli_jsonl_mixed_rows(tmp_path, tiny_dir):
     schema_file = tmp_path / "s.json"
     schema_file.write_text(json.dumps(SCHEMA))
