@@ -375,6 +375,15 @@ def test_cli_bad_constraints_exit_2_before_model_load(tmp_path, monkeypatch):
             assert w in lines[0], (w, lines[0])
 
 
+def test_missing_xgrammar_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ModuleNotFoundError
+    r = runner.invoke(app, ["generate", "x", "--regex", "a+"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "xgrammar" in r.output and ".[guided]" in r.output
+
+
 # ------------------------------------------------------------------------------------ bench
 def test_bench_guided_runs(lm, compiler):
     """`bench --guided`'s measurement at tiny shapes (the numbers mean something on the H200 only)."""
