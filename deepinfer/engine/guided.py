@@ -280,6 +280,9 @@ class MaskBuffer:
         pin = device.type == "cuda"
         self.host = torch.empty(rows, W, dtype=torch.int32, pin_memory=pin)
         self.device_buf = self.host if device.type == "cpu" else torch.empty(rows, W, dtype=torch.int32, device=device)
+        # xgrammar writes through DLPack and wants a CPU buffer: a numpy view of the host buffer is one whatever
+        # torch's DLPack export says about pinned memory (same bytes, no copy)
+        self._target = self.host.numpy()
         self.rows, self.vocab_size, self.device = rows, vocab_size, device
         self._batch = None  # xgrammar.BatchGrammarMatcher: fills many rows on a thread pool
 
@@ -294,11 +297,11 @@ class MaskBuffer:
                 idx.append(j)
                 ms.append(m)
         if len(ms) == 1:
-            ms[0].fill_next_token_bitmask(self.host, idx[0])
+            ms[0].fill_next_token_bitmask(self._target, idx[0])
         elif ms:
             if self._batch is None:
                 self._batch = _xgr().BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(ms, self.host, idx)
+            self._batch.batch_fill_next_token_bitmask(ms, self._target, idx)
 
     def to_device(self, n: int) -> torch.Tensor:
         """Rows 0 .. n - 1 on the device: [n, W] int32 (non-blocking from pinned memory on CUDA)."""
