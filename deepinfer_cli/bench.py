@@ -163,6 +163,17 @@ def _print(report: dict, con: Console) -> None:
     if report.get("fallbacks"):
         con.print(f"ops on the torch reference (no kernel in their backend): {', '.join(report['fallbacks'])}",
                   highlight=False)
+    if report.get("guided"):
+        t = Table(title="guided decoding: decode + sample (temperature 1) + logprobs per step; the mask filled on "
+                        "the host while the step runs")
+        for col in ("batch", "no mask ms", "all-ones ms", "overhead", "JSON matcher ms", "overhead",
+                    "host fill ms"):
+            t.add_column(col, justify="right")
+        for g in report["guided"]:
+            t.add_row(str(g["batch"]), f"{g['off_ms']:.3f}", f"{g['all_ones_ms']:.3f}",
+                      f"{g['all_ones_overhead_ms']:+.3f}", f"{g['json_ms']:.3f}", f"{g['json_overhead_ms']:+.3f}",
+                      f"{g['json_fill_ms']:.3f}")
+        con.print(t)
     peer = report.get("peer")
     if peer:
         p = Table(title=f"peer: {peer['name']}")
@@ -198,6 +209,9 @@ def bench_cmd(
     peer: str = typer.Option(None, "--peer", help="Also time `transformers` (DeepseekV4ForCausalLM, bf16) "
                              "on the same weights."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompt tokens."),
+    guided: bool = typer.Option(False, "--guided", help="Also time guided decoding's per-step overhead at each "
+                                "batch size: decode + sample without a mask, with all-ones masks, and with an "
+                                "xgrammar JSON matcher per row (needs the guided extra)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
                                   "(e.g. docs/perf-log.md)."),
@@ -214,7 +228,7 @@ def bench_cmd(
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
                         numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
-                        profile=profile)
+                        profile=profile, guided=guided)
     err = Console(stderr=True)
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:

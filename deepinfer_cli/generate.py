@@ -10,6 +10,7 @@ import sys
 import typer
 from rich.table import Table
 
+from deepinfer.engine import guided
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.runner import GraphCaptureError
 from deepinfer_cli import common
@@ -41,11 +42,19 @@ def generate_cmd(
                                  "(with --input-file: one JSON object per prompt per line)."),
     input_file: str = typer.Option(None, "--input-file", help="Prompts from a file: one per line, or JSONL "
                                    "objects {\"prompt\": ..., and optional max_new_tokens, temperature, top_k, "
-                                   "top_p, seed, stop, chat, think overriding the options}."),
+                                   "top_p, seed, stop, chat, think, and one of json_schema (an object or a file), "
+                                   "regex, grammar (a file), choice (a list) overriding the options}."),
     max_batch: int = typer.Option(None, "--max-batch", help="Sequences decoding at once (cache rows); more "
                                   "prompts wait for a free row. Default: min(64, number of prompts)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs for the decode step (graphs are only "
                                "attempted on CUDA with a kernel backend; the torch reference always runs eager)."),
+    json_schema: str = typer.Option(None, "--json-schema", help="Guided decoding: the output is JSON valid under "
+                                    "the JSON schema in FILE (xgrammar; logprobs are reported after the mask)."),
+    regex: str = typer.Option(None, "--regex", help="Guided decoding: the output matches the regular expression."),
+    grammar: str = typer.Option(None, "--grammar", help="Guided decoding: the output follows the EBNF grammar in "
+                                "FILE (xgrammar's dialect, start rule `root`)."),
+    choice: str = typer.Option(None, "--choice", help="Guided decoding: the output is one of the comma-separated "
+                               "strings a,b,c."),
     prefill_chunk: int = typer.Option(None, "--prefill-chunk", help="Prefill at most N prompt tokens per step "
                                       "(long prompts continue over several steps while the others keep "
                                       "decoding); 0: whole prompts. Default: whole prompts when they fit in "
@@ -61,8 +70,9 @@ def generate_cmd(
         raise UserError(f"--max-batch {max_batch}: must be at least 1")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
+    constraint = guided.from_options(json_schema, regex, grammar, choice)  # checked before any model load
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=seed, stop=tuple(stop), logprobs=logprobs)
+                          seed=seed, stop=tuple(stop), logprobs=logprobs, guide=constraint)
     base.check()
     mode = "chat" if chat else "think" if think else "raw"
     if input_file is not None:
@@ -75,6 +85,10 @@ def generate_cmd(
     lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems,
                       op_map=op_map)
     tok = lm.tokenizer
+    if any(p.guide is not None for _, _, p in items):  # the constraints, compiled against the vocabulary
+        compiler = guided.GuideCompiler(tok, lm.cfg.vocab_size)
+        items = [(t, m, p if p.guide is None else dataclasses.replace(p, guide=compiler.compile(p.guide)))
+                 for t, m, p in items]
     ids = [tok.encode_prompt(text, m) for text, m, _ in items]
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"
     stream = None
@@ -110,8 +124,16 @@ def generate_cmd(
             row.append(" ".join(f"{repr(tok.token_text(a))}:{b:.2f}" for a, b in c.top_logprobs[i]))
         t.add_row(*row)
     con.print(t)
-    con.print(f"{len(c.token_ids)} tokens, finish: {c.finish_reason}; prefill {res.prefill_s * 1e3:.0f} ms, "
-              f"decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+    con.print(f"{len(c.token_ids)} tokens, finish: {c.finish_reason}{_constraint_note(c)}; prefill "
+              f"{res.prefill_s * 1e3:.0f} ms, decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+
+
+def _constraint_note(c) -> str:
+    return f", {c.constraint['kind']} constraint: {c.constraint['status']}" if c.constraint else ""
+
+
+def _finite(x: float):
+    return x if x == x and abs(x) != float("inf") else None
 
 
 class TextStream:
@@ -144,9 +166,12 @@ def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
     out = {
         "model": lm.cfg.name, "backend": common.ops.backend, "numerics": numerics, "dtype": dtype,
         "prompt": text, "input_ids": c.input_ids, "token_ids": c.token_ids, "text": c.text,
-        "logprobs": c.logprobs, "margins": c.margins, "finish_reason": c.finish_reason,
+        "logprobs": c.logprobs, "margins": [_finite(m) for m in c.margins], "finish_reason": c.finish_reason,
         "tokens_per_s": res.tokens_per_s, "prefill_s": res.prefill_s,
     }
+    if c.constraint is not None:  # guided: logprobs, top_logprobs and margins are those of the masked logits
+        out["constraint"] = c.constraint
+        out["logprobs_after_mask"] = True
     if logprobs:
         out["top_logprobs"] = [[[i, lp] for i, lp in row] for row in c.top_logprobs]
     return out
@@ -160,7 +185,7 @@ def _print_many(lm, numerics, dtype, items, res, logprobs, as_json) -> None:
         return
     con = console()
     for i, ((text, _, _), c) in enumerate(zip(items, res.completions)):
-        con.rule(f"[{i}] {len(c.token_ids)} tokens, finish: {c.finish_reason}")
+        con.rule(f"[{i}] {len(c.token_ids)} tokens, finish: {c.finish_reason}{_constraint_note(c)}")
         con.print(text + c.text, markup=False, highlight=False)
     total = sum(len(c.token_ids) for c in res.completions)
     con.print(f"{len(items)} prompts, {total} tokens; prefill {res.prefill_s * 1e3:.0f} ms, "
@@ -196,7 +221,7 @@ def read_input_file(path: str, base: SamplingParams, mode: str) -> list[tuple[st
             raise UserError(f"{where}: not JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise UserError(f'{where}: expected an object with a "prompt" string')
-        unknown = set(obj) - {"prompt", "chat", "think", "stop", *_OVERRIDES}
+        unknown = set(obj) - {"prompt", "chat", "think", "stop", *_OVERRIDES, *guided.KINDS}
         if unknown:
             raise UserError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         kw = {}
@@ -212,6 +237,9 @@ def read_input_file(path: str, base: SamplingParams, mode: str) -> list[tuple[st
             if not isinstance(st, list) or not all(isinstance(s, str) for s in st):
                 raise UserError(f"{where}: stop must be a string or a list of strings")
             kw["stop"] = tuple(st)
+        row_constraint = guided.from_jsonl(obj, where)
+        if row_constraint is not None:
+            kw["guide"] = row_constraint
         m = mode
         for k in ("chat", "think"):
             if k in obj and not isinstance(obj[k], bool):

@@ -565,6 +565,18 @@ def build_logprobs(d: Dims, phase: str, g, device):
 
 
 
+def build_apply_token_bitmask(d: Dims, phase: str, g, device):
+    """Guided decoding's mask over the LM head's logits: random words, one all-ones row (unconstrained), one
+    sparse row (a grammar that allows few tokens)."""
+    B = max(2, d.decode_batch) if phase == "decode" else 1
+    V = d.vocab
+    logits = torch.randn(B, V, generator=g) * 5
+    m = torch.randint(-2**31, 2**31, (B, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    m[0] = -1
+    if B > 1:
+        m[1] &= 0x01000010
+    return [Variant("lm_head_mask", (logits.to(device), m.to(device)), {})]
+
 def build_grouped_gemm(d: Dims, phase: str, g, device):
     """Routed experts' w1 (N=moe_inter, K=dim) and w2 (N=dim, K=moe_inter) over all E experts, FP4
     (random codes, power-of-two scales); 1/16 of the rows are padding (-1)."""

@@ -7,6 +7,10 @@ What is measured (on the chosen device, in this process):
 * decode: for each batch size B, B rows are prefilled, then `gen_len` steps of
   `model.decode(ids [B, 1], positions [B], rows)` run back to back (2 warm-up steps first), timed with
   perf_counter between device synchronisations: ms/step and B*1000/ms tokens/s; peak device memory.
+* guided decoding (`--guided`): per batch size, the step as the scheduler runs it (decode, then sample +
+  logprobs + the tokens back to the host) without a mask, with the mask path and all-ones masks (host
+  fill, pinned copy, `apply_token_bitmask`), and with an xgrammar JSON-grammar matcher per row (the host
+  fill overlapping the decode step on CUDA): ms/step of each, the overheads, and the host fill time.
 * the device: copy bandwidth and dense matmul rate (`deepinfer.engine.rates`). Floors use these measured
   numbers, not specs.
 
@@ -57,6 +61,7 @@ class BenchOptions:
     eager: bool = False
     progress: bool = True
     profile: bool = False
+    guided: bool = False
     notes: list = field(default_factory=list)
 
 
@@ -167,6 +172,72 @@ def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     return out
 
 
+GUIDED_MODES = ("off", "all_ones", "json")
+
+
+def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int, compiler,
+                graphs: bool = False) -> dict:
+    """The per-step cost of guided decoding at batch B: K steps (after WARMUP_STEPS) of decode -> [mask] ->
+    sample (temperature 1) + logprobs -> tokens to the host -> matchers accept, fed back, in each mode:
+    off (no mask), all_ones (every row unconstrained: fill + copy + apply of all-ones masks), json (an
+    xgrammar builtin-JSON matcher per row, reset when it terminates). The host fill runs right after the
+    decode step is launched, as in the scheduler; `json_fill_ms` is its host time per step."""
+    from deepinfer.engine.guided import MaskBuffer
+    from deepinfer.engine.runner import DecodeRunner, GraphCaptureError
+
+    V = cfg.vocab_size
+    model.allocate(B + 1, P + WARMUP_STEPS + K + 1)
+    rows = torch.arange(B, device=device)
+    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
+    for i in range(B):
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    runner, graph_error = DecodeRunner(model, B, graphs=graphs), None
+    if runner.graphs:
+        try:
+            runner.capture()
+        except GraphCaptureError as e:
+            graph_error = str(e)
+            runner = DecodeRunner(model, B, graphs=False)
+    json_guide = compiler.compile_builtin_json()
+    temp = torch.ones(B, device=device)
+    top_k = torch.zeros(B, dtype=torch.long, device=device)
+    top_p = torch.ones(B, device=device)
+    seeds = torch.arange(B, dtype=torch.long, device=device)
+    first = random_prompts(cfg, B, 1, seed + 2).to(device)
+    masks = MaskBuffer(B, V, device)
+    out = {"batch": B, "mode": runner.mode, "graph_error": graph_error}
+    for mode in GUIDED_MODES:
+        matchers = [json_guide.matcher() if mode == "json" else None for _ in range(B)]
+        ids, pos = first, torch.full((B,), P, dtype=torch.long, device=device)
+        fill_s = 0.0
+        for s in range(WARMUP_STEPS + K):
+            if s == WARMUP_STEPS:
+                sync(device)
+                t0, fill_s = time.perf_counter(), 0.0
+            logits = runner.decode(ids, pos, rows)
+            if mode != "off":
+                tf = time.perf_counter()
+                masks.fill(matchers)  # on the host while the device runs the step
+                fill_s += time.perf_counter() - tf
+                logits = ops.apply_token_bitmask(logits, masks.to_device(B))
+            toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)
+            ops.logprobs(logits)
+            toks_l = toks.tolist()
+            for j, m in enumerate(matchers):
+                if m is not None:
+                    if not m.accept_token(toks_l[j]):
+                        raise RuntimeError(f"bench --guided: the matcher refused token {toks_l[j]} the mask allowed")
+                    if m.is_terminated():
+                        m.reset()
+            ids, pos = toks.view(B, 1), pos + 1
+        sync(device)
+        out[f"{mode}_ms"] = (time.perf_counter() - t0) / K * 1e3
+        if mode != "off":
+            out[f"{mode}_overhead_ms"] = out[f"{mode}_ms"] - out["off_ms"]
+            out[f"{mode}_fill_ms"] = fill_s / K * 1e3
+    return out
+
+
 # --------------------------------------------------------------------------- the whole run
 
 
@@ -258,6 +329,17 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         d["ratio"] = d["ms_per_step"] / d["floor"]["floor_ms"]
         d["ratio_engine_bytes"] = d["ms_per_step"] / d["floor"]["floor_engine_ms"]
         report["decode"].append(d)
+    if opts.guided:
+        from deepinfer.engine.guided import GuideCompiler
+        from deepinfer.tokenizer import V4Tokenizer
+
+        log("guided decoding: compiling the JSON grammar against the vocabulary ...")
+        compiler = GuideCompiler(V4Tokenizer.from_model_dir(opts.model), cfg.vocab_size)
+        report["guided"] = []
+        for B in batches:
+            log(f"guided decode: batch {B}, {opts.gen_len} steps x {len(GUIDED_MODES)} modes ...")
+            report["guided"].append(time_guided(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed,
+                                                compiler, graphs=graphs))
     if opts.profile:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
         report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)

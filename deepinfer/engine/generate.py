@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple = ()
     logprobs: int = 0  # top-N alternatives to report per token (the chosen token's logprob always)
     ignore_eos: bool = False
+    guide: object = None  # guided decoding: an `engine.guided.Guide` (logits masked before sampling)
 
     def check(self, vocab_size: int | None = None) -> None:
         for k in ("temperature", "top_p"):
@@ -67,6 +68,7 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = ""
     text: str = ""
+    constraint: dict | None = None  # guided: kind, satisfied, status (complete / cut by max tokens / ...)
 
 
 @dataclass
@@ -85,10 +87,10 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
     c.token_ids.append(tok)
     c.logprobs.append(float(lp_row[tok]))
     top2 = torch.topk(logit_row, 2).values
-    c.margins.append(float(top2[0] - top2[1]))
+    c.margins.append(float(top2[0] - top2[1]))  # inf where a guided mask allowed one token only
     if n_top:
         v, i = torch.topk(lp_row, n_top)
-        c.top_logprobs.append([(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())])
+        c.top_logprobs.append([(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist()) if b != float("-inf")])
 
 
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -14,6 +14,14 @@ one being the `DecodeRunner`'s spare row for bucket padding. Each step:
    next step admits a waiting request into it);
 4. decode: the running sequences together, one token each at their own positions, through the runner.
 
+Guided decoding (`engine.guided`): a request whose params carry a `guide` gets an xgrammar matcher. Its
+mask for the next sampling point is filled on the host right after the decode step is launched (the
+matcher has already accepted the token that step consumes), so on CUDA the fill overlaps the step;
+just-prefilled rows are filled after their prefill. When any row of a sampling call is constrained, the
+bitmask (all ones for the unconstrained rows) is copied into a fixed device buffer and applied by the
+`apply_token_bitmask` op before `sample` and `logprobs`; each matcher then accepts its sampled token. A
+constrained row also finishes when its matcher has terminated (it accepted EOS where the grammar may end).
+
 Determinism: the `sample` op's noise is a hash of (seed, position, token id); a request's seed is
 `params.seed * 1_000_003 + index` (index = its place in the submitted list), never its slot, so the same
 seeds and inputs give the same tokens whatever the batch composition or admission order.
@@ -40,6 +48,7 @@ class Request:
     slot: int = -1
     position: int = 0  # position of the next token to sample (and then to decode)
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
+    matcher: object = None  # guided decoding: the xgrammar matcher (None: unconstrained)
 
     @property
     def seed(self) -> int:
@@ -79,12 +88,20 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilling: deque[Request] = deque()  # hold a slot, prompt (partly) not yet in the cache
         self.stats = SchedulerStats()
+        self.masks = None  # guided decoding: engine.guided.MaskBuffer, made when a constrained request comes
 
     def submit(self, req: Request) -> None:
         need = len(req.input_ids) + req.params.max_new_tokens
         if need > self.model.max_seq_len:
             raise ValueError(f"request {req.index}: {len(req.input_ids)} prompt + {req.params.max_new_tokens} new "
                              f"tokens exceed the cache's max_seq_len {self.model.max_seq_len}")
+        guide = getattr(req.params, "guide", None)
+        if guide is not None:
+            from deepinfer.engine.guided import MaskBuffer
+
+            req.matcher = guide.matcher()
+            if self.masks is None:
+                self.masks = MaskBuffer(self.max_batch, self.model.cfg.vocab_size, self.model.device)
         self.waiting.append(req)
 
     # ------------------------------------------------------------------------------------------
@@ -125,8 +142,16 @@ class Scheduler:
         self.stats.prefill_s += time.perf_counter() - t0
         return out
 
+    def _fill_masks(self, reqs: list[Request], start: int = 0) -> None:
+        """Host bitmask rows start .. len(reqs) - 1 for the next sampling point of reqs[start:]."""
+        if self.masks is not None and start < len(reqs):
+            self.masks.fill([r.matcher for r in reqs[start:]], start)
+
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         dev = logits.device
+        guided = self.masks is not None and any(r.matcher is not None for r in reqs)
+        if guided:  # before temperature / top-k / top-p and logprobs: a masked token is never drawn
+            logits = ops.apply_token_bitmask(logits, self.masks.to_device(len(reqs)))
         p = [r.params for r in reqs]
         temp = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
         top_k = torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev)
@@ -137,11 +162,16 @@ class Scheduler:
         lps = ops.logprobs(logits)
         toks_l = toks.tolist()
         for j, r in enumerate(reqs):
+            if r.matcher is not None and not r.matcher.accept_token(toks_l[j]):
+                raise RuntimeError(f"request {r.index}: the grammar matcher refused token {toks_l[j]}, which the "
+                                   "mask allowed")
             self.record(r.completion, toks_l[j], lps[j], logits[j], r.params.logprobs)
         return toks_l
 
     def _finish_reason(self, r: Request, tok: int) -> str:
         c, p = r.completion, r.params
+        if r.matcher is not None and r.matcher.is_terminated():
+            return "eos"
         if tok == self.eos_id and not p.ignore_eos:
             return "eos"
         if len(c.token_ids) >= p.max_new_tokens:
@@ -161,6 +191,7 @@ class Scheduler:
             reqs = pending + [r for r, _ in admitted]
             if not reqs:  # a long prompt is still mid-prefill and nothing else runs
                 continue
+            self._fill_masks(reqs, len(pending))  # the pending rows' masks were filled during their decode
             rows = ([dec_logits] if pending else []) + [lg.unsqueeze(0) for _, lg in admitted]
             logits = torch.cat(rows) if len(rows) > 1 else rows[0]
             toks = self._sample(reqs, logits)
@@ -170,6 +201,10 @@ class Scheduler:
                 reason = self._finish_reason(r, t)
                 if reason:
                     r.completion.finish_reason = reason
+                    if r.matcher is not None:
+                        from deepinfer.engine.guided import status
+
+                        r.completion.constraint = {**r.params.guide.constraint.describe(), **status(r.matcher, reason)}
                     self.free.append(r.slot)  # freed now: the next step can admit into it
                     r.slot = -1
                 else:
@@ -185,6 +220,7 @@ class Scheduler:
             pos = torch.tensor([r.position for r in self.running], dtype=torch.long, device=dev)
             slots = torch.tensor([r.slot for r in self.running], dtype=torch.long, device=dev)
             dec_logits = self.runner.decode(ids, pos, slots)
+            self._fill_masks(self.running)  # on the host while the device runs the step
             for r in self.running:
                 r.position += 1
             pending = list(self.running)

@@ -744,6 +744,23 @@ def logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+@defop("apply_token_bitmask", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0), "float16": (0.0, 0.0)})
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with the tokens a packed bitmask forbids set to -inf (guided decoding).
+
+    logits [B, V], bitmask [B, W] int32: token v is allowed when bit v % 32 of word v // 32 is set (W =
+    ceil(V / 32); tokens past 32 W are forbidden, bits past V ignored) -> a new [B, V] tensor, the logits'
+    dtype, allowed entries unchanged. A row of all-ones words leaves the row as it is.
+    """
+    B, V = logits.shape
+    W = bitmask.size(-1)
+    v = torch.arange(V, device=logits.device)
+    word = bitmask.long()[:, (v // 32).clamp_max(max(W - 1, 0))] if W else torch.zeros(B, V, dtype=torch.long,
+                                                                                          device=logits.device)
+    allowed = (((word >> (v % 32)) & 1) == 1) & (v // 32 < W)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 # ------------------------------------------------------------------------------- grouped expert GEMM
 @defop("grouped_gemm", tol={"float32": (1e-5, 1e-5)})
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Sampling (top-k / top-p Gumbel-max with the reference's counter-based hash noise) and logprobs.
+"""Sampling (top-k / top-p Gumbel-max with the reference's counter-based hash noise), logprobs, and the guided-decoding
+token bitmask (`apply_token_bitmask`: -inf where a packed int32 bitmask forbids a token).
 
 sample: one program per row (the row is L2-resident after the first pass), runtime branch on the
 row's temperature:
@@ -289,4 +290,32 @@ def logprobs(logits: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(V, 1)
     if rows:
         _logprobs_kernel[(rows,)](x, y, V, BLOCK=min(p2(V), 4096), **pdl())
+    return y
+
+
+@triton.jit
+def _bitmask_kernel(x_ptr, m_ptr, y_ptr, V, W, BLOCK: tl.constexpr):
+    pdl_wait()
+    row = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = v < V
+    x = tl.load(x_ptr + row * V + v, mask=inside, other=0.0)
+    wi = v // 32
+    word = tl.load(m_ptr + row * W + wi, mask=inside & (wi < W), other=0)
+    bit = (word >> (v % 32)) & 1
+    y = tl.where(bit != 0, x, float("-inf"))
+    tl.store(y_ptr + row * V + v, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@implement("apply_token_bitmask", "triton")
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """One program per (row, block of 1024 tokens): each token's word of the bitmask, -inf where its bit is
+    clear. Grid from shapes only, no host sync (capture-safe)."""
+    B, V = logits.shape
+    x = logits.contiguous()
+    m = bitmask.to(torch.int32).contiguous()
+    y = torch.empty_like(x)
+    if B and V:
+        BLOCK = 1024
+        _bitmask_kernel[(B, triton.cdiv(V, BLOCK))](x, m, y, V, m.size(-1), BLOCK=BLOCK, **pdl())
     return y
