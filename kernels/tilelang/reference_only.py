@@ -31,4 +31,6 @@ REFERENCE_ONLY: dict[str, str] = {
     "sample": "sampling is a handful of small reductions over the vocabulary, latency-bound; DeepSeek's "
               "generate.py samples in PyTorch",
     "logprobs": "a log-softmax of the logits, as sample",
+    "apply_token_bitmask": "guided decoding's mask on the logits, part of sampling (as sample); DeepSeek's release "
+                           "has no guided decoding",
 }
