@@ -262,3 +262,37 @@ def test_flag_gems_is_imported_only_under_the_chosen_device(monkeypatch):
     assert finder.imported_under == [] and "flag_gems" not in sys.modules
     out = enable_flaggems(["add.Tensor"], torch.device("cuda", 3))
     assert finder.imported_under == ["cuda:3"] and out["functions"] == ["add"]
+
+
+def test_worker_check_enables_one_function_on_its_own_library_and_unregisters_it():
+    """`_check` as the worker runs it, with a fake flag_gems whose only_enable registers the field notes' mul defect
+    (the first operand's shape) for the CPU key: wrong_shape, the reference computed before enabling, and plain
+    PyTorch again afterwards (the function is registered on a Library of the check's own, destroyed after it)."""
+    fake = types.SimpleNamespace(current_work_registrar=None)
+
+    class Reg:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def get_all_keys(self):
+            return self.keys
+
+    def bad_mul(a, b):
+        return a.add(a)  # wrong values, and a's shape only (no mul inside: that would recurse)
+
+    def only_enable(lib=None, include=None):
+        keys = []
+        if "mul" in include:
+            lib.impl("mul.Tensor", bad_mul, "CPU")
+            keys.append("mul.Tensor")
+        fake.current_work_registrar = Reg(keys)
+
+    fake.only_enable = only_enable
+    a, b = torch.ones(1, 64, 8), torch.full((4, 1, 8), 3.0)
+    case = {"key": "mul.Tensor", "inputs": ([S.snapshot(a), S.snapshot(b)], {})}
+    rep = S._check(case, {"mul.Tensor": "mul", "add.Tensor": "add"}, torch.device("cpu"), fake, S.RESOLUTION)
+    assert rep["status"] == "wrong_shape" and "(1, 64, 8)" in rep["detail"], rep
+    assert torch.equal(a * b, torch.full((4, 64, 8), 3.0))  # unregistered again
+    rep = S._check({"key": "add.Tensor", "inputs": ([S.snapshot(a), S.snapshot(a)], {})},
+                   {"mul.Tensor": "mul", "add.Tensor": "add"}, torch.device("cpu"), fake, S.RESOLUTION)
+    assert rep == {"registered": False}

@@ -5,7 +5,7 @@
    shapes, dtypes and strides; the inputs themselves are captured (strides and all) for the ops FlagGems registers.
 2. Resolve each recorded op against FlagGems' registration table (`_FULL_CONFIG`: ATen key -> function), run it in
    a worker subprocess on exactly the captured inputs with FlagGems enabled for that function alone
-   (`use_gems(include=[fn])`), against PyTorch's result computed before enabling; each op has a time budget
+   (`only_enable(lib=<a Library destroyed after the call>, include=[fn])`), against PyTorch's result computed before enabling; each op has a time budget
    (compile included: the notes saw topk take > 180 s at k = 512), and an op past it kills the worker (a fresh one
    takes the rest), so a blow-up cannot hang the screen.
 3. Classify (`classify`): pass / wrong (metric, FlagGems' own dtype tolerance) / wrong_shape (the mul broadcast
@@ -104,7 +104,8 @@ def snapshot(t: torch.Tensor) -> dict:
 
 
 def restore(d: dict, device=None) -> torch.Tensor:
-    flat = d["flat"] if device is None else d["flat"].to(device)
+    """A fresh copy each call (the reference and FlagGems each get their own: in-place ops mutate them)."""
+    flat = d["flat"].clone() if device is None else d["flat"].to(device, copy=True)
     return torch.as_strided(flat, d["size"], d["stride"])
 
 
@@ -352,10 +353,14 @@ def _check(case: dict, fn_of: dict, dev, flag_gems, resolution: dict) -> dict:
             torch.cuda.synchronize()
         fa, fk = rebuild(args, dev), rebuild(kwargs, dev)
         t0 = time.perf_counter()
-        with flag_gems.use_gems(include=[fn_of[key]]):
+        # only_enable into a Library of our own, destroyed right after the call (FlagGems' use_gems leaves that to
+        # the garbage collector where its version-string compare `torch.__version__ >= "2.5"` is False: "2.11")
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            flag_gems.current_work_registrar = None
+            flag_gems.only_enable(lib=lib, include=[fn_of[key]])
             reg = getattr(flag_gems, "current_work_registrar", None)
-            keys = set(reg.get_all_keys()) if reg is not None else set()
-            if key not in keys:
+            if reg is None or key not in set(reg.get_all_keys()):
                 return {"registered": False}
             try:
                 out = op(*fa, **fk)
@@ -364,6 +369,8 @@ def _check(case: dict, fn_of: dict, dev, flag_gems, resolution: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 return {"registered": True, "status": "error", "seconds": time.perf_counter() - t0,
                         "detail": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"}
+        finally:
+            lib._destroy()
         secs = time.perf_counter() - t0
     status, detail, metric = compare_outputs(out, ref, resolution)
     return {"registered": True, "status": status, "detail": detail, "metric": metric, "seconds": secs}
