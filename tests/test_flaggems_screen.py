@@ -296,3 +296,44 @@ def test_worker_check_enables_one_function_on_its_own_library_and_unregisters_it
     rep = S._check({"key": "add.Tensor", "inputs": ([S.snapshot(a), S.snapshot(a)], {})},
                    {"mul.Tensor": "mul", "add.Tensor": "add"}, torch.device("cpu"), fake, S.RESOLUTION)
     assert rep == {"registered": False}
+
+
+FAKE_PKG = '''
+import types, torch
+__version__ = "0-fake"
+testing = types.SimpleNamespace(RESOLUTION={torch.float32: 1.3e-6})
+def mul(a, b):
+    return a.add(a)
+def add(a, b):
+    return torch.ops.aten.sub.Tensor(a, -b)
+_FULL_CONFIG = (("mul.Tensor", mul), ("add.Tensor", add))
+current_work_registrar = None
+class _Reg:
+    def __init__(self, keys):
+        self.keys = keys
+    def get_all_keys(self):
+        return self.keys
+def only_enable(lib=None, include=None):
+    global current_work_registrar
+    keys = [k for k, f in _FULL_CONFIG if f.__name__ in include]
+    for k, f in _FULL_CONFIG:
+        if k in keys:
+            lib.impl(k, f, "CPU")
+    current_work_registrar = _Reg(keys)
+'''
+
+
+def test_the_real_worker_over_its_pipe(tmp_path):
+    """worker_main itself (on the CPU, a fake flag_gems package on its path): the table it reports, one verdict per
+    case over the pipe, its own stdout noise kept off the channel."""
+    (tmp_path / "flag_gems").mkdir()
+    (tmp_path / "flag_gems" / "__init__.py").write_text(FAKE_PKG + "\nprint('noise on stdout')\n")
+    a, b = torch.ones(1, 64, 8), torch.full((4, 1, 8), 3.0)
+    calls = [S.OpCall("mul.Tensor", {}, 1, ([S.snapshot(a), S.snapshot(b)], {})),
+             S.OpCall("add.Tensor", {}, 1, ([S.snapshot(b), S.snapshot(b)], {}))]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DEEPINFER_SCREEN_DEVICE": "cpu"}
+    verdicts, hello = S.check_all(calls, str(tmp_path), 60.0, S.Worker(S.worker_cmd(), env=env, startup=120))
+    assert hello["version"] == "0-fake" and ["mul.Tensor", "mul"] in hello["table"]
+    assert [v["status"] for v in verdicts] == ["wrong_shape", "pass"], verdicts
+    assert verdicts[1]["function"] == "add" and verdicts[1]["metric"]["max_abs"] == 0.0
