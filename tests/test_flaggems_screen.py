@@ -331,9 +331,8 @@ def test_the_real_worker_over_its_pipe(tmp_path):
     a, b = torch.ones(1, 64, 8), torch.full((4, 1, 8), 3.0)
     calls = [S.OpCall("mul.Tensor", {}, 1, ([S.snapshot(a), S.snapshot(b)], {})),
              S.OpCall("add.Tensor", {}, 1, ([S.snapshot(b), S.snapshot(b)], {}))]
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "DEEPINFER_SCREEN_DEVICE": "cpu"}
-    verdicts, hello = S.check_all(calls, str(tmp_path), 60.0, S.Worker(S.worker_cmd(), env=env, startup=120))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    verdicts, hello = S.check_all(calls, str(tmp_path), 60.0, S.Worker(S.worker_cmd("cpu"), env=env, startup=120))
     assert hello["version"] == "0-fake" and ["mul.Tensor", "mul"] in hello["table"]
     assert [v["status"] for v in verdicts] == ["wrong_shape", "pass"], verdicts
     assert verdicts[1]["function"] == "add" and verdicts[1]["metric"]["max_abs"] == 0.0

@@ -313,14 +313,14 @@ def read_allow_yaml(path: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ worker
-def worker_main() -> None:
+def worker_main(device: str = "cuda") -> None:
     """The worker: import flag_gems, report its table, then check one case file per stdin line (one JSON line
     back per case on the original stdout; everything else goes to stderr)."""
     chan = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    dev = torch.device(os.environ.get("DEEPINFER_SCREEN_DEVICE", "cuda"))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # before the import: its CUDA context lands here
     import flag_gems
 
     resolution = {str(k).removeprefix("torch."): v for k, v in getattr(flag_gems.testing, "RESOLUTION", {}).items()}
@@ -432,8 +432,10 @@ class Worker:
         self.p = None
 
 
-def worker_cmd() -> list[str]:
-    return [sys.executable, "-c", "from deepinfer.debug.fg_screen import worker_main; worker_main()"]
+def worker_cmd(device: str = "cuda") -> list[str]:
+    """The worker's command line, for `device` (the parent's chosen one: the worker sets it before importing
+    flag_gems)."""
+    return [sys.executable, "-c", f"from deepinfer.debug.fg_screen import worker_main; worker_main({str(device)!r})"]
 
 
 def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, progress=None) -> tuple[list[dict], dict]:
@@ -505,9 +507,8 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
     toks_rec = record_run(lm.model, ids, steps, rec)
     calls = rec.signatures()
     log(f"{len(rec.calls)} ATen ops, {len(calls)} distinct call signatures; checking those FlagGems registers")
-    env = {**os.environ, "DEEPINFER_SCREEN_DEVICE": str(dev)}
     with tempfile.TemporaryDirectory(prefix="deepinfer-screen-") as wd:
-        verdicts, hello = check_all(calls, wd, budget, Worker(worker_cmd(), env=env),
+        verdicts, hello = check_all(calls, wd, budget, Worker(worker_cmd(str(dev))),
                                     progress=lambda c: log(f"  {c.key} x{c.count}"))
     table = dict((k, f) for k, f in hello.get("table", []))
     allowed, refused = allow_list(verdicts, table)
