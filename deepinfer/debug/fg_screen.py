@@ -180,7 +180,7 @@ class AtenRecorder(TorchDispatchMode):
                     c.inputs = (_capture(list(args)), _capture(kwargs))
         if c is not None:
             c.count += 1
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
             # under inference_mode (the model's) a composite op (softmax.int, linear) reaches this mode whole: run
             # its decomposition under the mode too, so the ops with kernels it calls (_softmax, mm) are recorded
             with self:
@@ -388,7 +388,7 @@ class Worker:
         self.p = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                   text=True, env=self.env, start_new_session=True)
         self.hello = self._read(self.startup)
-        if self.hello is None:
+        if self.hello is None or "__eof__" in self.hello:
             self.stop()
             raise RuntimeError(f"the screen's worker did not start within {self.startup:g} s")
 
@@ -403,7 +403,7 @@ class Worker:
                 return None
             line = self.p.stdout.readline()
             if not line:
-                return None  # died
+                return {"__eof__": True}  # the worker closed its end: it died (poll() may not know yet)
             try:
                 return json.loads(line)
             except json.JSONDecodeError:
@@ -416,10 +416,9 @@ class Worker:
         self.p.stdin.write(path + "\n")
         self.p.stdin.flush()
         rep = self._read(budget)
-        if rep is None:
-            died = self.p.poll() is not None
+        if rep is None or "__eof__" in rep:
             self.stop()
-            return {"died": True} if died else {"timed_out": True, "budget": budget}
+            return {"timed_out": True, "budget": budget} if rep is None else {"died": True}
         return rep
 
     def stop(self):
@@ -452,7 +451,13 @@ def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, 
             verdicts.append(v)
             continue
         path = os.path.join(workdir, f"case{i}.pt")
-        torch.save({"id": i, "key": c.key, "inputs": c.inputs}, path)
+        try:
+            torch.save({"id": i, "key": c.key, "inputs": c.inputs}, path)
+        except Exception as e:  # noqa: BLE001  (e.g. a torch.Generator argument does not pickle)
+            v.update({"status": "not_checked", "detail": f"its inputs cannot be handed to the worker: "
+                                                         f"{type(e).__name__}: {str(e)[:200]}"})
+            verdicts.append(v)
+            continue
         if progress:
             progress(c)
         rep = worker.check(path, budget)
