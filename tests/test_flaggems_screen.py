@@ -258,11 +258,14 @@ def test_flag_gems_is_imported_only_under_the_chosen_device(monkeypatch):
             _current[0] = None
 
     monkeypatch.setattr(torch.cuda, "device", Dev)
-    with pytest.raises(OptionError, match="needs a CUDA device"):
-        enable_flaggems(["add"], torch.device("cpu"))
-    assert finder.imported_under == [] and "flag_gems" not in sys.modules
-    out = enable_flaggems(["add.Tensor"], torch.device("cuda", 3))
-    assert finder.imported_under == ["cuda:3"] and out["functions"] == ["add"]
+    try:
+        with pytest.raises(OptionError, match="needs a CUDA device"):
+            enable_flaggems(["add"], torch.device("cpu"))
+        assert finder.imported_under == [] and "flag_gems" not in sys.modules
+        out = enable_flaggems(["add.Tensor"], torch.device("cuda", 3))
+        assert finder.imported_under == ["cuda:3"] and out["functions"] == ["add"]
+    finally:
+        sys.modules.pop("flag_gems", None)  # the fake must not outlive the test
 
 
 def test_worker_check_enables_one_function_on_its_own_library_and_unregisters_it():
