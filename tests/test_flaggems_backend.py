@@ -4,6 +4,7 @@ on the tensor's device), and the visible fallback outside the kernels' contract.
 
 import importlib
 import sys
+import types
 
 import pytest
 import torch
@@ -89,3 +90,66 @@ def test_bf16_only_kernels_name_the_dtype(fake_installed):
         assert "CUDA" in ops.fallbacks["hc_post"] and "CUDA" in ops.fallbacks["sparse_attn"]
     finally:
         ops.configure("torch", strict=False, op_map={})
+
+
+def _fg_sparse_attn_emulated(q, kv, sink, idx, scale):
+    """FlagGems 5.0.2's sparse_attn_triton in PyTorch, as its kernel computes: all heads at once (H a power of two
+    >= 16 for tl.arange/tl.dot), slots in blocks of 64, only -1 masked, an online softmax that starts from
+    exp(-inf - -inf) = NaN when a first block holds no valid slot, the sink added at the end, bf16 out."""
+    B, S, H, D = q.shape
+    assert H >= 16 and not H & (H - 1) and idx.dtype == torch.int32
+    o = torch.empty_like(q)
+    for b in range(B):
+        for m in range(S):
+            acc = torch.zeros(H, D)
+            mx = torch.full((H,), float("-inf"))
+            se = torch.zeros(H)
+            for t in range(0, idx.size(-1), 64):
+                ids = idx[b, m, t:t + 64].long()
+                valid = ids != -1
+                blk = torch.where(valid[:, None], kv[b, ids.clamp_min(0)].float(), 0.0)
+                s_ = (q[b, m].float() @ blk.t()) * scale + torch.where(valid, 0.0, float("-inf"))
+                new = torch.maximum(mx, s_.amax(1))
+                corr = torch.exp(mx - new)
+                p = torch.exp(s_ - new[:, None])
+                acc = acc * corr[:, None] + p.bfloat16().float() @ blk
+                se = se * corr + p.sum(1)
+                mx = new
+            se = se + torch.exp(sink - mx)
+            o[b, m] = (acc / se[:, None]).to(q.dtype)
+    return o
+
+
+def test_sparse_attn_adapter_against_the_kernels_semantics(fake_installed, monkeypatch):
+    """The adapter around an emulation of FlagGems' kernel (CPU): 4 heads padded to 16, negative slots mapped to -1,
+    a first block of 64 all empty (the kernel alone: NaN), a query with no valid slot (0): the reference's result
+    within the bf16 tolerance."""
+    load_backend("flaggems")
+    from deepinfer_kernels.flaggems import attention
+
+    raw = torch.randn(1, 1, 16, 32).bfloat16(), torch.randn(1, 8, 32).bfloat16()
+    idx0 = torch.full((1, 1, 70), -1, dtype=torch.int32)
+    idx0[..., 66] = 3
+    assert torch.isnan(_fg_sparse_attn_emulated(*raw, torch.zeros(16), idx0, 0.1)).all()  # the defect adapted away
+
+    monkeypatch.setattr(attention, "fg", lambda mod, dev=None: types.SimpleNamespace(
+        sparse_attn_triton=_fg_sparse_attn_emulated))
+    monkeypatch.setattr(attention, "cuda", lambda *ts: True)
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D, N, K = 2, 3, 4, 32, 50, 100
+    q = torch.randn(B, S, H, D, generator=g).bfloat16()
+    kv = torch.randn(B, N, D, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(0, N, (B, S, K), generator=g)
+    idx[torch.rand(B, S, K, generator=g) < 0.2] = -7  # any negative is empty in our contract
+    idx[0, 0] = -1
+    idx[1, 2, :64] = -1
+    ops.configure("flaggems", strict=True, op_map={})
+    try:
+        out = attention.sparse_attn(q, kv, sink, idx, D ** -0.5)
+    finally:
+        ops.configure("torch", strict=False, op_map={})
+    ref = REGISTRY["sparse_attn"].ref(q, kv, sink, idx, D ** -0.5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out.float()).all() and (out[0, 0] == 0).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)

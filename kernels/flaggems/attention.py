@@ -2,7 +2,9 @@
 idx, scale)`: one program per (token, batch), all heads at once, slots in blocks of 64 with an online softmax, the
 sink added to the denominator at the end, p rounded to bf16 for the P V product: the rounding our reference
 describes (kernel.py's). Its contract is narrower than ours, so the adapter:
-- takes bf16 q / kv, a power-of-two head count >= 16 and head dim (tl.arange, tl.dot); else the reference, visibly;
+- takes bf16 q / kv and a power-of-two head dim >= 16 (tl.arange, tl.dot); else the reference, visibly;
+- pads the heads to a power of two >= 16 with zero queries when the model has fewer (deepinfer-tiny: 4; a copy of
+  q and a slice of the output), since the kernel's tl.arange / tl.dot over all heads needs it;
 - maps every negative slot to -1 (FlagGems masks only -1): a copy of idx (B*S*K ints);
 - moves each query's valid slots to the front, in their order (a stable sort of idx per query: a copy), because
   FlagGems' online softmax starts from exp(-inf - -inf) = NaN when a query's first block of 64 holds no valid slot,
@@ -40,8 +42,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         bad = f"FlagGems kernels run on CUDA, not {q.device}"
     elif q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         bad = f"FlagGems' sparse_attn_triton takes bf16 q and kv, not {q.dtype} / {kv.dtype}"
-    elif not (_pow2(H) and _pow2(D)):
-        bad = f"FlagGems' sparse_attn_triton takes power-of-two heads and head dim >= 16, not H {H}, D {D}"
+    elif not _pow2(D):
+        bad = f"FlagGems' sparse_attn_triton takes a power-of-two head dim >= 16, not {D}"
     elif kv.dim() != 3 or kv.size(-1) != D:
         bad = f"kv {tuple(kv.shape)} is not [B, N, {D}]"
     m = None if bad else fg(_MOD, q.device)
@@ -50,7 +52,12 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     empty = idx < 0
     order = torch.argsort(empty.to(torch.int8), dim=-1, stable=True)
     idx2 = torch.where(empty, -1, idx).gather(-1, order).to(torch.int32).contiguous()
-    o = m.sparse_attn_triton(q, kv, sink.float().contiguous(), idx2, float(scale))
+    sink = sink.float().contiguous()
+    Hp = H if _pow2(H) else max(16, 1 << (H - 1).bit_length())
+    if Hp != H:
+        q = torch.cat([q, q.new_zeros(B, S, Hp - H, D)], 2)
+        sink = torch.cat([sink, sink.new_zeros(Hp - H)])
+    o = m.sparse_attn_triton(q, kv, sink, idx2, float(scale))[:, :, :H]
     return torch.where(empty.all(-1)[..., None, None], 0, o)
 
 
