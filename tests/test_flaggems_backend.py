@@ -153,3 +153,28 @@ def test_sparse_attn_adapter_against_the_kernels_semantics(fake_installed, monke
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out.float()).all() and (out[0, 0] == 0).all()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_the_tiny_model_runs_through_every_wrapper_on_a_cpu(fake_installed):
+    """deepinfer-tiny through the flaggems backend on a CPU: every wrapper is called with the model's own
+    arguments (a wrong signature fails here) and, off CUDA, runs the reference visibly: the torch tokens."""
+    from deepinfer.engine.distributed import greedy_run
+    from deepinfer.engine.loader import load_model
+
+    ops.configure("torch", strict=False, op_map={})
+    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
+    ids = torch.tensor([lm.tokenizer.encode("北京是中国的首都")])
+    want = greedy_run(lm.model, ids, 2)[1]
+    load_backend("flaggems")
+    ops.configure("flaggems", strict=False, op_map={})
+    try:
+        got = greedy_run(lm.model, ids, 2)[1]
+        wrapped = {n for n, d in REGISTRY.items() if "flaggems" in d.impls}
+        assert set(ops.fallbacks) <= wrapped and all("CUDA" in why for why in ops.fallbacks.values())
+        assert {"hc_pre", "act_quant", "rms_norm"} <= set(ops.fallbacks), ops.fallbacks
+        assert {"hc_pre_quant", "hc_post", "moe_combine_post", "rms_norm_quant", "swiglu_quant", "fp8_gemm",
+                "sparse_attn"} <= ops.used
+    finally:
+        ops.configure("torch", strict=False, op_map={})
+    assert torch.equal(got, want)
