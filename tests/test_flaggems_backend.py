@@ -178,3 +178,14 @@ def test_the_tiny_model_runs_through_every_wrapper_on_a_cpu(fake_installed):
     finally:
         ops.configure("torch", strict=False, op_map={})
     assert torch.equal(got, want)
+
+
+def test_fp8_gemm_weight_scales_in_every_checkpoint_form(fake_installed):
+    load_backend("flaggems")
+    from deepinfer_kernels.flaggems.quant import _f32_scales
+
+    f = torch.exp2(torch.randint(-9, 3, (3, 4)).float())
+    e8 = f.to(torch.float8_e8m0fnu)
+    assert torch.equal(_f32_scales(f), f) and torch.equal(_f32_scales(e8), f)
+    assert torch.equal(_f32_scales(e8.view(torch.uint8)), f)
+    assert _f32_scales(f.bfloat16()) is None

@@ -6,7 +6,7 @@ to e4m3, (q [..., K], s f32 [..., K/block]): our contract exactly. It needs a co
 strided one) and a power-of-two block (tl.arange); anything else runs the reference, visibly.
 fp8_gemm: `flag_gems.w8a8_block_fp8_matmul(A, W, As, Ws, [128, 128], out_dtype)` (the Hopper build where FlagGems
 selects it), fp32 accumulation with per-K-block scaling, our contract with the operands in that order. Weight
-scales in ue8m0 (float8_e8m0fnu) are converted to f32 per call (a small copy: N/128 x K/128 values).
+scales in ue8m0 (float8_e8m0fnu or uint8 bytes) are decoded to f32 per call (a small copy: N/128 x K/128 values).
 rms_norm_quant, swiglu_quant: the norm (FlagGems' rms_norm, `norm.py`) or the SwiGLU (PyTorch: FlagGems' swiglu
 computes no clamp) then FlagGems' act_quant: two steps, unfused.
 """
@@ -49,10 +49,14 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
 
 
 def _f32_scales(s: torch.Tensor) -> torch.Tensor | None:
+    """f32 scales as they are; ue8m0 bytes (float8_e8m0fnu or uint8, as checkpoints hold them) decoded to f32
+    (a copy of N/128 x K/128 values per call); None for anything else."""
     if s.dtype == torch.float32:
         return s.contiguous()
-    if s.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return s.float().contiguous()
+    if s.dtype in (getattr(torch, "float8_e8m0fnu", None), torch.uint8):
+        from deepinfer.quant.formats import scale_f32
+
+        return scale_f32(s, "fp8_gemm weight scales").contiguous()
     return None
 
 
