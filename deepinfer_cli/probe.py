@@ -157,6 +157,10 @@ def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-sepa
                  steps: int = typer.Option(3, "--steps", help="--screen: greedy decode steps after the prefill."),
                  budget: float = typer.Option(120.0, "--budget", help="--screen: seconds per op, compile included "
                                               "(past it: too_slow, and the worker is replaced)."),
+                 per_op: int = typer.Option(3, "--per-op", help="--screen: distinct call signatures checked per "
+                                            "ATen op (the first ones the model calls: prefill, then decode)."),
+                 deadline: float = typer.Option(None, "--deadline", help="--screen: seconds for all checks; those "
+                                                "not started by then are not_checked."),
                  as_json: bool = JSON):
     """FlagGems: resolve op names, enable only those, check each registered op against PyTorch; --screen: the
     allow-list from the model's own ATen calls."""
@@ -164,7 +168,8 @@ def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-sepa
         from deepinfer.debug.fg_screen import run_screen
 
         err = Console(stderr=True)
-        d = run_screen(model, backend, device, steps=steps, budget=budget, out=out,
+        d = run_screen(model, backend, device, steps=steps, budget=budget, out=out, per_op=per_op,
+                       deadline=deadline,
                        log=(lambda m: None) if as_json else (lambda m: err.print(m, highlight=False)))
         _emit(d, as_json, _render_screen)
         return

@@ -165,6 +165,9 @@ def test_a_slow_op_is_too_slow_and_a_fresh_worker_takes_the_rest(tmp_path):
     assert "capture budget" in verdicts[4]["detail"]
     assert hello["version"] == "fake" and w.p is None  # stopped
     assert not list(tmp_path.iterdir())  # case files removed
+    verdicts, _ = S.check_all(calls[1:2], str(tmp_path), 8.0, S.Worker([sys.executable, "-c", FAKE_WORKER]),
+                              deadline=1e-9)
+    assert verdicts[0]["status"] == "not_checked" and "deadline" in verdicts[0]["detail"]
 
 
 # ------------------------------------------------------------------------------------------ allow-list file

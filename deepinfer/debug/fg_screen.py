@@ -437,9 +437,12 @@ def worker_cmd(device: str = "cuda") -> list[str]:
     return [sys.executable, "-c", f"from deepinfer.debug.fg_screen import worker_main; worker_main({str(device)!r})"]
 
 
-def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, progress=None) -> tuple[list[dict], dict]:
-    """Run every captured signature through the worker -> (verdicts, the worker's hello: table and version)."""
+def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, progress=None,
+              deadline: float | None = None) -> tuple[list[dict], dict]:
+    """Run every captured signature through the worker -> (verdicts, the worker's hello: table and version).
+    `deadline` (s, None: none): signatures not started by then are not_checked."""
     verdicts = []
+    end = None if deadline is None else time.monotonic() + deadline
     worker._start() if worker.p is None else None
     hello = worker.hello or {}
     table = dict((k, f) for k, f in hello.get("table", []))
@@ -448,6 +451,10 @@ def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, 
         if c.key not in table or c.inputs is None:
             v.update(classify(c.key, table, None) if c.key not in table else
                      {"status": "not_checked", "detail": c.why_not or "no captured inputs"})
+            verdicts.append(v)
+            continue
+        if end is not None and time.monotonic() > end:
+            v.update({"status": "not_checked", "detail": f"the screen's deadline of {deadline:g} s was reached"})
             verdicts.append(v)
             continue
         path = os.path.join(workdir, f"case{i}.pt")
@@ -485,7 +492,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 # ------------------------------------------------------------------------------------------ the screen
 def run_screen(model: str | None = None, backend: str | None = None, device: str | None = None,
                prompt: str = "北京是中国的首都", steps: int = 3, budget: float = 120.0, out: str | None = None,
-               log=lambda msg: None) -> dict:
+               log=lambda msg: None, per_op: int = 3, deadline: float | None = None) -> dict:
     """Steps 1-4 on the device (see the module doc) -> the report; writes the allow-list to `out` if given."""
     import importlib.util
     import tempfile
@@ -500,21 +507,21 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
         raise OptionError(f"--screen needs a CUDA device (device is {dev}): FlagGems registers CUDA kernels")
     if importlib.util.find_spec("flag_gems") is None:
         raise OptionError("--screen: flag_gems is not installed (pip install -e '.[flaggems]')")
-    if budget <= 0 or steps < 0:
-        raise OptionError("--budget must be > 0 s and --steps >= 0")
+    if budget <= 0 or steps < 0 or per_op < 1 or (deadline is not None and deadline <= 0):
+        raise OptionError("--budget and --deadline must be > 0 s, --steps >= 0, --per-op >= 1")
     out = check_output(out, "--out") if out else None
     ops.configure(backend or None, False, None)
     lm = load_model(model, "official", "bfloat16", str(dev), progress=False)
     ids = torch.tensor([lm.tokenizer.encode(prompt)], dtype=torch.long)
     copy = dict(copied_table())
-    rec = AtenRecorder(capture=set(copy))
+    rec = AtenRecorder(capture=set(copy), max_sigs=per_op)
     log(f"recording ATen ops: prefill of {ids.size(1)} tokens + {steps} decode steps (backend {ops.describe()})")
     toks_rec = record_run(lm.model, ids, steps, rec)
     calls = rec.signatures()
     log(f"{len(rec.calls)} ATen ops, {len(calls)} distinct call signatures; checking those FlagGems registers")
     with tempfile.TemporaryDirectory(prefix="deepinfer-screen-") as wd:
         verdicts, hello = check_all(calls, wd, budget, Worker(worker_cmd(str(dev))),
-                                    progress=lambda c: log(f"  {c.key} x{c.count}"))
+                                    progress=lambda c: log(f"  {c.key} x{c.count}"), deadline=deadline)
     table = dict((k, f) for k, f in hello.get("table", []))
     allowed, refused = allow_list(verdicts, table)
     rep = {"probe": "flaggems-screen", "flag_gems_version": hello.get("version"), "device": str(dev),
