@@ -80,3 +80,18 @@ def test_cross_stack_dumps_flaggems_against_triton():
     from deepinfer.debug.h5schema import DumpReader
 
     assert DumpReader(a).attrs["fallback_ops"] == ""
+
+
+def test_h200_flaggems_kernel_outputs_replay_on_torch():
+    """`ab --backend flaggems --shapes tiny --dump` from the H200 (FlagGems 5.0.2), replayed with the torch reference
+    here: FlagGems' outputs within each op's tolerance of our reference on the same inputs. Skipped until the
+    directory is committed."""
+    import pytest
+
+    d = os.path.join(REF, "ab-h200-flaggems-tiny")
+    if not os.path.isdir(d):
+        pytest.skip("dumps/reference/ab-h200-flaggems-tiny not made on the H200 yet")
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", d, "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
+    s = _summary(r)
+    assert s["failed"] == 0 and s["passed"] >= 10
