@@ -343,3 +343,59 @@ def test_the_real_worker_over_its_pipe(tmp_path):
     assert hello["version"] == "0-fake" and ["mul.Tensor", "mul"] in hello["table"]
     assert [v["status"] for v in verdicts] == ["wrong_shape", "pass"], verdicts
     assert verdicts[1]["function"] == "add" and verdicts[1]["metric"]["max_abs"] == 0.0
+
+
+E2E_PKG = '''
+import types, torch
+__version__ = "0-fake-e2e"
+testing = types.SimpleNamespace(RESOLUTION={torch.float32: 1.3e-6, torch.bfloat16: 0.016})
+def add(a, b, alpha=1):
+    return torch.ops.aten.sub.Tensor(a, b, alpha=-alpha)  # exact: a - (-1) b
+def mul(a, b):
+    return a.add(a)  # the field notes' defect: the first operand's shape
+_FULL_CONFIG = (("add.Tensor", add), ("mul.Tensor", mul))
+current_work_registrar = None
+_lib = None
+class _Reg:
+    def __init__(self, keys):
+        self.keys = keys
+    def get_all_keys(self):
+        return self.keys
+def only_enable(lib=None, include=None):
+    global current_work_registrar, _lib
+    if lib is None:
+        _lib = lib = torch.library.Library("aten", "IMPL")
+    keys = [k for k, f in _FULL_CONFIG if f.__name__ in include]
+    for k, f in _FULL_CONFIG:
+        if k in keys:
+            lib.impl(k, f, "CPU")
+    current_work_registrar = _Reg(keys)
+'''
+
+
+@pytest.mark.slow
+def test_the_screen_end_to_end_on_a_cpu_with_a_fake_flaggems(tmp_path, monkeypatch):
+    """run_screen on deepinfer-tiny (CPU, torch backend) against a fake FlagGems with a correct add and the mul
+    broadcast defect: add allowed, mul refused as wrong_shape, the file in only_enable form, and the model run
+    with the allow-list token-identical and deterministic (this add is exact)."""
+    pkg = tmp_path / "site" / "flag_gems"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(E2E_PKG)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "allow.yaml"
+    try:
+        rep = S.run_screen(None, "torch", "cpu", steps=1, budget=60, out=str(out), require_cuda=False, per_op=2,
+                           worker=S.Worker(S.worker_cmd("cpu"), env=env, startup=120))
+        st = {(v["key"], v["status"]) for v in rep["verdicts"]}
+        assert ("add.Tensor", "pass") in st
+        assert {s_ for k, s_ in st if k == "mul.Tensor"} <= {"wrong", "wrong_shape"}  # same-shape calls: wrong values
+        assert rep["allowed"] == ["add"] and "mul" in rep["refused"], (rep["allowed"], rep["refused"])
+        assert all(v["status"] == "not_registered" for v in rep["verdicts"] if v["key"] not in ("add.Tensor", "mul.Tensor"))
+        assert S.read_allow_yaml(str(out)) == ["add"]
+        assert rep["recording_transparent"] and rep["token_identical"] and rep["deterministic"]
+        assert rep["enabled"]["functions"] == ["add"] and rep["flag_gems_version"] == "0-fake-e2e"
+    finally:
+        fg = sys.modules.pop("flag_gems", None)
+        if fg is not None and fg._lib is not None:
+            fg._lib._destroy()

@@ -492,8 +492,10 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 # ------------------------------------------------------------------------------------------ the screen
 def run_screen(model: str | None = None, backend: str | None = None, device: str | None = None,
                prompt: str = "北京是中国的首都", steps: int = 3, budget: float = 120.0, out: str | None = None,
-               log=lambda msg: None, per_op: int = 3, deadline: float | None = None) -> dict:
-    """Steps 1-4 on the device (see the module doc) -> the report; writes the allow-list to `out` if given."""
+               log=lambda msg: None, per_op: int = 3, deadline: float | None = None,
+               require_cuda: bool = True, worker: Worker | None = None) -> dict:
+    """Steps 1-4 on the device (see the module doc) -> the report; writes the allow-list to `out` if given.
+    `require_cuda=False` and `worker` are for tests (a CPU run against a fake FlagGems)."""
     import importlib.util
     import tempfile
 
@@ -503,7 +505,7 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
     from deepinfer.outpath import atomic_write, check_output
 
     dev = resolve_device(device)
-    if dev.type != "cuda":
+    if dev.type != "cuda" and require_cuda:
         raise OptionError(f"--screen needs a CUDA device (device is {dev}): FlagGems registers CUDA kernels")
     if importlib.util.find_spec("flag_gems") is None:
         raise OptionError("--screen: flag_gems is not installed (pip install -e '.[flaggems]')")
@@ -514,13 +516,13 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
     lm = load_model(model, "official", "bfloat16", str(dev), progress=False)
     ids = torch.tensor([lm.tokenizer.encode(prompt)], dtype=torch.long)
     copy = dict(copied_table())
-    rec = AtenRecorder(capture=set(copy), max_sigs=per_op)
+    rec = AtenRecorder(capture=set(copy), max_sigs=per_op, devices=("cuda",) if require_cuda else None)
     log(f"recording ATen ops: prefill of {ids.size(1)} tokens + {steps} decode steps (backend {ops.describe()})")
     toks_rec = record_run(lm.model, ids, steps, rec)
     calls = rec.signatures()
     log(f"{len(rec.calls)} ATen ops, {len(calls)} distinct call signatures; checking those FlagGems registers")
     with tempfile.TemporaryDirectory(prefix="deepinfer-screen-") as wd:
-        verdicts, hello = check_all(calls, wd, budget, Worker(worker_cmd(str(dev))),
+        verdicts, hello = check_all(calls, wd, budget, worker or Worker(worker_cmd(str(dev))),
                                     progress=lambda c: log(f"  {c.key} x{c.count}"), deadline=deadline)
     table = dict((k, f) for k, f in hello.get("table", []))
     allowed, refused = allow_list(verdicts, table)
@@ -533,7 +535,8 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
     if out:
         header = [f"deepinfer probe flaggems --screen: FlagGems {hello.get('version')} functions whose every ATen key",
                   f"this model called passed on the model's own inputs ({lm.model_dir}, backend {ops.describe()},",
-                  f"{torch.cuda.get_device_name(dev)}, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}).",
+                  f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}).",
                   "Read by `--flaggems @FILE` and by flag_gems.only_enable(include=FILE)."]
         atomic_write(out, allow_yaml(allowed, header))
     # 4. the model with the allow-list against the run without it (flag_gems is imported here, on `dev`)
@@ -549,7 +552,7 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
         return rep
     from deepinfer.engine.flaggems import enable_flaggems
 
-    rep["enabled"] = enable_flaggems(allowed, dev)
+    rep["enabled"] = enable_flaggems(allowed, dev, require_cuda=require_cuda)
     a, b = tokens(), tokens()
     div = first_divergence(plain, a)
     rep.update({"tokens_with": a, "token_identical": div is None, "first_divergence": div,
