@@ -399,3 +399,11 @@ def test_the_screen_end_to_end_on_a_cpu_with_a_fake_flaggems(tmp_path, monkeypat
         fg = sys.modules.pop("flag_gems", None)
         if fg is not None and fg._lib is not None:
             fg._lib._destroy()
+
+
+def test_a_reference_that_cannot_replay_is_not_blamed_on_flaggems():
+    fake = types.SimpleNamespace(current_work_registrar=None, only_enable=lambda lib=None, include=None: None)
+    case = {"key": "mm", "inputs": ([S.snapshot(torch.ones(2, 3)), S.snapshot(torch.ones(2, 3))], {})}
+    rep = S._check(case, {"mm": "mm"}, torch.device("cpu"), fake, S.RESOLUTION)
+    assert rep["status"] == "not_checked" and "PyTorch itself fails" in rep["detail"]
+    assert S.classify("mm", {"mm": "mm"}, rep)["status"] == "not_checked"

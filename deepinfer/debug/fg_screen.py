@@ -264,6 +264,8 @@ def classify(key: str, table: dict[str, str], result: dict | None) -> dict:
         return {"status": "not_checked", "detail": "no captured inputs"}
     if result.get("timed_out"):
         return {"status": "too_slow", "detail": f"over the budget of {result['budget']:g} s (compile included)"}
+    if result.get("status") == "not_checked":
+        return {"status": "not_checked", "detail": result.get("detail", "")}
     if result.get("registered") is False:
         return {"status": "not_registered", "detail": f"{table[key]} registered no kernel for {key} "
                 "(a torch-version condition or a C++-patched op)"}
@@ -348,9 +350,13 @@ def _check(case: dict, fn_of: dict, dev, flag_gems, resolution: dict) -> dict:
     op = getattr(getattr(torch.ops.aten, name), ov or "default")
     args, kwargs = case["inputs"]
     with torch.inference_mode():
-        ref = op(*rebuild(args, dev), **rebuild(kwargs, dev))  # PyTorch, before FlagGems is enabled
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        try:
+            ref = op(*rebuild(args, dev), **rebuild(kwargs, dev))  # PyTorch, before FlagGems is enabled
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (not FlagGems' fault: say so rather than blame it)
+            return {"status": "not_checked", "detail": f"PyTorch itself fails on the replayed inputs: "
+                                                       f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"}
         fa, fk = rebuild(args, dev), rebuild(kwargs, dev)
         t0 = time.perf_counter()
         # only_enable into a Library of our own, destroyed right after the call (FlagGems' use_gems leaves that to
