@@ -189,3 +189,11 @@ def test_fp8_gemm_weight_scales_in_every_checkpoint_form(fake_installed):
     assert torch.equal(_f32_scales(f), f) and torch.equal(_f32_scales(e8), f)
     assert torch.equal(_f32_scales(e8.view(torch.uint8)), f)
     assert _f32_scales(f.bfloat16()) is None
+
+
+def test_single_ops_on_flaggems_through_the_per_op_map(fake_installed):
+    d = Dispatcher().configure("torch", strict=False, op_map="hc_post=flaggems,sparse_attn=flaggems")
+    assert d.backends() == ["torch", "flaggems"] and d.describe() == "torch; hc_post=flaggems,sparse_attn=flaggems"
+    assert d.resolve("hc_post") is REGISTRY["hc_post"].impls["flaggems"]
+    assert d.resolve("rms_norm") is REGISTRY["rms_norm"].ref
+    assert "flag_gems" not in sys.modules
