@@ -8,7 +8,8 @@ its own torch code), so another hc_eps falls back here, visibly.
 Not used: FlagGems' fused `mhc_pre`, whose GEMM rounds the fp32 `fn` and the streams to bf16 (`_get_fn_bf16_cached`),
 outside our fp32 contract for the mixes (hc_pre's fp32 tolerance is 1e-5).
 hc_post: `mhc_post(x [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc])`: new stream k = post_k x +
-sum_j comb[j, k] residual_j in fp32, bf16 out: our contract for bf16 streams (views, no copy for contiguous ones).
+sum_j comb[j, k] residual_j in fp32, bf16 out: our contract for bf16 streams (no copy for contiguous ones; a
+strided residual is made contiguous first, since mhc_post writes its empty_like(residual) output as contiguous).
 hc_pre_quant / moe_combine_post: these, composed with the norm + act_quant (norm.py) / the PyTorch MoE sum.
 """
 
@@ -75,8 +76,10 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     if m is None:
         return off_contract("hc_post", bad or why(_MOD), ref, x, residual, post, comb)
     n = B * S
-    out = m.mhc_post(x.reshape(n, D), residual.reshape(n, hc, D), post.float().reshape(n, hc),
-                     comb.float().reshape(n, hc, hc))
+    # contiguous first: mhc_post allocates its output with empty_like(residual) (a strided residual gives a strided
+    # output) but writes it as a contiguous [N, hc, D] (a copy only where the caller's streams are strided)
+    out = m.mhc_post(x.reshape(n, D).contiguous(), residual.reshape(n, hc, D).contiguous(),
+                     post.float().reshape(n, hc).contiguous(), comb.float().reshape(n, hc, hc).contiguous())
     return out.view(B, S, hc, D)
 
 
