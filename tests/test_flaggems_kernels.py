@@ -164,3 +164,5 @@ def test_hc_post(T_, D):
                                                                                  res.float().abs())
     assert ((out.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 8 * 2 ** -24 * terms).all()
     assert (out == ref).float().mean() > 0.99
+    strided = res.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [1, T, 4, D] with strided layout
+    assert torch.equal(impl(x, strided, post, comb), out)
