@@ -197,3 +197,27 @@ def test_single_ops_on_flaggems_through_the_per_op_map(fake_installed):
     assert d.resolve("hc_post") is REGISTRY["hc_post"].impls["flaggems"]
     assert d.resolve("rms_norm") is REGISTRY["rms_norm"].ref
     assert "flag_gems" not in sys.modules
+
+
+def test_a_flaggems_failure_falls_back_visibly_once_per_shape(fake_installed, capsys):
+    load_backend("flaggems")
+    from deepinfer_kernels.flaggems import _common
+
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    ops.configure("torch", strict=False, op_map={})
+    try:
+        assert _common.run("sparse_attn", (64, 512), boom, lambda: "ref") == "ref"
+        assert _common.run("sparse_attn", (64, 512), boom, lambda: "ref") == "ref" and len(calls) == 1  # remembered
+        assert "FlagGems failed for (64, 512): RuntimeError: out of resource" in ops.fallbacks["sparse_attn"]
+        assert "op sparse_attn falls back to the torch reference" in capsys.readouterr().err
+        assert _common.run("sparse_attn", (16, 128), lambda: "kernel", lambda: "ref") == "kernel"
+        ops.configure("torch", strict=True, op_map={})
+        with pytest.raises(BackendError, match="--strict: op 'sparse_attn': FlagGems failed for"):
+            _common.run("sparse_attn", (64, 512), boom, lambda: "ref")
+    finally:
+        ops.configure("torch", strict=False, op_map={})

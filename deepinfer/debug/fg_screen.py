@@ -5,7 +5,8 @@
    shapes, dtypes and strides; the inputs themselves are captured (strides and all) for the ops FlagGems registers.
 2. Resolve each recorded op against FlagGems' registration table (`_FULL_CONFIG`: ATen key -> function), run it in
    a worker subprocess on exactly the captured inputs with FlagGems enabled for that function alone
-   (`only_enable(lib=<a Library destroyed after the call>, include=[fn])`), against PyTorch's result computed before enabling; each op has a time budget
+   (`only_enable(lib=<a Library destroyed after the call>, include=[fn])`), against PyTorch's result computed
+   before enabling; each op has a time budget
    (compile included: the notes saw topk take > 180 s at k = 512), and an op past it kills the worker (a fresh one
    takes the rest), so a blow-up cannot hang the screen.
 3. Classify (`classify`): pass / wrong (metric, FlagGems' own dtype tolerance) / wrong_shape (the mul broadcast

@@ -28,7 +28,8 @@ def fg(module: str = "flag_gems", device: torch.device | None = None):
         else:
             m = importlib.import_module(module)
     except Exception as e:  # a wheel built for another torch fails at import with many error types
-        _failed[module] = f"{module} failed to import: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        _failed[module] = f"{module} failed to import: {type(e).__name__}: {first}"
         return None
     _mods[module] = m
     return m
@@ -46,3 +47,21 @@ def off_contract(op: str, reason: str, ref, *args, **kwargs):
 
 def cuda(*ts) -> bool:
     return all(t.device.type == "cuda" for t in ts)
+
+
+_broken: dict = {}  # (op, key) -> why FlagGems failed there: later calls go straight to the reference
+
+
+def run(op: str, key: tuple, kernel, fallback):
+    """kernel() -- a FlagGems call -- or, where it raises (a Triton compile out of resources, an assert on a shape
+    FlagGems does not take), the reference `fallback()` for this and every later call with the same `key`, through
+    `ops.runtime_fallback` naming the op, the key and the error (an error under --strict)."""
+    k = (op, key)
+    if k not in _broken:
+        try:
+            return kernel()
+        except Exception as e:  # noqa: BLE001  (Triton and FlagGems raise many types; the message is what matters)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            _broken[k] = f"FlagGems failed for {key}: {type(e).__name__}: {first}"
+    ops.runtime_fallback(op, _broken[k])
+    return fallback()

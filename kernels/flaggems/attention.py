@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.ops.registry import REGISTRY, implement
 
-from ._common import cuda, fg, off_contract, why
+from ._common import cuda, fg, off_contract, run, why
 
 _MOD = "flag_gems.fused.sparse_attention"
 
@@ -52,12 +52,16 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     empty = idx < 0
     order = torch.argsort(empty.to(torch.int8), dim=-1, stable=True)
     idx2 = torch.where(empty, -1, idx).gather(-1, order).to(torch.int32).contiguous()
+    q0, sink0 = q, sink
     sink = sink.float().contiguous()
     Hp = H if _pow2(H) else max(16, 1 << (H - 1).bit_length())
     if Hp != H:
         q = torch.cat([q, q.new_zeros(B, S, Hp - H, D)], 2)
         sink = torch.cat([sink, sink.new_zeros(Hp - H)])
-    o = m.sparse_attn_triton(q, kv, sink, idx2, float(scale))[:, :, :H]
+    o = run("sparse_attn", (Hp, D), lambda: m.sparse_attn_triton(q, kv, sink, idx2, float(scale))[:, :, :H],
+            lambda: None)
+    if o is None:
+        return ref(q0, kv, sink0, idx, scale)
     return torch.where(empty.all(-1)[..., None, None], 0, o)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from deepinfer.ops.registry import REGISTRY, implement
 
-from ._common import cuda, fg, off_contract, why
+from ._common import cuda, fg, off_contract, run, why
 from .norm import rms_norm_quant
 
 _MOD = "flag_gems.fused.mhc"
@@ -44,12 +44,16 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     m = None if bad else fg(_MOD, x.device)
     if m is None:
         return off_contract("hc_pre", bad or why(_MOD), ref, x, fn, scale, base, norm_eps, hc_eps, iters)
-    xf = x.flatten(2).float()
-    mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    pre, post, comb = m.hc_split_sinkhorn(mixes.contiguous(), scale.float().contiguous(), base.float().contiguous(),
-                                          hc_mult=hc, sinkhorn_iters=int(iters), eps=1e-6)
-    y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
-    return y.to(x.dtype), post, comb
+    def kernel():
+        xf = x.flatten(2).float()
+        mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+        pre, post, comb = m.hc_split_sinkhorn(mixes.contiguous(), scale.float().contiguous(),
+                                              base.float().contiguous(), hc_mult=hc, sinkhorn_iters=int(iters),
+                                              eps=1e-6)
+        y = (pre.unsqueeze(-1) * x.float()).sum(dim=2)
+        return y.to(x.dtype), post, comb
+
+    return run("hc_pre", (hc, int(iters)), kernel, lambda: ref(x, fn, scale, base, norm_eps, hc_eps, iters))
 
 
 @implement("hc_pre_quant", "flaggems")
@@ -78,9 +82,9 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     n = B * S
     # contiguous first: mhc_post allocates its output with empty_like(residual) (a strided residual gives a strided
     # output) but writes it as a contiguous [N, hc, D] (a copy only where the caller's streams are strided)
-    out = m.mhc_post(x.reshape(n, D).contiguous(), residual.reshape(n, hc, D).contiguous(),
-                     post.float().reshape(n, hc).contiguous(), comb.float().reshape(n, hc, hc).contiguous())
-    return out.view(B, S, hc, D)
+    return run("hc_post", (hc, D), lambda: m.mhc_post(
+        x.reshape(n, D).contiguous(), residual.reshape(n, hc, D).contiguous(), post.float().reshape(n, hc).contiguous(),
+        comb.float().reshape(n, hc, hc).contiguous()).view(B, S, hc, D), lambda: ref(x, residual, post, comb))
 
 
 @implement("moe_combine_post", "flaggems")

@@ -11,7 +11,7 @@ import torch
 from deepinfer.ops.reference import _quant_outputs
 from deepinfer.ops.registry import REGISTRY, implement
 
-from ._common import cuda, fg, off_contract, why
+from ._common import cuda, fg, off_contract, run, why
 from .quant import act_quant
 
 _ones: dict = {}
@@ -41,7 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     m = None if bad else fg("flag_gems.ops.rms_norm", x.device)
     if m is None:
         return off_contract("rms_norm", bad or why("flag_gems.ops.rms_norm"), ref, x, weight, eps)
-    return m.rms_norm(x.contiguous(), [x.size(-1)], _weight(weight, x), eps)
+    return run("rms_norm", (x.size(-1), str(x.dtype)), lambda: m.rms_norm(x.contiguous(), [x.size(-1)],
+                                                                          _weight(weight, x), eps),
+               lambda: ref(x, weight, eps))
 
 
 @implement("rms_norm_quant", "flaggems")

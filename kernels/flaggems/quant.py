@@ -18,7 +18,7 @@ import torch
 from deepinfer.ops.reference import _quant_outputs
 from deepinfer.ops.registry import REGISTRY, implement
 
-from ._common import cuda, fg, off_contract, why
+from ._common import cuda, fg, off_contract, run, why
 
 _IN = (torch.bfloat16, torch.float16, torch.float32)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,7 +45,8 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     m = None if bad else fg("flag_gems.ops.act_quant", x.device)
     if m is None:
         return off_contract("act_quant", bad or why("flag_gems.ops.act_quant"), ref, x, block)
-    return m.act_quant_triton(x.contiguous(), block, scale_fmt="ue8m0")
+    return run("act_quant", (x.size(-1), block, str(x.dtype)),
+               lambda: m.act_quant_triton(x.contiguous(), block, scale_fmt="ue8m0"), lambda: ref(x, block))
 
 
 def _f32_scales(s: torch.Tensor) -> torch.Tensor | None:
@@ -83,7 +84,10 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     g = None if bad else fg("flag_gems", a.device)
     if g is None:
         return off_contract("fp8_gemm", bad or why("flag_gems"), ref, a, a_s, w, w_s, out_dtype)
-    return g.w8a8_block_fp8_matmul(a.contiguous(), w.contiguous(), a_s.contiguous(), ws, [128, 128], out_dtype)
+    return run("fp8_gemm", (N, K, str(out_dtype)),
+               lambda: g.w8a8_block_fp8_matmul(a.contiguous(), w.contiguous(), a_s.contiguous(), ws, [128, 128],
+                                               out_dtype),
+               lambda: ref(a, a_s, w, w_s, out_dtype))
 
 
 @implement("swiglu_quant", "flaggems")
