@@ -177,6 +177,11 @@ def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-sepa
 
     names = [n.strip() for n in include.split(",") if n.strip()] if include else None
     d = probe_flaggems(names)
+    if names and d.get("unresolved"):  # a name asked for that FlagGems does not know: bad input, one line
+        from deepinfer_cli.errors import UserError
+
+        hints = "; ".join(f"{n} (close: {', '.join(c) or 'none'})" for n, c in d["unresolved"].items())
+        raise UserError(f"--include: not in FlagGems' registration table: {hints}")
     _emit(d, as_json, _render_flaggems)
     if not d["ok"]:
         raise typer.Exit(1)

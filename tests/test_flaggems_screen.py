@@ -407,3 +407,14 @@ def test_a_reference_that_cannot_replay_is_not_blamed_on_flaggems():
     rep = S._check(case, {"mm": "mm"}, torch.device("cpu"), fake, S.RESOLUTION)
     assert rep["status"] == "not_checked" and "PyTorch itself fails" in rep["detail"]
     assert S.classify("mm", {"mm": "mm"}, rep)["status"] == "not_checked"
+
+
+def test_probe_include_of_an_unknown_name_is_one_line_with_close_matches(monkeypatch):
+    import deepinfer.debug.probes as P
+
+    monkeypatch.setattr(P, "probe_flaggems", lambda names: {
+        "probe": "flaggems", "installed": True, "version": "5.0.2", "requested": names, "resolved": {},
+        "unresolved": {"softmaxx": ["softmax", "_softmax"]}, "registered": [], "rows": [], "ok": True})
+    r = runner.invoke(app, ["probe", "flaggems", "--include", "softmaxx"])
+    assert r.exit_code == 2 and "softmaxx (close: softmax, _softmax)" in r.output
+    assert len(r.output.strip().splitlines()) == 1
