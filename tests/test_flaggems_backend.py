@@ -221,3 +221,110 @@ def test_a_flaggems_failure_falls_back_visibly_once_per_shape(fake_installed, ca
             _common.run("sparse_attn", (64, 512), boom, lambda: "ref")
     finally:
         ops.configure("torch", strict=False, op_map={})
+
+
+# --------------------------------------------------------------- the adapters against FlagGems' own signatures
+def _fg_emulated():
+    """FlagGems 5.0.2's entry points as their sources define them -- signatures, argument order and the shape
+    asserts they make -- computing in PyTorch (its own torch references where it ships one: mhc_split_sinkhorn_
+    torch_ref, mhc_post_ref), so the adapters' plumbing is checked on a CPU."""
+    import torch.nn.functional as F
+
+    def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
+        mix_hc = (2 + hc_mult) * hc_mult
+        assert mixes.shape[-1] == mix_hc and hc_scale.shape == (3,) and hc_base.shape == (mix_hc,)
+        outer = mixes.shape[:-1]
+        pre = torch.sigmoid(mixes[..., :hc_mult] * hc_scale[0] + hc_base[:hc_mult]) + eps
+        post = 2 * torch.sigmoid(mixes[..., hc_mult:2 * hc_mult] * hc_scale[1] + hc_base[hc_mult:2 * hc_mult])
+        comb = mixes[..., 2 * hc_mult:].view(*outer, hc_mult, hc_mult) * hc_scale[2] + \
+            hc_base[2 * hc_mult:].view(hc_mult, hc_mult)
+        comb = (comb - comb.max(dim=-1, keepdim=True).values).exp()
+        comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return pre, post, comb
+
+    def mhc_post(x, residual, post_layer_mix, comb_res_mix):
+        N, hc, H = residual.shape
+        assert x.shape == (N, H) and post_layer_mix.shape in ((N, hc, 1), (N, hc)) and comb_res_mix.shape == (N, hc, hc)
+        c = post_layer_mix.reshape(N, hc, 1)
+        return (x.unsqueeze(-2) * c + torch.bmm(comb_res_mix.mT, residual.float())).type_as(x)
+
+    def act_quant_triton(x, block_size=128, scale_fmt=None):
+        assert x.is_contiguous() and x.size(-1) % block_size == 0 and scale_fmt is not None
+        return REGISTRY["act_quant"].ref(x, block_size)
+
+    def w8a8_block_fp8_matmul(A, B, As, Bs, block_size, output_dtype=torch.float16):
+        import triton
+
+        assert list(block_size) == [128, 128] and A.shape[-1] == B.shape[-1] and A.shape[:-1] == As.shape[:-1]
+        assert A.is_contiguous() and triton.cdiv(A.shape[-1], 128) == As.shape[-1] and B.ndim == 2 and Bs.ndim == 2
+        N, K = B.shape
+        assert triton.cdiv(N, 128) == Bs.shape[0] and triton.cdiv(K, 128) == Bs.shape[1] and Bs.dtype == torch.float32
+        return REGISTRY["fp8_gemm"].ref(A, As, B, Bs, output_dtype)
+
+    def rms_norm(x, normalized_shape, weight, eps=1e-5):
+        return F.rms_norm(x.float(), normalized_shape, weight.float(), eps).to(x.dtype)
+
+    mods = {"flag_gems.fused.mhc": types.SimpleNamespace(hc_split_sinkhorn=hc_split_sinkhorn, mhc_post=mhc_post),
+            "flag_gems.ops.act_quant": types.SimpleNamespace(act_quant_triton=act_quant_triton),
+            "flag_gems": types.SimpleNamespace(w8a8_block_fp8_matmul=w8a8_block_fp8_matmul),
+            "flag_gems.ops.rms_norm": types.SimpleNamespace(rms_norm=rms_norm)}
+    return lambda module, device=None: mods[module]
+
+
+def test_every_adapter_calls_flaggems_as_its_source_defines_it(fake_installed, monkeypatch):
+    load_backend("flaggems")
+    from deepinfer_kernels.flaggems import attention, mhc, norm, quant
+
+    fg = _fg_emulated()
+    for m in (mhc, norm, quant, attention):
+        monkeypatch.setattr(m, "fg", fg)
+        monkeypatch.setattr(m, "cuda", lambda *ts: True)
+    impl = {n: d.impls["flaggems"] for n, d in REGISTRY.items() if "flaggems" in d.impls}
+    g = torch.Generator().manual_seed(3)
+    ops.configure("flaggems", strict=True, op_map={})  # any fallback raises
+    try:
+        B, S, hc, D = 1, 5, 4, 256
+        x = torch.randn(B, S, hc, D, generator=g).bfloat16()
+        fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.02
+        scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g) * 0.1
+        got, want = impl["hc_pre"](x, fn, scale, base, 1e-6, 1e-6, 20), REGISTRY["hc_pre"].ref(x, fn, scale, base, 1e-6,
+                                                                                                1e-6, 20)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+        w = torch.rand(D, generator=g) + 0.5
+        got = impl["hc_pre_quant"](x, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6, split=True)
+        assert len(got) == 6 and got[1].dtype == torch.float8_e4m3fn and got[3].dtype == torch.bfloat16
+        y = torch.randn(B, S, D, generator=g).bfloat16()
+        post, comb = torch.rand(B, S, hc, generator=g) * 2, torch.rand(B, S, hc, hc, generator=g)
+        torch.testing.assert_close(impl["hc_post"](y, x, post, comb), REGISTRY["hc_post"].ref(y, x, post, comb))
+        routed, shared = torch.randn(B * S, 2, D, generator=g), torch.randn(B * S, D, generator=g)
+        torch.testing.assert_close(impl["moe_combine_post"](routed, shared, x, post, comb),
+                                   REGISTRY["moe_combine_post"].ref(routed, shared, x, post, comb))
+        xs = torch.randn(3, 7, 512, generator=g).bfloat16()
+        q, s = impl["act_quant"](xs[:, :, ::2].contiguous(), 128)
+        assert q.shape == (3, 7, 256) and s.shape == (3, 7, 2)
+        q, s = impl["act_quant"](xs[:, :, ::2], 128)  # strided: the adapter's copy
+        assert torch.equal(q.view(torch.uint8), REGISTRY["act_quant"].ref(xs[:, :, ::2], 128)[0].view(torch.uint8))
+        for wt in (None, (torch.rand(512, generator=g) + 0.5).bfloat16()):  # V4's unweighted form: ones passed
+            torch.testing.assert_close(impl["rms_norm"](xs, wt, 1e-6).float(), REGISTRY["rms_norm"].ref(xs, wt, 1e-6).float(),
+                                       rtol=2 ** -7, atol=0)
+        y2, q2, s2 = impl["rms_norm_quant"](xs, None, 1e-6)
+        assert torch.equal(q2.view(torch.uint8), REGISTRY["act_quant"].ref(y2, 128)[0].view(torch.uint8))
+        M, N, K = 9, 300, 512
+        a, a_s = REGISTRY["act_quant"].ref(torch.randn(M, K, generator=g), 128)
+        wq = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn)
+        ws = torch.exp2(torch.randint(-9, -3, (3, 4), generator=g).float())
+        for scales in (ws, ws.to(torch.float8_e8m0fnu)):
+            torch.testing.assert_close(impl["fp8_gemm"](a, a_s, wq, scales, torch.float32),
+                                       REGISTRY["fp8_gemm"].ref(a, a_s, wq, ws, torch.float32))
+        gate, up = torch.randn(6, 256, generator=g), torch.randn(6, 256, generator=g)
+        got = impl["swiglu_quant"](gate, up, 7.0, None, torch.bfloat16, split=True)
+        want = REGISTRY["swiglu_quant"].ref(gate, up, 7.0, None, torch.bfloat16, split=True)
+        assert all(torch.equal(a_.view(torch.uint8) if a_.dtype == torch.float8_e4m3fn else a_,
+                               b_.view(torch.uint8) if b_.dtype == torch.float8_e4m3fn else b_) for a_, b_ in zip(got, want))
+    finally:
+        ops.configure("torch", strict=False, op_map={})
