@@ -63,6 +63,7 @@ def ab_cmd(
       deepinfer ab --backend triton --shapes tiny
       deepinfer ab --backend triton --ops 'gemm|quant' --bench
       deepinfer ab --backend tilelang --against triton --bench
+      deepinfer ab --backend flaggems --against tilelang --bench
       deepinfer ab --backend torch --dump cases/      # on host A
       deepinfer ab --backend triton --compare cases/  # on host B
     """
@@ -70,8 +71,8 @@ def ab_cmd(
         raise UserError("--dump and --compare are exclusive")
     if against and compare:
         raise UserError("--against and --compare are exclusive (a replay runs one backend on saved cases)")
-    if against and against not in ("torch", "triton", "tilelang"):
-        raise UserError(f"--against {against!r}: choose torch, triton or tilelang")
+    if against and against not in ("torch", "triton", "tilelang", "flaggems"):
+        raise UserError(f"--against {against!r}: choose torch, triton, tilelang or flaggems")
     if dump:
         dump = check_output_dir(dump, "--dump")
     note = _prepare_interpreter(backend, bool(compare)) or (_prepare_interpreter(against, False) if against else None)

@@ -143,12 +143,45 @@ def _render_triton(d: dict, con: Console) -> None:
 @handle_errors
 def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-separated op names to enable "
                                              "(default: every op with a test input here)."),
+                 screen: bool = typer.Option(False, "--screen", help="Record the ATen ops the model calls (a "
+                                             "prefill + --steps decode steps), check each one FlagGems registers "
+                                             "on exactly those inputs (a worker process, --budget s each), write "
+                                             "the allow-list (--out), then run the model with it."),
+                 model: str = typer.Option(None, "--model", "-m", help="--screen: checkpoint directory "
+                                           "(default: the embedded deepinfer-tiny)."),
+                 out: str = typer.Option(None, "--out", help="--screen: write the allow-list here (only_enable "
+                                         "YAML; use it as --flaggems @FILE)."),
+                 backend: str = typer.Option(None, "--backend", help="--screen: the kernel backend the model "
+                                             "runs on while recording (its ATen calls depend on it)."),
+                 device: str = typer.Option(None, "--device", help="--screen: cuda | cuda:N."),
+                 steps: int = typer.Option(3, "--steps", help="--screen: greedy decode steps after the prefill."),
+                 budget: float = typer.Option(120.0, "--budget", help="--screen: seconds per op, compile included "
+                                              "(past it: too_slow, and the worker is replaced)."),
+                 per_op: int = typer.Option(3, "--per-op", help="--screen: distinct call signatures checked per "
+                                            "ATen op (the first ones the model calls: prefill, then decode)."),
+                 deadline: float = typer.Option(None, "--deadline", help="--screen: seconds for all checks; those "
+                                                "not started by then are not_checked."),
                  as_json: bool = JSON):
-    """FlagGems: resolve op names, enable only those, check each registered op against PyTorch."""
+    """FlagGems: resolve op names, enable only those, check each registered op against PyTorch; --screen: the
+    allow-list from the model's own ATen calls."""
+    if screen:
+        from deepinfer.debug.fg_screen import run_screen
+
+        err = Console(stderr=True)
+        d = run_screen(model, backend, device, steps=steps, budget=budget, out=out, per_op=per_op,
+                       deadline=deadline,
+                       log=(lambda m: None) if as_json else (lambda m: err.print(m, highlight=False)))
+        _emit(d, as_json, _render_screen)
+        return
     from deepinfer.debug.probes import probe_flaggems
 
     names = [n.strip() for n in include.split(",") if n.strip()] if include else None
     d = probe_flaggems(names)
+    if names and d.get("unresolved"):  # a name asked for that FlagGems does not know: bad input, one line
+        from deepinfer_cli.errors import UserError
+
+        hints = "; ".join(f"{n} (close: {', '.join(c) or 'none'})" for n, c in d["unresolved"].items())
+        raise UserError(f"--include: not in FlagGems' registration table: {hints}")
     _emit(d, as_json, _render_flaggems)
     if not d["ok"]:
         raise typer.Exit(1)
@@ -161,6 +194,27 @@ def _render_flaggems(d: dict, con: Console) -> None:
         for n, close in d["unresolved"].items():
             con.print(f"unresolved: {n}" + (f" (close: {', '.join(close)})" if close else ""), highlight=False)
     con.print(_checks_table("FlagGems", d["rows"]))
+
+
+def _render_screen(d: dict, con: Console) -> None:
+    t = Table(title=f"FlagGems {d['flag_gems_version']} screen: {d['ops_recorded']} ATen ops, {d['signatures']} "
+                    f"call signatures ({d['backend']})")
+    for c in ("op", "function", "calls", "status", "detail"):
+        t.add_column(c, overflow="fold")
+    for v in d["verdicts"]:
+        if v["status"] == "not_registered" and v.get("function") is None:
+            continue
+        t.add_row(v["key"], v.get("function") or "-", str(v["count"]), v["status"], v.get("detail", ""))
+    con.print(t)
+    con.print(", ".join(f"{k} {n}" for k, n in d["counts"].items() if n), highlight=False)
+    con.print(f"allowed ({len(d['allowed'])}): {', '.join(d['allowed']) or '-'}" +
+              (f"; written to {d['out']}" if d["out"] else ""), highlight=False)
+    if "tokens_with" in d:
+        same = "token-identical" if d["token_identical"] else f"first divergence at token {d['first_divergence']}"
+        con.print(f"with the allow-list: {same} vs without; {'deterministic' if d['deterministic'] else 'NOT deterministic'}"
+                  " over two runs", highlight=False)
+    else:
+        con.print(f"with the allow-list: {d.get('with_allow_list', '-')}", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------- tilelang

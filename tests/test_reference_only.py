@@ -53,3 +53,12 @@ def test_probe_kernels_shows_the_list_without_the_backend_installed():
     assert "model.py" in rows["rms_norm"]["backends"]["tilelang"]["reference_by_design"]
     assert "reference_by_design" not in rows["grouped_gemm"]["backends"]["tilelang"]
     assert "reference_by_design" not in rows["rms_norm"]["backends"]["triton"]
+
+
+def test_flaggems_decides_every_op():
+    """Every op is either wrapped in kernels/flaggems or on its reference-only list with a reason, never both."""
+    impl, ref = _static_impls("flaggems"), _static_by_design("flaggems")
+    assert not impl & set(ref), impl & set(ref)
+    assert set(REGISTRY) - impl - set(ref) == set()
+    assert all(len(why) > 20 for why in ref.values())
+    assert {"act_quant", "fp8_gemm", "rms_norm", "hc_pre", "hc_post", "sparse_attn"} <= impl

@@ -19,10 +19,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-BACKENDS = ("torch", "triton", "tilelang")
-_BACKEND_MODULES = {"triton": "deepinfer_kernels.triton", "tilelang": "deepinfer_kernels.tilelang"}
+BACKENDS = ("torch", "triton", "tilelang", "flaggems")
+_BACKEND_MODULES = {"triton": "deepinfer_kernels.triton", "tilelang": "deepinfer_kernels.tilelang",
+                    "flaggems": "deepinfer_kernels.flaggems"}
 # what a backend needs installed, for the one line that says so: (package, pip extra of this project)
-_BACKEND_PACKAGES = {"triton": ("triton", "triton"), "tilelang": ("tilelang", "tilelang")}
+_BACKEND_PACKAGES = {"triton": ("triton", "triton"), "tilelang": ("tilelang", "tilelang"),
+                     "flaggems": ("flag_gems", "flaggems")}
 
 
 class BackendError(RuntimeError):

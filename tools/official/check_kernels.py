@@ -1,6 +1,6 @@
 """Each official kernel (kernel.py, release 60d8d707, TileLang) and each official torch step of model.py that
 `official` numerics follow, against our op on the same fresh random inputs, per backend (torch, triton, and
-tilelang where it is installed): relative error and the fraction of bit-identical outputs.
+tilelang and flaggems where installed): relative error and the fraction of bit-identical outputs.
 
 Run on a GPU with the official files in tools/official/release/ (README):
     PYTHONPATH=/tmp/site:$PWD python tools/official/check_kernels.py
@@ -144,7 +144,7 @@ CASES = [
 
 @torch.inference_mode()
 def main():
-    backends = ["torch"] + [b for b in ("triton", "tilelang") if backend_available(b)[0]]
+    backends = ["torch"] + [b for b in ("triton", "tilelang", "flaggems") if backend_available(b)[0]]
     print(f"{'op':<14} {'case':<20} " + " ".join(f"{b + ' rel':>13} {b + ' same':>13}" for b in backends))
     for op, label, make in CASES:
         made = make()

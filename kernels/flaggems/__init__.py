@@ -1,0 +1,44 @@
+"""FlagGems backend (import name `deepinfer_kernels.flaggems`): the V4 kernels FlagGems 5.0.2 ships, called where
+their contract is ours (`pip install -e '.[flaggems]'`). Importing this package registers its implementations
+with `implement(..., "flaggems")` and its reference-only list; it does NOT import flag_gems.
+
+`import flag_gems` initialises a CUDA context on the current device (the field notes: 8 ranks landed on device 0),
+so flag_gems is imported on the first kernel call (`_common.fg`), under `torch.cuda.device(<the tensor's
+device>)`: by then the device is chosen. Here we only check that the package is installed, so that a missing
+package is the registry's one line with the install hint.
+
+This backend is separate from `--flaggems op,...` (deepinfer/engine/flaggems.py), which swaps ATen ops under any
+backend; both stay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+if importlib.util.find_spec("flag_gems") is None:  # the registry turns this into "needs the flag_gems package"
+    raise ModuleNotFoundError("No module named 'flag_gems'", name="flag_gems")
+
+from deepinfer.ops import registry
+
+from . import attention, mhc, norm, quant  # noqa: F401,E402
+from .reference_only import REFERENCE_ONLY  # noqa: E402
+
+registry.reference_only("flaggems", REFERENCE_ONLY)
+
+
+def facts(device) -> dict:
+    """FlagGems' version (from its metadata: reading it imports nothing) and whether it is imported yet."""
+    import importlib.metadata as md
+    import sys
+
+    try:
+        ver = md.version("flag_gems")
+    except md.PackageNotFoundError:
+        try:
+            ver = md.version("flag-gems")
+        except md.PackageNotFoundError:
+            ver = None
+    return {"flag_gems": ver, "flag_gems_imported": "flag_gems" in sys.modules}
+
+
+__all__ = ["REFERENCE_ONLY", "facts"]
