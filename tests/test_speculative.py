@@ -1,0 +1,327 @@
+"""MTP speculative decoding (issue 26): the verify step's state rollback, greedy equality with plain decoding,
+the rejection sampler's distribution, and bad input.
+
+The oracles: (1) every cache tensor after verify + commit equals the caches of decode steps over exactly the
+kept tokens (a verify that left a rejected token's trace -- a ring slot, a compressor's partial window or
+overlap half, a compressed entry, an indexer key -- differs by O(1)); (2) greedy `--speculate K` gives plain
+greedy decoding's tokens, in exact numerics / float32 on the CPU; (3) the emitted tokens of the rejection
+sampler follow the target distribution (chi-square over many seeds), and the test's bound rejects a sampler
+whose residual draw is wrong.
+
+deepinfer-tiny: window 8, CSA ratio 4 (layers 1 and 3, with the indexer), HCA ratio 16 (layer 2), MTP SWA.
+Random weights: the MTP block's drafts are almost never the target's argmax, so the generate tests also run
+an oracle drafter (the plain run's tokens, every few positions deliberately wrong) to exercise acceptance.
+"""
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.engine.generate import SamplingParams, generate
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
+from deepinfer.model.verify import Snapshot
+from deepinfer.ops import ops
+from deepinfer.ops.registry import REGISTRY
+
+PROMPTS = [
+    [0, 6127, 389],
+    [0, 17607, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
+    [0, 5],
+    [0, 99, 4321, 777, 5, 6, 7, 8, 9],
+    [0, 1234, 31, 32, 33, 34],
+]
+CACHE_ATOL = 2e-5  # fp32: the verify's GEMMs over B x S rows against decode's B rows (measured <= 4e-6)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(None, numerics="exact", dtype="float32", progress=False)
+
+
+def _live(model, rows):
+    return [t[rows].clone() for t in model.cache_tensors()]
+
+
+def _assert_caches(a, b, what):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(torch.isfinite(x), torch.isfinite(y)), f"{what}: cache tensor {i}: empty slots differ"
+        f = torch.isfinite(y)
+        err = (x - y).abs()[f].max().item() if f.any() else 0.0
+        assert err <= CACHE_ATOL, f"{what}: cache tensor {i} {tuple(y.shape)} off by {err}"
+
+
+# ------------------------------------------------------------------------------------ state rollback
+KEEPS = [[2, 4], [1, 3], [4, 1], [3, 2], [2, 2], [1, 4], [4, 4], [3, 1], [1, 1], [4, 2]]  # n_keep per step, S = 4
+
+
+def test_verify_commit_caches_equal_decode_of_kept_tokens(lm):
+    """Ten verify steps of 4 tokens on two rows (prompts of 13 and 6 tokens), keeping 1-4 tokens per row and
+    step: to position 40 / 30, across the window's wrap (8), CSA's blocks (4) and two HCA entries (16). The
+    dropped tokens are arbitrary ids. Every cache tensor equals decode over the kept tokens only, and the
+    verify's logits at the kept positions equal decode's."""
+    m = lm.model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (13,), generator=g).tolist(), torch.randint(1, 1000, (6,), generator=g).tolist()]
+    cont = [torch.randint(1, 1000, (40,), generator=g).tolist() for _ in prompts]
+
+    def setup():
+        m.allocate(3, 64)  # rows 0, 1 live, row 2 the spare
+        for i, p in enumerate(prompts):
+            m.prefill(torch.tensor([p]), rows=torch.tensor([i]))
+
+    S = 4
+    setup()
+    pos, used, vlogits = [len(p) for p in prompts], [0, 0], [[], []]
+    for step in KEEPS:
+        ids = torch.tensor([[cont[b][used[b] + i] if i < step[b] else 900 + 7 * i + b for i in range(S)]
+                            for b in range(2)])
+        logits, _, ctx = m.verify(ids, torch.tensor(pos), torch.arange(2))
+        m.commit(ctx, torch.tensor(step))
+        for b in range(2):
+            vlogits[b] += list(logits[b, :step[b]])
+            pos[b] += step[b]
+            used[b] += step[b]
+    assert min(pos) >= 16 + 8 and max(pos) >= 32
+    spec = _live(m, [0, 1])
+    setup()
+    pos = [len(p) for p in prompts]
+    for b in range(2):
+        for i in range(used[b]):
+            lg = m.decode(torch.tensor([[cont[b][i]]]), torch.tensor([pos[b]]), rows=torch.tensor([b]))
+            assert torch.allclose(lg[0, -1], vlogits[b][i], atol=1e-4), (b, i)
+            pos[b] += 1
+    _assert_caches(spec, _live(m, [0, 1]), "verify + commit vs decode")
+
+
+def test_mtp_verify_commit_and_snapshot(lm):
+    """The MTP block's cache: mtp_verify + commit of kept prefixes equals the MTP prefill over the kept
+    positions (chunk by chunk), and a Snapshot restores what a commit of draft positions changed."""
+    m = lm.model
+    g = torch.Generator().manual_seed(1)
+    n0, total = 5, 23
+    ids = torch.randint(1, 1000, (1, total + 1), generator=g)
+    m.allocate(2, 64)
+    _, h = m.prefill(ids[:, :total], rows=torch.tensor([0]), all_logits=True)
+    attn = m.mtp[0].block.attn
+    m.mtp_prefill(h[:, :n0], ids[:, 1:n0 + 1], rows=torch.tensor([0]))
+    p = n0
+    for keep in [2, 3, 1, 4, 4, 2, 2]:
+        S = 4
+        nxt = ids[:, p + 1:p + 1 + S].clone()
+        nxt[:, keep:] = 777  # the dropped positions' inputs are arbitrary
+        hs = h[:, p:p + S]
+        if hs.size(1) < S:
+            break
+        before = attn.kv_cache[0].clone()
+        snap = Snapshot(attn, torch.tensor([0]), torch.tensor([p]), S)
+        _, _, ctx = m.mtp_verify(hs, nxt, torch.tensor([p]), torch.tensor([0]))
+        m.commit(ctx, torch.tensor([S]))
+        snap.restore()
+        assert torch.equal(attn.kv_cache[0], before)
+        _, _, ctx = m.mtp_verify(hs, nxt, torch.tensor([p]), torch.tensor([0]))
+        m.commit(ctx, torch.tensor([keep]))
+        p += keep
+    spec = attn.kv_cache[0].clone()
+    m.allocate(2, 64)
+    m.prefill(ids[:, :total], rows=torch.tensor([0]))
+    m.mtp_prefill(h[:, :n0], ids[:, 1:n0 + 1], rows=torch.tensor([0]))
+    m.mtp_prefill(h[:, n0:p], ids[:, n0 + 1:p + 1], rows=torch.tensor([0]), start=n0)
+    ref = attn.kv_cache[0]
+    assert p > 8 + n0  # the ring wrapped
+    assert (spec - ref).abs().max().item() <= CACHE_ATOL
+
+
+# ------------------------------------------------------------------------------------ greedy equality
+def _oracle(monkeypatch, ref_completions, prompts, wrong_every=3):
+    """Replace the drafter by the plain run's tokens, wrong at every `wrong_every`-th position (row-specific
+    phase), with a one-hot q: acceptance runs of every length, rejections in between."""
+    slot_of = {}
+    orig_first = SpecScheduler._first
+
+    def first(self, req, tok):
+        slot_of[req.slot] = req.index
+        return orig_first(self, req, tok)
+
+    def draft(self, logits, temp, top_k, top_p, seeds, pos, rows):
+        toks = []
+        for r, p in zip(rows.tolist(), pos.tolist()):
+            if r not in slot_of or r == self.spare:
+                toks.append(0)
+                continue
+            i = slot_of[r]
+            gen = ref_completions[i].token_ids
+            j = p - len(prompts[i])
+            t = gen[j] if 0 <= j < len(gen) else 0
+            toks.append((t + 1) % 1000 if (p + i) % wrong_every == 0 else t)
+        d = torch.tensor(toks, device=logits.device)
+        return torch.nn.functional.one_hot(d, logits.size(-1)).float(), d
+
+    monkeypatch.setattr(SpecScheduler, "_first", first)
+    monkeypatch.setattr(SpecStep, "draft", draft)
+
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(lm):
+    """Plain greedy decoding of PROMPTS in 3 slots: the oracle."""
+    return generate(lm.model, PROMPTS, GREEDY, eos_id=1, max_batch=3)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
+    """Greedy --speculate K: the tokens (and logprobs) of plain greedy decoding, 5 prompts of different lengths
+    in 3 slots (continuous batching), 24 tokens each (to position 40: across CSA / HCA blocks and the window),
+    with the MTP block's own drafts and with an oracle drafter (acceptance runs, rejections, rows finishing
+    inside a run: max_new_tokens, EOS)."""
+    m = lm.model
+    out = generate(m, PROMPTS, GREEDY, eos_id=1, max_batch=3, speculate=k)
+    for a, b in zip(plain.completions, out.completions):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert b.spec_drafted == k * b.spec_steps
+    _oracle(monkeypatch, plain.completions, PROMPTS)
+    out = generate(m, PROMPTS, GREEDY, eos_id=1, max_batch=3, speculate=k)
+    acc = 0
+    for a, b in zip(plain.completions, out.completions):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        s = b.speculation()
+        acc += s["accepted"]
+        assert 1 <= s["mean_accepted_length"] <= k + 1
+    assert acc > 0
+    # EOS inside an accepted run: the first prompt's 9th token ends every prompt that emits it
+    eos = plain.completions[0].token_ids[8]
+    sp_eos = SamplingParams(max_new_tokens=24)
+    a = generate(m, PROMPTS, sp_eos, eos_id=eos, max_batch=3).completions
+    b = generate(m, PROMPTS, sp_eos, eos_id=eos, max_batch=3, speculate=k).completions
+    assert a[0].finish_reason == "eos"
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+
+
+def test_stop_string_inside_accepted_run(lm, plain, monkeypatch):
+    """A stop string that completes inside an accepted run stops there, as in plain decoding."""
+    m = lm.model
+    _oracle(monkeypatch, plain.completions, PROMPTS, wrong_every=7)
+    text = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    stop = SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(str(plain.completions[0].token_ids[9]),))
+    a = generate(m, PROMPTS, stop, eos_id=1, decode_text=text, max_batch=3)
+    b = generate(m, PROMPTS, stop, eos_id=1, decode_text=text, max_batch=3, speculate=3)
+    assert a.completions[0].finish_reason == "stop"
+    for x, y in zip(a.completions, b.completions):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+
+
+def test_sampled_same_seed_same_tokens(lm):
+    """Sampled rows: the same seed (and place in the list: `Request.seed`) gives the same tokens, in another
+    batch too; another seed other tokens."""
+    m = lm.model
+    sp = [SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, seed=s) for s in (3, 4)]
+    a = generate(m, [PROMPTS[0], PROMPTS[0]], sp, eos_id=1, speculate=2).completions
+    b = generate(m, [PROMPTS[0], PROMPTS[1]], [sp[0], sp[0]], eos_id=1, speculate=2).completions
+    c = generate(m, [PROMPTS[0]], sp[:1], eos_id=1, speculate=2, max_batch=1).completions
+    assert a[0].token_ids == b[0].token_ids == c[0].token_ids
+    assert a[1].token_ids != a[0].token_ids
+
+
+# ------------------------------------------------------------------------------------ rejection sampler
+CHI2_BOUND = 30.0  # df = 5: P(chi2 > 30) = 1.5e-5 for a correct sampler
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    exp = probs * counts.sum()
+    return float(((counts - exp) ** 2 / exp).sum())
+
+
+def _synthetic(seed=0, V=6, K=2):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(K + 1, V, generator=g) ** 2 + 0.02
+    q = torch.rand(K, V, generator=g) ** 2 + 0.02
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def _run_sampler(fn, p, q, N=20000):
+    """N rows (seeds 0 .. N-1): drafts from q with `sample`'s Gumbel-max (their own noise), then fn ->
+    (the first emitted token's counts, the second's among rows that accepted the first draft)."""
+    K, V = q.shape
+    seeds = torch.arange(N)
+    pos = torch.full((N,), 40)
+    drafts = torch.stack([ops.sample(q[j].log().expand(N, V), torch.ones(N), torch.zeros(N, dtype=torch.long),
+                                     torch.ones(N), seeds + 12345, pos + j) for j in range(K)], 1)
+    n, tok = fn(p.expand(N, K + 1, V).contiguous(), q.expand(N, K, V).contiguous(), drafts, seeds, pos)
+    first = torch.where(n > 0, drafts[:, 0], tok)
+    second = torch.where(n > 1, drafts[:, 1], tok)[n >= 1]
+    return torch.bincount(first, minlength=V).float(), torch.bincount(second, minlength=V).float()
+
+
+def _wrong_residual(p, q, drafts, seeds, positions):
+    """The rejection sampler with a wrong draw after a rejection: from p_n instead of max(0, p_n - q_n)."""
+    n, _ = REGISTRY["spec_verify"].ref(p, q, drafts, seeds, positions)
+    u = torch.rand(p.size(0), p.size(-1), generator=torch.Generator().manual_seed(5)).clamp_min(1e-12)
+    tok = (p[torch.arange(p.size(0)), n].log() - torch.log(-torch.log(u))).argmax(-1)
+    return n, tok
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rejection_sampler_preserves_the_target(backend):
+    """The first emitted token ~ p_0 and the second (given the first draft accepted) ~ p_1, chi-square over 20000
+    seeds at three synthetic (p, q); the same bound rejects the wrong residual draw."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if "triton" not in REGISTRY["spec_verify"].impls:
+            import deepinfer_kernels.triton  # noqa: F401
+        fn = REGISTRY["spec_verify"].impls["triton"]
+    else:
+        fn = REGISTRY["spec_verify"].ref
+    for seed in range(3):
+        p, q = _synthetic(seed)
+        c1, c2 = _run_sampler(fn, p, q)
+        assert _chi2(c1, p[0]) < CHI2_BOUND, (seed, c1, p[0])
+        assert _chi2(c2, p[1]) < CHI2_BOUND, (seed, c2, p[1])
+        if backend == "torch":
+            w1, _ = _run_sampler(_wrong_residual, p, q)
+            assert _chi2(w1, p[0]) > CHI2_BOUND
+
+
+def test_spec_probs_matches_sample():
+    """spec_probs is the distribution `sample` draws from: sample's token is in its support, greedy rows one-hot."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=g) * 3
+    temp, top_k, top_p = torch.tensor([0.0, 1.0, 0.7, 1.3]), torch.tensor([0, 0, 5, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8])
+    pr = REGISTRY["spec_probs"].ref(logits, temp, top_k, top_p)
+    assert torch.allclose(pr.sum(-1), torch.ones(4))
+    assert pr[0, logits[0].argmax()] == 1.0
+    assert int((pr[2] > 0).sum()) == 5
+    for s in range(50):
+        tok = ops.sample(logits, temp, top_k, top_p, torch.full((4,), s), torch.zeros(4, dtype=torch.long))
+        assert bool((pr[torch.arange(4), tok] > 0).all())
+
+
+def test_spec_verify_greedy_is_argmax():
+    """One-hot p and q: accepted while the draft is the target's argmax, then the target's argmax."""
+    V = 10
+    tgt = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6]])
+    drafts = torch.tensor([[3, 4, 5], [3, 9, 5], [1, 4, 5]])
+    p = torch.nn.functional.one_hot(tgt, V).float()
+    q = torch.nn.functional.one_hot(drafts, V).float()
+    n, tok = REGISTRY["spec_verify"].ref(p, q, drafts, torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert n.tolist() == [3, 1, 0] and tok.tolist() == [6, 4, 3]
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_check_speculate(lm):
+    m = lm.model
+    for k in (0, -1, m.cfg.window_size):
+        with pytest.raises(ValueError, match="--speculate"):
+            check_speculate(m, k)
+    check_speculate(m, m.cfg.window_size - 1)
+    mtp, m.mtp = m.mtp, []
+    try:
+        with pytest.raises(ValueError, match="no MTP block"):
+            check_speculate(m, 1)
+    finally:
+        m.mtp = mtp
