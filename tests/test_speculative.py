@@ -287,6 +287,33 @@ def test_rejection_sampler_preserves_the_target(backend):
             assert _chi2(w1, p[0]) > CHI2_BOUND
 
 
+def test_triton_spec_ops_match_reference():
+    """The Triton kernels (interpreted on the CPU) against the reference: spec_probs with greedy (a tie),
+    temperature, top-k and top-p rows; spec_verify with acceptance runs of every length and rejections."""
+    pytest.importorskip("triton")
+    import deepinfer_kernels.triton  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    B, V, K = 6, 300, 3
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[0, 5] = logits[0, 7] = logits[0].max() + 1
+    args = (logits, torch.tensor([0.0, 0.7, 1.0, 1.3, 1.0, 0.5]), torch.tensor([0, 50, 0, 100, 1, 0]),
+            torch.tensor([1.0, 1.0, 0.9, 0.95, 1.0, 0.3]))
+    a, b = REGISTRY["spec_probs"].impls["triton"](*args), REGISTRY["spec_probs"].ref(*args)
+    assert torch.equal(a > 0, b > 0) and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert a[0, 5] == 1.0
+    p = (torch.randn(B, K + 1, V, generator=g) * 4).softmax(-1)
+    q = (torch.randn(B, K, V, generator=g) * 4).softmax(-1)
+    d = torch.randint(0, V, (B, K), generator=g)
+    for i in range(B):  # row i: the first i % (K + 1) drafts are the target's argmax
+        d[i, :i % (K + 1)] = p[i, :i % (K + 1)].argmax(-1)
+    for s in range(4):
+        seeds, pos = torch.arange(B) * 7 + s, torch.arange(B) * 3
+        n1, t1 = REGISTRY["spec_verify"].impls["triton"](p, q, d, seeds, pos)
+        n2, t2 = REGISTRY["spec_verify"].ref(p, q, d, seeds, pos)
+        assert n1.tolist() == n2.tolist() and t1.tolist() == t2.tolist()
+
+
 def test_spec_probs_matches_sample():
     """spec_probs is the distribution `sample` draws from: sample's token is in its support, greedy rows one-hot."""
     g = torch.Generator().manual_seed(2)
@@ -325,3 +352,59 @@ def test_check_speculate(lm):
             check_speculate(m, 1)
     finally:
         m.mtp = mtp
+
+
+# ------------------------------------------------------------------------------------ command line
+def _no_mtp_checkpoint(src, d):
+    """A copy of deepinfer-tiny without its MTP block (tensors and config)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, d)
+    idx_path = os.path.join(d, "model.safetensors.index.json")
+    idx = json.load(open(idx_path))
+    for shard in set(idx["weight_map"].values()):
+        t = load_file(os.path.join(d, shard))
+        keep = {k: v for k, v in t.items() if not k.startswith("mtp.")}
+        if len(keep) != len(t):
+            save_file(keep, os.path.join(d, shard))
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not k.startswith("mtp.")}
+    json.dump(idx, open(idx_path, "w"))
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["num_nextn_predict_layers"] = 0
+    cfg["compress_ratios"] = cfg["compress_ratios"][:-1]
+    json.dump(cfg, open(cfg_path, "w"))
+
+
+def test_cli_speculate(tiny_dir, tmp_path):
+    """--json reports drafted / accepted / rate / mean accepted length, greedy tokens as without --speculate;
+    bad input (K < 1, K beyond the window, no MTP block) is one line, exit 2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.app import app
+
+    runner = CliRunner()
+    args = ["generate", "北京是", "-n", "5", "--json", "--numerics", "exact", "--dtype", "float32"]
+    plain = json.loads(runner.invoke(app, args).stdout.strip().splitlines()[-1])
+    r = runner.invoke(app, args + ["--speculate", "2"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == plain["token_ids"] and "speculative" not in plain
+    s = out["speculative"]
+    assert s["drafted"] == 2 * s["steps"] and 0 <= s["acceptance_rate"] <= 1 and s["mean_accepted_length"] >= 1
+    r = runner.invoke(app, ["generate", "北京是", "-n", "3", "--speculate", "1"])
+    assert r.exit_code == 0 and "mean accepted length" in r.stdout
+    d = tmp_path / "nomtp"
+    _no_mtp_checkpoint(tiny_dir, str(d))
+    for bad, msg in ([["--speculate", "0"], "must be at least 1"], [["--speculate", "8"], "between 1 and 7"],
+                     [["--speculate", "1", "--model", str(d)], "no MTP block"]):
+        r = runner.invoke(app, ["generate", "x", "-n", "2"] + bad)
+        assert r.exit_code == 2, (bad, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.output

@@ -16,6 +16,8 @@ REFERENCE_ONLY: dict[str, str] = {
     "sample": "sampling is a handful of small reductions over the vocabulary, latency-bound; the Triton kernel "
               "serves it and a TileLang one would add nothing to compare",
     "logprobs": "a log-softmax of the logits, as sample",
+    "spec_probs": "speculative decoding's sampling distribution, as sample",
+    "spec_verify": "speculative decoding's acceptance and residual draw: two passes over K + 1 rows, as sample",
 }
 """Ops this backend leaves to the torch reference on purpose, with the reason."""
 
