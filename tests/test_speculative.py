@@ -137,27 +137,28 @@ def test_mtp_verify_commit_and_snapshot(lm):
 # ------------------------------------------------------------------------------------ greedy equality
 def _oracle(monkeypatch, ref_completions, prompts, wrong_every=3):
     """Replace the drafter by the plain run's tokens, wrong at every `wrong_every`-th position (row-specific
-    phase), with a one-hot q: acceptance runs of every length, rejections in between."""
-    slot_of = {}
+    phase), with a one-hot q: acceptance runs of every length, rejections in between. The tokens sit in a
+    device table [row, position] filled when a request takes its slot, so the drafter reads no host data
+    (CUDA graphs capture it)."""
     orig_first = SpecScheduler._first
+    tables = {}
 
     def first(self, req, tok):
-        slot_of[req.slot] = req.index
+        m = self.model
+        t = tables.get(id(m))
+        if t is None or t.shape != (m.rows, m.max_seq_len + 8):
+            t = tables[id(m)] = torch.zeros(m.rows, m.max_seq_len + 8, dtype=torch.long, device=m.device)
+        i, n = req.index, len(prompts[req.index])
+        row = torch.zeros(t.size(1), dtype=torch.long)
+        for j, x in enumerate(ref_completions[i].token_ids):
+            row[n + j] = (x + 1) % 1000 if (n + j + i) % wrong_every == 0 else x
+        t[req.slot].copy_(row)
         return orig_first(self, req, tok)
 
     def draft(self, logits, temp, top_k, top_p, seeds, pos, rows):
-        toks = []
-        for r, p in zip(rows.tolist(), pos.tolist()):
-            if r not in slot_of or r == self.spare:
-                toks.append(0)
-                continue
-            i = slot_of[r]
-            gen = ref_completions[i].token_ids
-            j = p - len(prompts[i])
-            t = gen[j] if 0 <= j < len(gen) else 0
-            toks.append((t + 1) % 1000 if (p + i) % wrong_every == 0 else t)
-        d = torch.tensor(toks, device=logits.device)
-        return torch.nn.functional.one_hot(d, logits.size(-1)).float(), d
+        t = tables[id(self.model)]
+        d = t[rows, pos.clamp(max=t.size(1) - 1)]
+        return torch.zeros_like(logits).scatter_(1, d.unsqueeze(1), 1.0), d
 
     monkeypatch.setattr(SpecScheduler, "_first", first)
     monkeypatch.setattr(SpecStep, "draft", draft)
@@ -248,14 +249,16 @@ def _run_sampler(fn, p, q, N=20000):
     """N rows (seeds 0 .. N-1): drafts from q with `sample`'s Gumbel-max (their own noise), then fn ->
     (the first emitted token's counts, the second's among rows that accepted the first draft)."""
     K, V = q.shape
-    seeds = torch.arange(N)
-    pos = torch.full((N,), 40)
-    drafts = torch.stack([ops.sample(q[j].log().expand(N, V), torch.ones(N), torch.zeros(N, dtype=torch.long),
-                                     torch.ones(N), seeds + 12345, pos + j) for j in range(K)], 1)
+    dev = p.device
+    seeds = torch.arange(N, device=dev)
+    pos = torch.full((N,), 40, device=dev)
+    draw = REGISTRY["sample"].ref
+    drafts = torch.stack([draw(q[j].log().expand(N, V), torch.ones(N, device=dev), torch.zeros(N, dtype=torch.long,
+                               device=dev), torch.ones(N, device=dev), seeds + 12345, pos + j) for j in range(K)], 1)
     n, tok = fn(p.expand(N, K + 1, V).contiguous(), q.expand(N, K, V).contiguous(), drafts, seeds, pos)
     first = torch.where(n > 0, drafts[:, 0], tok)
     second = torch.where(n > 1, drafts[:, 1], tok)[n >= 1]
-    return torch.bincount(first, minlength=V).float(), torch.bincount(second, minlength=V).float()
+    return (torch.bincount(first, minlength=V).float().cpu(), torch.bincount(second, minlength=V).float().cpu())
 
 
 def _wrong_residual(p, q, drafts, seeds, positions):
@@ -266,10 +269,12 @@ def _wrong_residual(p, q, drafts, seeds, positions):
     return n, tok
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_rejection_sampler_preserves_the_target(backend):
     """The first emitted token ~ p_0 and the second (given the first draft accepted) ~ p_1, chi-square over 20000
-    seeds at three synthetic (p, q); the same bound rejects the wrong residual draw."""
+    seeds at three synthetic (p, q); the same bound rejects the wrong residual draw. The Triton kernel on a GPU
+    (the CPU interpreter runs 20000 programs one by one; there `test_triton_spec_ops_match_reference` checks it
+    token for token against the reference)."""
     if backend == "triton":
         pytest.importorskip("triton")
         if "triton" not in REGISTRY["spec_verify"].impls:
@@ -277,11 +282,12 @@ def test_rejection_sampler_preserves_the_target(backend):
         fn = REGISTRY["spec_verify"].impls["triton"]
     else:
         fn = REGISTRY["spec_verify"].ref
+    dev = "cuda" if backend == "triton" else "cpu"
     for seed in range(3):
-        p, q = _synthetic(seed)
+        p, q = (t.to(dev) for t in _synthetic(seed))
         c1, c2 = _run_sampler(fn, p, q)
-        assert _chi2(c1, p[0]) < CHI2_BOUND, (seed, c1, p[0])
-        assert _chi2(c2, p[1]) < CHI2_BOUND, (seed, c2, p[1])
+        assert _chi2(c1, p[0].cpu()) < CHI2_BOUND, (seed, c1, p[0])
+        assert _chi2(c2, p[1].cpu()) < CHI2_BOUND, (seed, c2, p[1])
         if backend == "torch":
             w1, _ = _run_sampler(_wrong_residual, p, q)
             assert _chi2(w1, p[0]) > CHI2_BOUND
@@ -352,6 +358,64 @@ def test_check_speculate(lm):
             check_speculate(m, 1)
     finally:
         m.mtp = mtp
+
+
+# ------------------------------------------------------------------------------------ GPU (H200)
+LENS = [9, 3, 6, 12, 5]  # rows finish at different steps: the batch walks through the buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numerics,dtype", [("exact", "float32"), ("official", "bfloat16")])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
+    """Triton backend, CUDA graphs per bucket: the speculative step's replay equals the same step run eagerly in
+    the same padded buckets (tokens and logprobs), and its tokens equal plain greedy decoding's (graphs) -- with
+    the MTP block's drafts and with the oracle drafter (acceptance runs). bf16: a verify of K + 1 positions
+    rounds its GEMMs other than a one-token decode, so a flip at a near-tie (plain run's top-1 margin < 0.05)
+    ends the comparison of that row; float32: every token."""
+    ops.configure("triton", strict=True)
+    lm = load_model(None, numerics=numerics, dtype=dtype, device="cuda", progress=False)
+    plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in [24] * 5]
+    plain = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, graphs=True).completions
+
+    def same_as_plain(out):
+        for a, b in zip(plain, out):
+            for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+                if x != y:
+                    assert dtype == "bfloat16" and a.margins[j] < 0.05, (j, a.margins[j])
+                    break
+            else:
+                assert len(a.token_ids) == len(b.token_ids)
+
+    for oracle in (False, True):
+        if oracle:
+            _oracle(monkeypatch, plain, PROMPTS)
+        g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, graphs=True, speculate=k).completions
+        e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, pad_to_buckets=True, speculate=k).completions
+        for a, b in zip(g, e):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        same_as_plain(g)
+        if oracle:
+            assert sum(c.spec_accepted for c in g) > 0
+
+
+@pytest.mark.gpu
+def test_gpu_bench_speculate(tmp_path):
+    """bench --speculate 2 on the H200 (tiny preset, graphs): the report's speculative rows and projection."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "--preset", "tiny", "--batch", "1,8", "--prompt-len", "32", "--gen-len", "8",
+                                 "--device", "cuda", "--backend", "triton", "--speculate", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    spec = rep["speculative"]
+    assert [d["batch"] for d in spec] == [1, 8] and all(d["mode"] == "graphs" and not d["graph_error"] for d in spec)
+    assert all(len(d["projected"]) == 3 and d["step_vs_plain"] > 0 for d in spec)
 
 
 # ------------------------------------------------------------------------------------ command line
