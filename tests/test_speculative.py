@@ -173,6 +173,58 @@ def plain(lm):
     return generate(lm.model, PROMPTS, GREEDY, eos_id=1, max_batch=3)
 
 
+def test_spec_step_mtp_state_matches_prefill(lm, plain):
+    """SpecStep driven directly (K = 3, two rows, an oracle drafter: runs of 0-3 accepted drafts) until both rows
+    are 16 tokens in: its tokens are plain greedy decoding's, and the MTP block's cache and the first-draft
+    logits it carries equal an MTP prefill over the same kept sequence (the draft chain's writes rolled back,
+    the catch-up fed the accepted tokens and the new one)."""
+    m, K = lm.model, 3
+    idx = [1, 3]
+    prompts = [PROMPTS[i] for i in idx]
+    ref = [prompts[b] + plain.completions[i].token_ids for b, i in enumerate(idx)]
+    m.allocate(3, 64)
+    rows = torch.arange(2)
+    tok, mlg, mh = [], [], []
+    for b, pr in enumerate(prompts):
+        logits, h = m.prefill(torch.tensor([pr]), rows=rows[b:b + 1])
+        t = logits[0, -1].argmax().view(1, 1)
+        lg, out = m.mtp_prefill(h, torch.cat([torch.tensor([pr[1:]]), t], 1), rows=rows[b:b + 1], with_streams=True)
+        tok.append(t.view(1))
+        mlg.append(lg[0, -1])
+        mh.append(out[0, -1])
+    tok, mlg, mh = torch.cat(tok), torch.stack(mlg), torch.stack(mh)
+    table = torch.zeros(2, 64, dtype=torch.long)
+    wrong = torch.rand(2, 64, generator=torch.Generator().manual_seed(3)) < 0.35
+    for b in range(2):
+        for j, x in enumerate(ref[b]):
+            table[b, j] = (x + 1) % 1000 if wrong[b, j] else x  # the target's tokens, a third of them wrong
+    step = SpecStep(m, K, 2)
+    step.draft = lambda lg, temp, top_k, top_p, seeds, pos, rows: (
+        torch.zeros_like(lg).scatter_(1, table[rows, pos].unsqueeze(1), 1.0), table[rows, pos])
+    pos = torch.tensor([len(p) for p in prompts])
+    z, accepted, hist = torch.zeros(2, dtype=torch.long), 0, []
+    while int(pos[1]) < len(prompts[1]) + 16 and int(pos[0]) < len(prompts[0]) + 19:  # the plain run has 24
+        n_acc, nxt, drafts, _, mlg, mh = step(tok, pos, rows, mlg, mh, torch.zeros(2), z, torch.ones(2), z)
+        for b in range(2):
+            new = drafts[b, :n_acc[b]].tolist() + [int(nxt[b])]
+            p0 = int(pos[b]) + 1
+            assert new == ref[b][p0:p0 + len(new)], b
+        accepted += int(n_acc.sum())
+        hist.append(n_acc.tolist())
+        pos, tok = pos + n_acc + 1, nxt
+    assert {n for h in hist for n in h} == {0, 1, 2, 3} and hist[-1] != [K, K], hist  # every run length, a rejection last
+    attn = m.mtp[0].block.attn
+    spec_ring = attn.kv_cache[:2].clone()
+    m.allocate(3, 64)
+    for b in range(2):
+        p = int(pos[b])
+        seq = torch.tensor([ref[b][:p + 1]])
+        _, h = m.prefill(seq[:, :p], rows=rows[b:b + 1])
+        lg = m.mtp_prefill(h, seq[:, 1:], rows=rows[b:b + 1])
+        assert torch.allclose(mlg[b], lg[0, -1], atol=1e-3), b
+        assert (spec_ring[b] - attn.kv_cache[b]).abs().max().item() < 1e-4, b
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
     """Greedy --speculate K: the tokens (and logprobs) of plain greedy decoding, 5 prompts of different lengths
