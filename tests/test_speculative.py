@@ -524,3 +524,35 @@ def test_cli_speculate(tiny_dir, tmp_path):
         assert r.exit_code == 2, (bad, r.output)
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.output
+
+
+def test_cli_bench_speculate():
+    """bench --speculate K: per batch size the step against plain decode, the measured acceptance, and the
+    projection at 0.5 / 0.7 / 0.9 (E(a) = 1 + a + ... + a^K tokens per step); random weights say so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from deepinfer.engine.spec_bench import expected_tokens
+    from deepinfer_cli.app import app
+
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    runner = CliRunner()
+    args = ["bench", "--preset", "tiny", "--batch", "1,2", "--prompt-len", "12", "--gen-len", "2", "--numerics", "exact",
+            "--dtype", "float32"]
+    r = runner.invoke(app, args + ["--speculate", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    spec = rep["speculative"]
+    assert [d["batch"] for d in spec] == [1, 2] and all(d["k"] == 2 for d in spec)
+    for d in spec:
+        assert d["plain_ms_per_step"] == next(x["ms_per_step"] for x in rep["decode"] if x["batch"] == d["batch"])
+        assert [x["acceptance"] for x in d["projected"]] == [0.5, 0.7, 0.9]
+        assert d["projected"][0]["tokens_per_s"] == pytest.approx(d["batch"] * 1.75 / (d["ms_per_step"] / 1e3))
+        assert 0 <= d["acceptance_measured"] <= 1
+    assert any("random weights" in n for n in rep["notes"])
+    r = runner.invoke(app, args + ["--speculate", "2"])
+    assert r.exit_code == 0 and "PROJECTION" in r.stdout and "step / plain" in r.stdout
+    for bad in ("8", "-1"):
+        r = runner.invoke(app, args + ["--speculate", bad, "--json"])  # --json: no progress lines
+        assert r.exit_code == 2 and r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
