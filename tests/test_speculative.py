@@ -41,7 +41,11 @@ def lm():
 
 
 def _live(model, rows):
-    return [t[rows].clone() for t in model.cache_tensors()]
+    """The rows' cache tensors, FP8-layout ones (uint8) as the values they hold: compared by value, since a
+    1-ulp difference in a bf16 RoPE dim shows as a difference of up to 255 in a byte."""
+    hd, rd = model.cfg.head_dim, model.cfg.rope_head_dim
+    return [ops.kv_unpack(t[rows], hd, rd, torch.float32) if t.dtype == torch.uint8 else t[rows].clone()
+            for t in model.cache_tensors()]
 
 
 def _assert_caches(a, b, what):
@@ -57,12 +61,18 @@ def _assert_caches(a, b, what):
 KEEPS = [[2, 4], [1, 3], [4, 1], [3, 2], [2, 2], [1, 4], [4, 4], [3, 1], [1, 1], [4, 2]]  # n_keep per step, S = 4
 
 
-def test_verify_commit_caches_equal_decode_of_kept_tokens(lm):
+@pytest.mark.parametrize("form", ["exact", "official-fp8-kv"])
+def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
     """Ten verify steps of 4 tokens on two rows (prompts of 13 and 6 tokens), keeping 1-4 tokens per row and
     step: to position 40 / 30, across the window's wrap (8), CSA's blocks (4) and two HCA entries (16). The
     dropped tokens are arbitrary ids. Every cache tensor equals decode over the kept tokens only, and the
-    verify's logits at the kept positions equal decode's."""
-    m = lm.model
+    verify's logits at the kept positions equal decode's. Exact numerics, and official numerics with the KV
+    QAT (the FP8 cache layout, packed on the way in), both float32."""
+    if form == "exact":
+        m = lm.model
+    else:
+        m = load_model(None, numerics="official", dtype="float32", progress=False).model
+        m.set_kv_qat(True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (13,), generator=g).tolist(), torch.randint(1, 1000, (6,), generator=g).tolist()]
     cont = [torch.randint(1, 1000, (40,), generator=g).tolist() for _ in prompts]
