@@ -279,6 +279,32 @@ def test_stop_string_inside_accepted_run(lm, plain, monkeypatch):
         assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
 
 
+def test_chunked_prefill(lm, plain):
+    """A prompt prefilled in chunks of 4 feeds the MTP block chunk by chunk (its last position once the first
+    token is sampled): the same first-draft logits and MTP cache as the whole prompt; generation with chunks
+    gives plain decoding's tokens."""
+    from deepinfer.engine.generate import Completion
+    from deepinfer.engine.scheduler import Request
+
+    m = lm.model
+    got = []
+    for chunk in (0, 4):
+        m.allocate(2, 64)
+        sch = SpecScheduler(m, SpecStep(m, 2, 1), 1, lambda *a: None, lambda *a: False, prefill_chunk=chunk)
+        req = Request(0, PROMPTS[1], SamplingParams(max_new_tokens=4), Completion(PROMPTS[1]))
+        sch.submit(req)
+        while not sch._admit():
+            pass
+        sch._first(req, 77)
+        got.append((req.mtp_logits.clone(), m.mtp[0].block.attn.kv_cache[0].clone()))
+    assert torch.allclose(got[0][0], got[1][0], atol=1e-4)
+    assert torch.allclose(got[0][1], got[1][1], atol=1e-5)
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    chunked = generate(m, PROMPTS, sp, eos_id=1, max_batch=3, speculate=2, prefill_chunk=4).completions
+    for a, b in zip(plain.completions, chunked):
+        assert a.token_ids[:10] == b.token_ids
+
+
 def test_sampled_same_seed_same_tokens(lm):
     """Sampled rows: the same seed (and place in the list: `Request.seed`) gives the same tokens, in another
     batch too; another seed other tokens."""
