@@ -764,7 +764,9 @@ ACCEPT_SALT = 0xA5A5A5A5
 (above any vocabulary id, so it never coincides with a token's Gumbel noise)."""
 
 
-@defop("spec_probs", tol={"float32": (1e-5, 1e-7)})
+# fp32 softmax over the vocabulary (129 280 terms): the reference itself is 2.8e-5 relative (7.6e-6 absolute) off
+# float64 at tiny shapes, the Triton kernel's blocked sums 3e-6 relative
+@defop("spec_probs", tol={"float32": (1e-4, 1e-6)})
 def spec_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                ) -> torch.Tensor:
     """The distribution `sample` draws from, as probabilities (speculative decoding's p and q).
