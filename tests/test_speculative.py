@@ -146,11 +146,12 @@ def test_mtp_verify_commit_and_snapshot(lm):
 
 
 # ------------------------------------------------------------------------------------ greedy equality
-def _oracle(monkeypatch, ref_completions, prompts, wrong_every=3):
-    """Replace the drafter by the plain run's tokens, wrong at every `wrong_every`-th position (row-specific
-    phase), with a one-hot q: acceptance runs of every length, rejections in between. The tokens sit in a
-    device table [row, position] filled when a request takes its slot, so the drafter reads no host data
-    (CUDA graphs capture it)."""
+def _oracle(monkeypatch, ref_completions, prompts, wrong=0.3):
+    """Replace the drafter by the plain run's tokens, each wrong with probability `wrong` (a fixed random
+    pattern per request: a periodic one would line up with the steps and only ever reject the same slot),
+    with a one-hot q: acceptance runs of every length, rejections in between. The tokens sit in a device table
+    [row, position] filled when a request takes its slot, so the drafter reads no host data (CUDA graphs
+    capture it)."""
     orig_first = SpecScheduler._first
     tables = {}
 
@@ -161,8 +162,9 @@ def _oracle(monkeypatch, ref_completions, prompts, wrong_every=3):
             t = tables[id(m)] = torch.zeros(m.rows, m.max_seq_len + 8, dtype=torch.long, device=m.device)
         i, n = req.index, len(prompts[req.index])
         row = torch.zeros(t.size(1), dtype=torch.long)
+        bad = torch.rand(len(ref_completions[i].token_ids), generator=torch.Generator().manual_seed(i)) < wrong
         for j, x in enumerate(ref_completions[i].token_ids):
-            row[n + j] = (x + 1) % 1000 if (n + j + i) % wrong_every == 0 else x
+            row[n + j] = (x + 1) % 1000 if bad[j] else x
         t[req.slot].copy_(row)
         return orig_first(self, req, tok)
 
@@ -240,8 +242,8 @@ def test_spec_step_mtp_state_matches_prefill(lm, plain):
 def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
     """Greedy --speculate K: the tokens (and logprobs) of plain greedy decoding, 5 prompts of different lengths
     in 3 slots (continuous batching), 24 tokens each (to position 40: across CSA / HCA blocks and the window),
-    with the MTP block's own drafts and with an oracle drafter (acceptance runs, rejections, rows finishing
-    inside a run: max_new_tokens, EOS)."""
+    with the MTP block's own drafts and with an oracle drafter (acceptance runs of every length 0 .. K,
+    rejections, rows finishing inside a run: max_new_tokens, EOS)."""
     m = lm.model
     out = generate(m, PROMPTS, GREEDY, eos_id=1, max_batch=3, speculate=k)
     for a, b in zip(plain.completions, out.completions):
@@ -249,14 +251,14 @@ def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
         assert b.spec_drafted == k * b.spec_steps
     _oracle(monkeypatch, plain.completions, PROMPTS)
     out = generate(m, PROMPTS, GREEDY, eos_id=1, max_batch=3, speculate=k)
-    acc = 0
+    acc = drafted = 0
     for a, b in zip(plain.completions, out.completions):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
         s = b.speculation()
-        acc += s["accepted"]
+        acc, drafted = acc + s["accepted"], drafted + s["drafted"]
         assert 1 <= s["mean_accepted_length"] <= k + 1
-    assert acc > 0
+    assert 0.3 * drafted < acc < drafted  # acceptance and rejections
     # EOS inside an accepted run: the first prompt's 9th token ends every prompt that emits it
     eos = plain.completions[0].token_ids[8]
     sp_eos = SamplingParams(max_new_tokens=24)
@@ -270,7 +272,7 @@ def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
 def test_stop_string_inside_accepted_run(lm, plain, monkeypatch):
     """A stop string that completes inside an accepted run stops there, as in plain decoding."""
     m = lm.model
-    _oracle(monkeypatch, plain.completions, PROMPTS, wrong_every=7)
+    _oracle(monkeypatch, plain.completions, PROMPTS, wrong=0.15)
     text = lambda ids: " ".join(map(str, ids))  # noqa: E731
     stop = SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(str(plain.completions[0].token_ids[9]),))
     a = generate(m, PROMPTS, stop, eos_id=1, decode_text=text, max_batch=3)
