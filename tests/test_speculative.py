@@ -155,11 +155,14 @@ def _oracle(monkeypatch, ref_completions, prompts, wrong=0.3):
     orig_first = SpecScheduler._first
     tables = {}
 
-    def first(self, req, tok):
-        m = self.model
+    def table(m):  # one per allocation: a captured graph reads the same tensor at every replay
         t = tables.get(id(m))
         if t is None or t.shape != (m.rows, m.max_seq_len + 8):
             t = tables[id(m)] = torch.zeros(m.rows, m.max_seq_len + 8, dtype=torch.long, device=m.device)
+        return t
+
+    def first(self, req, tok):
+        t = table(self.model)
         i, n = req.index, len(prompts[req.index])
         row = torch.zeros(t.size(1), dtype=torch.long)
         bad = torch.rand(len(ref_completions[i].token_ids), generator=torch.Generator().manual_seed(i)) < wrong
@@ -169,7 +172,7 @@ def _oracle(monkeypatch, ref_completions, prompts, wrong=0.3):
         return orig_first(self, req, tok)
 
     def draft(self, logits, temp, top_k, top_p, seeds, pos, rows):
-        t = tables[id(self.model)]
+        t = table(self.model)
         d = t[rows, pos.clamp(max=t.size(1) - 1)]
         return torch.zeros_like(logits).scatter_(1, d.unsqueeze(1), 1.0), d
 
@@ -477,6 +480,8 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     the MTP block's drafts and with the oracle drafter (acceptance runs). bf16: a verify of K + 1 positions
     rounds its GEMMs other than a one-token decode, so a flip at a near-tie (plain run's top-1 margin < 0.05)
     ends the comparison of that row; float32: every token."""
+    from deepinfer.engine.generate import _SPEC_STEPS
+
     ops.configure("triton", strict=True)
     lm = load_model(None, numerics=numerics, dtype=dtype, device="cuda", progress=False)
     plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in [24] * 5]
@@ -494,6 +499,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     for oracle in (False, True):
         if oracle:
             _oracle(monkeypatch, plain, PROMPTS)
+            _SPEC_STEPS.clear()  # the captured graphs hold the drafter they were captured with
         g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, graphs=True, speculate=k).completions
         e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, pad_to_buckets=True, speculate=k).completions
         for a, b in zip(g, e):
