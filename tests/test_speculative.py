@@ -62,6 +62,7 @@ def _assert_caches(a, b, what):
 KEEPS = [[2, 4], [1, 3], [4, 1], [3, 2], [2, 2], [1, 4], [4, 4], [3, 1], [1, 1], [4, 2]]  # n_keep per step, S = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["exact", "official-fp8-kv"])
 def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
     """Ten verify steps of 4 tokens on two rows (prompts of 13 and 6 tokens), keeping 1-4 tokens per row and
@@ -107,6 +108,7 @@ def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
     _assert_caches(spec, _live(m, [0, 1]), "verify + commit vs decode")
 
 
+@pytest.mark.slow
 def test_mtp_verify_commit_and_snapshot(lm):
     """The MTP block's cache: mtp_verify + commit of kept prefixes equals the MTP prefill over the kept
     positions (chunk by chunk), and a Snapshot restores what a commit of draft positions changed."""
@@ -189,6 +191,7 @@ def plain(lm):
     return generate(lm.model, PROMPTS, GREEDY, eos_id=1, max_batch=3)
 
 
+@pytest.mark.slow
 def test_spec_step_mtp_state_matches_prefill(lm, plain):
     """SpecStep driven directly (K = 3, two rows, an oracle drafter: runs of 0-3 accepted drafts) until both rows
     are 16 tokens in: its tokens are plain greedy decoding's, and the MTP block's cache and the first-draft
@@ -241,6 +244,7 @@ def test_spec_step_mtp_state_matches_prefill(lm, plain):
         assert (spec_ring[b] - attn.kv_cache[b]).abs().max().item() < 1e-4, b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
     """Greedy --speculate K: the tokens (and logprobs) of plain greedy decoding, 5 prompts of different lengths
@@ -272,6 +276,7 @@ def test_greedy_equals_plain_decoding(lm, plain, monkeypatch, k):
         assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
 
 
+@pytest.mark.slow
 def test_stop_string_inside_accepted_run(lm, plain, monkeypatch):
     """A stop string that completes inside an accepted run stops there, as in plain decoding."""
     m = lm.model
@@ -285,6 +290,7 @@ def test_stop_string_inside_accepted_run(lm, plain, monkeypatch):
         assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
 
 
+@pytest.mark.slow
 def test_chunked_prefill(lm, plain):
     """A prompt prefilled in chunks of 4 feeds the MTP block chunk by chunk (its last position once the first
     token is sampled): the same first-draft logits and MTP cache as the whole prompt; generation with chunks
@@ -316,6 +322,7 @@ def test_chunked_prefill(lm, plain):
         assert a.token_ids[:10] == b.token_ids
 
 
+@pytest.mark.slow
 def test_sampled_same_seed_same_tokens(lm):
     """Sampled rows: the same seed (and place in the list: `Request.seed`) gives the same tokens, in another
     batch too; another seed other tokens."""
@@ -554,6 +561,7 @@ def _no_mtp_checkpoint(src, d):
     json.dump(cfg, open(cfg_path, "w"))
 
 
+@pytest.mark.slow
 def test_cli_speculate(tiny_dir, tmp_path):
     """--json reports drafted / accepted / rate / mean accepted length, greedy tokens as without --speculate;
     bad input (K < 1, K beyond the window, no MTP block) is one line, exit 2."""
@@ -584,6 +592,7 @@ def test_cli_speculate(tiny_dir, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.output
 
 
+@pytest.mark.slow
 def test_cli_bench_speculate():
     """bench --speculate K: per batch size the step against plain decode, the measured acceptance, and the
     projection at 0.5 / 0.7 / 0.9 (E(a) = 1 + a + ... + a^K tokens per step); random weights say so."""
