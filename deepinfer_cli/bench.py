@@ -189,7 +189,8 @@ def _print_speculative(report: dict, con: Console) -> None:
                 "plain tokens/s"):
         t.add_column(col, justify="right")
     for d in spec:
-        t.add_row(str(d["batch"]), f"{d['ms_per_step']:.2f}", f"{d['plain_ms_per_step']:.2f}", f"{d['step_vs_plain']:.2f}",
+        t.add_row(str(d["batch"]), f"{d['ms_per_step']:.2f}", f"{d['plain_ms_per_step']:.2f}",
+                  f"{d['step_vs_plain']:.2f}",
                   f"{d['acceptance_measured']:.3f}", f"{d['tokens_per_step_measured']:.2f}",
                   f"{d['tokens_per_s_measured']:.1f}", f"{d['plain_tokens_per_s']:.1f}")
     con.print(t)

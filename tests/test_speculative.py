@@ -231,7 +231,8 @@ def test_spec_step_mtp_state_matches_prefill(lm, plain):
         accepted += int(n_acc.sum())
         hist.append(n_acc.tolist())
         pos, tok = pos + n_acc + 1, nxt
-    assert {n for h in hist for n in h} == {0, 1, 2, 3} and hist[-1] != [K, K], hist  # every run length, a rejection last
+    # every run length, and a rejection in the last step
+    assert {n for h in hist for n in h} == {0, 1, 2, 3} and hist[-1] != [K, K], hist
     attn = m.mtp[0].block.attn
     spec_ring = attn.kv_cache[:2].clone()
     m.allocate(3, 64)
@@ -438,7 +439,8 @@ def test_spec_probs_matches_sample():
     """spec_probs is the distribution `sample` draws from: sample's token is in its support, greedy rows one-hot."""
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 50, generator=g) * 3
-    temp, top_k, top_p = torch.tensor([0.0, 1.0, 0.7, 1.3]), torch.tensor([0, 0, 5, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8])
+    temp, top_k = torch.tensor([0.0, 1.0, 0.7, 1.3]), torch.tensor([0, 0, 5, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.8])
     pr = REGISTRY["spec_probs"].ref(logits, temp, top_k, top_p)
     assert torch.allclose(pr.sum(-1), torch.ones(4))
     assert pr[0, logits[0].argmax()] == 1.0
@@ -572,7 +574,8 @@ def test_cli_speculate(tiny_dir, tmp_path):
     from deepinfer_cli.app import app
 
     runner = CliRunner()
-    args = ["generate", "北京是", "-n", "5", "--json", "--numerics", "exact", "--dtype", "float32", "--device", "cpu"]
+    args = ["generate", "北京是", "-n", "5", "--json", "--numerics", "exact", "--dtype", "float32",
+            "--device", "cpu"]
     plain = json.loads(runner.invoke(app, args).stdout.strip().splitlines()[-1])
     r = runner.invoke(app, args + ["--speculate", "2"])
     assert r.exit_code == 0, r.output
@@ -605,8 +608,8 @@ def test_cli_bench_speculate():
 
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0
     runner = CliRunner()
-    args = ["bench", "--preset", "tiny", "--batch", "1,2", "--prompt-len", "12", "--gen-len", "2", "--numerics", "exact",
-            "--dtype", "float32", "--device", "cpu"]
+    args = ["bench", "--preset", "tiny", "--batch", "1,2", "--prompt-len", "12", "--gen-len", "2",
+            "--numerics", "exact", "--dtype", "float32", "--device", "cpu"]
     r = runner.invoke(app, args + ["--speculate", "2", "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])

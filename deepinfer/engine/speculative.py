@@ -3,7 +3,8 @@
 Per running row b, between steps: the main model's caches hold positions < p (p = `Request.position`),
 x_p is the token just emitted (not yet in the caches), the MTP block's cache holds positions < p too (MTP
 position t reads the main model's streams h_t and emb(x_{t+1})), and the row carries the MTP block's logits
-and output streams at position p - 1 (from its input (h_{p-1}, x_p)): the first draft's distribution. One step (`SpecStep`, all rows at once, nothing read from the host):
+and output streams at position p - 1 (from its input (h_{p-1}, x_p)): the first draft's distribution.
+One step (`SpecStep`, all rows at once, nothing read from the host):
 
 1. drafts: d_1 ~ q_1 from those logits; for j < K the MTP block runs again at position p + j - 1 on its own
    output streams and emb(d_j) (reused for each further draft, as vLLM and SGLang do) -> q_{j+1}, d_{j+1}.
@@ -176,9 +177,9 @@ class SpecStep:
                     bk["out"] = self.forward(*args)
             except Exception as e:  # noqa: BLE001 - one clear error
                 torch.cuda.set_stream(main)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise GraphCaptureError(f"CUDA graph capture of the speculative step (batch bucket {b}) failed: "
-                                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                                        "; run with --eager") from e
+                                        f"{type(e).__name__}: {first}; run with --eager") from e
             bk["graph"] = g
         torch.cuda.synchronize(dev)
         self.captured = True
