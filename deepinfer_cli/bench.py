@@ -174,6 +174,8 @@ def _print(report: dict, con: Console) -> None:
                       f"{g['all_ones_overhead_ms']:+.3f}", f"{g['json_ms']:.3f}", f"{g['json_overhead_ms']:+.3f}",
                       f"{g['json_fill_ms']:.3f}")
         con.print(t)
+    if report.get("speculative"):
+        _print_speculative(report, con)
     peer = report.get("peer")
     if peer:
         p = Table(title=f"peer: {peer['name']}")
@@ -187,6 +189,36 @@ def _print(report: dict, con: Console) -> None:
                 p.add_row(str(r["batch"]), f"{r['ms_per_step']:.2f}", f"{ours[r['batch']]:.2f}",
                           f"{r['speedup_ours']:.2f}x")
         con.print(p)
+
+
+def _print_speculative(report: dict, con: Console) -> None:
+    """The speculative step against plain decode, the measured acceptance, and the labelled projection."""
+    spec = report["speculative"]
+    k = spec[0]["k"]
+    t = Table(title=f"speculative decoding, K = {k} MTP drafts per step (measured)")
+    for col in ("batch", "step ms", "plain decode ms", "step / plain", "acceptance", "tokens/step", "tokens/s",
+                "plain tokens/s"):
+        t.add_column(col, justify="right")
+    for d in spec:
+        t.add_row(str(d["batch"]), f"{d['ms_per_step']:.2f}", f"{d['plain_ms_per_step']:.2f}",
+                  f"{d['step_vs_plain']:.2f}",
+                  f"{d['acceptance_measured']:.3f}", f"{d['tokens_per_step_measured']:.2f}",
+                  f"{d['tokens_per_s_measured']:.1f}", f"{d['plain_tokens_per_s']:.1f}")
+    con.print(t)
+    p = Table(title="PROJECTION from the measured step costs: tokens/s if each draft were accepted with "
+                    "probability a (not measured)")
+    p.add_column("batch", justify="right")
+    for a in spec[0]["projected"]:
+        p.add_column(f"a = {a['acceptance']}: tok/s (x plain)", justify="right")
+    for d in spec:
+        p.add_row(str(d["batch"]), *[f"{x['tokens_per_s']:.1f} ({x['vs_plain']:.2f}x)" for x in d["projected"]])
+    con.print(p)
+    for note in report.get("notes", []):
+        con.print(f"[yellow]{note}[/yellow]", highlight=False)
+    for d in spec:
+        if d.get("graph_error"):
+            con.print(f"[red]batch {d['batch']}: speculative graph capture failed, timed eagerly: "
+                      f"{d['graph_error']}[/red]")
 
 
 @handle_errors
@@ -215,6 +247,9 @@ def bench_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
                                   "(e.g. docs/perf-log.md)."),
+    speculate: int = typer.Option(0, "--speculate", help="Also time MTP speculative steps of K drafts per batch "
+                                  "size: step cost against plain decode, measured acceptance, and tokens/s "
+                                  "projected at acceptance 0.5 / 0.7 / 0.9."),
 ):
     """Measure TTFT, prefill and decode speed, and compare with floors from measured bandwidth and FLOPs.
 
@@ -228,7 +263,7 @@ def bench_cmd(
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
                         numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
-                        profile=profile, guided=guided)
+                        profile=profile, guided=guided, speculate=speculate)
     err = Console(stderr=True)
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:

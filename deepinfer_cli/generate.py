@@ -13,6 +13,7 @@ from rich.table import Table
 from deepinfer.engine import guided
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.runner import GraphCaptureError
+from deepinfer.engine.speculative import check_speculate
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, fail, handle_errors
@@ -59,6 +60,9 @@ def generate_cmd(
                                       "(long prompts continue over several steps while the others keep "
                                       "decoding); 0: whole prompts. Default: whole prompts when they fit in "
                                       "memory, else a chunk sized from the free memory."),
+    speculate: int = typer.Option(None, "--speculate", help="MTP speculative decoding: K draft tokens per step "
+                                  "from the checkpoint's MTP block, verified in one forward (greedy: the same "
+                                  "tokens; sampled: the same distribution, by rejection sampling). Off by default."),
 ):
     """Generate a completion (or many: --input-file, continuously batched).
 
@@ -71,6 +75,8 @@ def generate_cmd(
     if prefill_chunk is not None and prefill_chunk < 0:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
     constraint = guided.from_options(json_schema, regex, grammar, choice)  # checked before any model load
+    if speculate is not None and speculate < 1:
+        raise UserError(f"--speculate {speculate}: must be at least 1 (draft tokens per step)")
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), logprobs=logprobs, guide=constraint)
     base.check()
@@ -82,8 +88,17 @@ def generate_cmd(
     else:
         items = [(common.read_prompt(prompt), mode, base)]
         common.check_prompt(items[0][0], mode)
+    if speculate and any(p.guide is not None for _, _, p in items):
+        # the speculative step samples drafts and verifies them without the token bitmask
+        raise UserError(f"--speculate {speculate} with a guided constraint (--json-schema / --regex / --grammar / "
+                        "--choice, or an input-file row's): speculative decoding does not apply the mask yet; use one")
     lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems,
                       op_map=op_map)
+    if speculate:
+        try:
+            check_speculate(lm.model, speculate)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     tok = lm.tokenizer
     if any(p.guide is not None for _, _, p in items):  # the constraints, compiled against the vocabulary
         compiler = guided.GuideCompiler(tok, lm.cfg.vocab_size)
@@ -97,7 +112,7 @@ def generate_cmd(
     try:
         res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, tok.decode,
                        max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk,
-                       on_token=None if stream is None else stream.on_token)
+                       on_token=None if stream is None else stream.on_token, speculate=speculate or 0)
     except GraphCaptureError as e:
         raise fail(str(e)) from None
     if input_file is not None:
@@ -126,6 +141,8 @@ def generate_cmd(
     con.print(t)
     con.print(f"{len(c.token_ids)} tokens, finish: {c.finish_reason}{_constraint_note(c)}; prefill "
               f"{res.prefill_s * 1e3:.0f} ms, decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+    if speculate:
+        con.print(_spec_table([c]))
 
 
 def _constraint_note(c) -> str:
@@ -134,6 +151,18 @@ def _constraint_note(c) -> str:
 
 def _finite(x: float):
     return x if x == x and abs(x) != float("inf") else None
+
+
+def _spec_table(comps) -> Table:
+    """Per prompt: drafted, accepted, acceptance rate, mean accepted length (tokens per verify step)."""
+    t = Table(title="speculative decoding (MTP)")
+    for col in ("#", "steps", "drafted", "accepted", "acceptance", "mean accepted length"):
+        t.add_column(col, justify="right")
+    for i, c in enumerate(comps):
+        s = c.speculation()
+        t.add_row(str(i), str(s["steps"]), str(s["drafted"]), str(s["accepted"]), f"{s['acceptance_rate']:.3f}",
+                  f"{s['mean_accepted_length']:.3f}")
+    return t
 
 
 class TextStream:
@@ -174,6 +203,8 @@ def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
         out["logprobs_after_mask"] = True
     if logprobs:
         out["top_logprobs"] = [[[i, lp] for i, lp in row] for row in c.top_logprobs]
+    if c.spec_steps:
+        out["speculative"] = c.speculation()
     return out
 
 
@@ -190,6 +221,8 @@ def _print_many(lm, numerics, dtype, items, res, logprobs, as_json) -> None:
     total = sum(len(c.token_ids) for c in res.completions)
     con.print(f"{len(items)} prompts, {total} tokens; prefill {res.prefill_s * 1e3:.0f} ms, "
               f"decode {res.tokens_per_s:.1f} tokens/s", highlight=False)
+    if any(c.spec_steps for c in res.completions):
+        con.print(_spec_table(res.completions))
 
 
 _OVERRIDES = {"max_new_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float), "seed": int}

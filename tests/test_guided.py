@@ -353,6 +353,8 @@ def test_cli_bad_constraints_exit_2_before_model_load(tmp_path, monkeypatch):
     jl.write_text('{"prompt": "a"}\n{"prompt": "b", "regex": "(unclosed"}\n')
     jl2 = tmp_path / "q.jsonl"
     jl2.write_text('{"prompt": "b", "regex": "a", "choice": ["x"]}\n')
+    jl3 = tmp_path / "r.jsonl"
+    jl3.write_text('{"prompt": "a"}\n{"prompt": "b", "choice": ["x", "y"]}\n')  # one constrained row is enough
     cases = [
         (["--json-schema", str(bad_schema)], ["--json-schema", "bad.json", "nonesuch"]),
         (["--json-schema", str(not_json)], ["--json-schema", "not JSON", "line 2"]),
@@ -363,6 +365,8 @@ def test_cli_bad_constraints_exit_2_before_model_load(tmp_path, monkeypatch):
         (["--regex", "a", "--choice", "b"], ["--regex and --choice"]),
         (["--input-file", str(jl)], ["line 2", "regex", "invalid regex"]),
         (["--input-file", str(jl2)], ["line 1", "at most one"]),
+        (["--regex", "a", "--speculate", "2"], ["--speculate 2", "guided constraint"]),
+        (["--input-file", str(jl3), "--speculate", "1"], ["--speculate 1", "guided constraint"]),
     ]
     for args, words in cases:
         full = ["generate", *(["x"] if "--input-file" not in args else []), *args]

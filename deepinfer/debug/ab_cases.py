@@ -558,6 +558,34 @@ def build_sample(d: Dims, phase: str, g, device):
     return [Variant("mixed", tuple(t.to(device) for t in (logits, temp, top_k, top_p, seeds, pos)), {})]
 
 
+def build_spec_probs(d: Dims, phase: str, g, device):
+    """The K + 1 target rows of a verify step (greedy with a tie, plain temperatures) over the vocabulary; the
+    top-k / top-p cut (a binary search over the sort keys) over a 1024-token slice, so that the CPU
+    interpreter runs it in seconds."""
+    B = max(4, d.decode_batch)
+    logits = torch.randn(B, d.vocab, generator=g) * 3
+    logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # a greedy tie: the first index must win
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3] * (B // 4) + [0.8] * (B % 4))
+    off = (torch.zeros(B, dtype=torch.long), torch.ones(B))
+    cut = torch.randn(4, 1024, generator=g) * 3
+    ct, ck, cp = torch.tensor([0.7, 1.0, 1.3, 1.0]), torch.tensor([50, 0, 200, 1]), torch.tensor([1.0, 0.9, 0.95, 1.0])
+    return [Variant("verify_rows", tuple(t.to(device) for t in (logits, temp, *off)), {}),
+            Variant("top_k_top_p", tuple(t.to(device) for t in (cut, ct, ck, cp)), {})]
+
+
+def build_spec_verify(d: Dims, phase: str, g, device):
+    """K = 3 drafts per row over the vocabulary: peaked target / draft distributions, drafts half the time
+    the target's argmax (acceptance runs of every length), half drawn at random (rejections, residual draws)."""
+    B, K, V = max(4, d.decode_batch), 3, d.vocab
+    p = (torch.randn(B, K + 1, V, generator=g) * 4).softmax(-1)
+    q = (torch.randn(B, K, V, generator=g) * 4).softmax(-1)
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.5, p[:, :K].argmax(-1),
+                         torch.randint(0, V, (B, K), generator=g))
+    seeds = torch.randint(0, 2**31, (B,), generator=g)
+    pos = torch.randint(0, 65536, (B,), generator=g)
+    return [Variant("k3", tuple(t.to(device) for t in (p, q, drafts, seeds, pos)), {})]
+
+
 def build_logprobs(d: Dims, phase: str, g, device):
     B = d.decode_batch if phase == "decode" else 1
     return [Variant("lm_head", ((torch.randn(B, d.vocab, generator=g) * 5).to(device),), {})]

@@ -62,6 +62,7 @@ class BenchOptions:
     progress: bool = True
     profile: bool = False
     guided: bool = False
+    speculate: int = 0  # > 0: also time speculative steps of K MTP drafts per batch size (`spec_bench`)
     notes: list = field(default_factory=list)
 
 
@@ -270,6 +271,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         raise OptionError("--prompt-len and --gen-len must be >= 1")
     if opts.peer not in (None, "", "transformers"):
         raise OptionError(f"--peer {opts.peer!r}: only 'transformers' is supported")
+    if opts.speculate < 0:
+        raise OptionError(f"--speculate {opts.speculate}: must be at least 1 (draft tokens per step)")
     ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
     for b in ops.backends():
         if b != "torch" and device.type != "cuda":
@@ -286,6 +289,13 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     graphs = device.type == "cuda" and not opts.eager and ops.backend != "torch"
     log(f"building the model on {device} ...")
     cfg, model, state, source, t_weights = build(opts, device, numerics)
+    if opts.speculate:
+        from deepinfer.engine.speculative import check_speculate
+
+        try:
+            check_speculate(model, opts.speculate)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
     held = (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
     mb = model_bytes(cfg, model)
     log("measuring device bandwidth and matmul rate ...")
@@ -340,6 +350,19 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             log(f"guided decode: batch {B}, {opts.gen_len} steps x {len(GUIDED_MODES)} modes ...")
             report["guided"].append(time_guided(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed,
                                                 compiler, graphs=graphs))
+    if opts.speculate:
+        from deepinfer.engine.spec_bench import time_speculative
+
+        plain = {d["batch"]: d["ms_per_step"] for d in report["decode"]}
+        report["speculative"] = []
+        for B in batches:
+            log(f"speculative: batch {B}, K = {opts.speculate}, {opts.gen_len} steps ...")
+            report["speculative"].append(time_speculative(model, cfg, B, opts.prompt_len, opts.gen_len, opts.speculate,
+                                                          device, opts.seed, plain[B], graphs=graphs))
+        if not opts.model:
+            report["notes"] = report.get("notes", []) + [
+                "speculative: random weights -- the MTP block is not trained to predict the main model, so the "
+                "measured acceptance is near 0 and says nothing about a real checkpoint; read the projection"]
     if opts.profile:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
         report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)

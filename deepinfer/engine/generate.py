@@ -18,6 +18,7 @@ from deepinfer.engine.memory import (CHUNK_BUDGET, MemoryRefused, auto_prefill_c
                                      cache_bytes, check_fits)
 from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
+from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
 from deepinfer.model.transformer import Transformer
 
 
@@ -69,6 +70,17 @@ class Completion:
     finish_reason: str = ""
     text: str = ""
     constraint: dict | None = None  # guided: kind, satisfied, status (complete / cut by max tokens / ...)
+    # speculative decoding (--speculate K): verify steps, draft tokens proposed and accepted
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+    def speculation(self) -> dict:
+        """drafted, accepted, acceptance rate (accepted / drafted) and mean accepted length (tokens emitted
+        per verify step: 1 + accepted / steps, as vLLM reports it)."""
+        return {"steps": self.spec_steps, "drafted": self.spec_drafted, "accepted": self.spec_accepted,
+                "acceptance_rate": self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0,
+                "mean_accepted_length": 1 + self.spec_accepted / self.spec_steps if self.spec_steps else 0.0}
 
 
 @dataclass
@@ -96,7 +108,7 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              eos_id: int, decode_text=None, max_batch: int | None = None, graphs: bool = False,
              prefill_chunk: int | None = None,
-             pad_to_buckets: bool = False, on_token=None) -> GenerationResult:
+             pad_to_buckets: bool = False, on_token=None, speculate: int = 0) -> GenerationResult:
     """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings.
 
     params: one `SamplingParams` for every prompt, or a list with one per prompt.
@@ -109,6 +121,8 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     A request that cannot fit (the model's context, the caches) is refused before anything is allocated.
     pad_to_buckets: run the graph mode's bucket/padding/spare-row path eagerly (testing).
     on_token(index, completion): called after each token is recorded (streaming output).
+    speculate: K > 0 decodes with K MTP draft tokens per step (`engine.speculative`): greedy rows give the
+    tokens of plain decoding, sampled rows the target's distribution; 0 (default): plain decode steps.
     """
     B = len(prompts)
     if B == 0:
@@ -124,11 +138,18 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     if slots < 1:
         raise ValueError(f"--max-batch {slots}: must be at least 1")
     slots = min(slots, B)
-    max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist))
+    if speculate:
+        check_speculate(model, speculate)
+        if any(p.guide is not None for p in plist):
+            raise ValueError(f"speculate {speculate} with a guided constraint: the speculative step does not apply "
+                             "the token bitmask to drafts and verify yet")
+    # + speculate: a verify step runs K positions past the last token it may keep
+    max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist)) + speculate
     prefill_chunk = plan_memory(model, prompts, slots + 1, max_len, prefill_chunk)
     if model.rows < slots + 1 or model.max_seq_len < max_len:  # + 1: the runner's spare (padding) row
         model.allocate(max(slots + 1, model.rows), max(max_len, model.max_seq_len))
-    runner = _runner(model, slots, graphs, pad_to_buckets)
+    runner = _spec_step(model, speculate, slots, graphs, pad_to_buckets) if speculate else \
+        _runner(model, slots, graphs, pad_to_buckets)
     runner.capture()  # graph mode: before any prefill, so a capture error costs nothing
 
     comps = [Completion(list(pr)) for pr in prompts]
@@ -139,7 +160,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         def record(c, *a):
             _record(c, *a)
             on_token(index[id(c)], c)
-    sched = Scheduler(model, runner, eos_id, record,
+    sched = (SpecScheduler if speculate else Scheduler)(model, runner, eos_id, record,
                       lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots,
                       prefill_chunk=prefill_chunk)
     for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
@@ -182,6 +203,18 @@ def _runner(model: Transformer, slots: int, graphs: bool, pad_to_buckets: bool) 
     if r is None or not r.valid_for(model, slots, graphs, pad_to_buckets):
         r = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
         _RUNNERS[model] = r
+    return r
+
+
+_SPEC_STEPS: "weakref.WeakKeyDictionary[Transformer, SpecStep]" = weakref.WeakKeyDictionary()
+
+
+def _spec_step(model: Transformer, k: int, slots: int, graphs: bool, pad_to_buckets: bool) -> SpecStep:
+    """One speculative step per model, reused as `_runner` (its graphs are captured once)."""
+    r = _SPEC_STEPS.get(model)
+    if r is None or not r.valid_for(model, k, slots, graphs, pad_to_buckets):
+        r = SpecStep(model, k, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
+        _SPEC_STEPS[model] = r
     return r
 
 

@@ -33,7 +33,7 @@ class Schedule:
 
     def block(self, blk, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
         """`Block.__call__`, issued: h [B, S, hc, D] -> [B, S, hc, D]."""
-        if is_active():
+        if is_active() or ctx.pending is not None:  # taps, or a speculative verify step: in order
             return blk(h, ctx, input_ids)
         decode = not ctx.prefill
         for sub in ("attn", "ffn"):

@@ -128,7 +128,8 @@ class Scheduler:
             n = len(req.input_ids)
             c = n - req.prefilled if budget is None else min(budget, n - req.prefilled)
             ids = torch.tensor([req.input_ids[req.prefilled:req.prefilled + c]], dtype=torch.long, device=dev)
-            logits, _ = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev), start=req.prefilled)
+            logits, streams = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev), start=req.prefilled)
+            self.on_prefill(req, req.prefilled, ids, streams)
             req.prefilled += c
             self.stats.prefill_calls += 1
             if budget is not None:
@@ -146,6 +147,10 @@ class Scheduler:
         """Host bitmask rows start .. len(reqs) - 1 for the next sampling point of reqs[start:]."""
         if self.masks is not None and start < len(reqs):
             self.masks.fill([r.matcher for r in reqs[start:]], start)
+
+    def on_prefill(self, req: Request, start: int, ids: torch.Tensor, streams: torch.Tensor) -> None:
+        """A prompt chunk ids [1, c] at positions start .. start + c - 1 was prefilled into the request's slot,
+        streams [1, c, hc, D] the main model's output there (speculative decoding feeds its MTP block)."""
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         dev = logits.device

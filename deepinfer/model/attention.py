@@ -44,6 +44,9 @@ class StepContext:
         self.rope = rope
         self.prefill = prefill
         self.start = start  # prefill: first position (> 0: a later chunk of one row's prompt)
+        # verify (speculative decoding, `deepinfer.model.verify`): a dict the attentions fill with what a
+        # later `commit` writes -- the step itself writes no cache; None for prefill and decode
+        self.pending: dict | None = None
         self._memo = {}
 
     def memo(self, key, make):
@@ -94,11 +97,9 @@ class Indexer:
         self.compressor.decode(x, ctx)
         return self.weights_proj(x)
 
-    def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str, w: torch.Tensor | None = None,
-                 early: Branch | None = None) -> torch.Tensor:
-        """x [B, S, D], qr = (q-LoRA activations [B, S, q_lora], their act_quant or None) -> entry indices
-        [B, S, k'] int64 (-1 = none), k' = min(topk, T). Decode with `w` from `start_decode` (issued on the
-        branch `early`, joined here before the scores read the keys) or without (done here)."""
+    def query(self, qr: tuple, ctx: StepContext) -> torch.Tensor:
+        """qr (q-LoRA activations [B, S, q_lora], their act_quant or None) -> indexer queries [B, S, H, d]:
+        wq_b, RoPE of the last rd dims at the step's positions, Hadamard (official: then FP4-rounded)."""
         q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.d))
         cos, sin = ctx.rope_at_positions("compress")
         q = rope_tail_(q, self.rd, cos, sin)
@@ -107,6 +108,14 @@ class Indexer:
         q = ops.hadamard(q)
         if self.numerics.official:
             q = ops.fp4_fake_quant(q, 32)
+        return q
+
+    def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str, w: torch.Tensor | None = None,
+                 early: Branch | None = None) -> torch.Tensor:
+        """x [B, S, D], qr = (q-LoRA activations [B, S, q_lora], their act_quant or None) -> entry indices
+        [B, S, k'] int64 (-1 = none), k' = min(topk, T). Decode with `w` from `start_decode` (issued on the
+        branch `early`, joined here before the scores read the keys) or without (done here)."""
+        q = self.query(qr, ctx)
         if ctx.prefill and ctx.start:  # a later chunk: every entry complete so far, from the cache
             n = self.compressor.extend(x, ctx.start, ctx.rows[:1], ctx.rope)
             keys = self.compressor.cache[ctx.rows[:1], :n]
@@ -219,6 +228,10 @@ class Attention:
         The sub-steps in order on one stream. A decode step on CUDA issues the same sub-steps from
         `deepinfer.engine.schedule` (which of them run beside each other on side streams); the values are
         the same either way."""
+        if ctx.pending is not None:  # speculative verify: reads the caches, writes none of them
+            from deepinfer.model.verify import verify_attention
+
+            return verify_attention(self, x, ctx, xq)
         cos, sin = ctx.rope_at_positions(self.rope_kind)
         qa, kva = self.project(x, xq)
         qr = self.q_lora(qa)

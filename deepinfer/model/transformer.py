@@ -1,5 +1,6 @@
 """DeepSeek-V4 in plain PyTorch: embed -> hc_mult streams -> blocks (mHC around attention and MoE)
--> hc head -> RMSNorm -> float32 LM head; plus the MTP block (a forward pass; no speculation yet).
+-> hc head -> RMSNorm -> float32 LM head; plus the MTP block, and the verify / commit steps of speculative
+decoding (`deepinfer.model.verify`; the engine side is `deepinfer.engine.speculative`).
 
 Every numerically significant op goes through `deepinfer.ops.ops`, so a backend can replace it.
 Tap names (see `dumps/README.md`) are stable across backends.
@@ -104,10 +105,16 @@ class MTPBlock:
 
     def __call__(self, h: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [B, S, hc, D] main-model streams, next_ids [B, S] (token t+1 at t) -> logits [B, S, V]."""
+        return self.forward(h, next_ids, ctx)[0]
+
+    def forward(self, h: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `__call__`, also returning the block's output streams [B, S, hc, D]: the `h` of the next draft
+        when the block is reused for further draft tokens (as vLLM and SGLang do)."""
         eps = self.cfg.norm_eps
         e = ops.rms_norm(F.embedding(next_ids, self.embed), self.enorm, eps)
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(ops.rms_norm(h, self.hnorm, eps))
-        return self.head(self.block(x, ctx, next_ids))
+        out = self.block(x, ctx, next_ids)
+        return self.head(out), out
 
 
 class Transformer:
@@ -220,13 +227,61 @@ class Transformer:
         return logits
 
     @torch.inference_mode()
-    def mtp_prefill(self, streams: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-        """MTP forward over a prompt: streams [B, S, hc, D] from `prefill`, next_ids [B, S] -> logits."""
+    def mtp_prefill(self, streams: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                    start: int = 0, with_streams: bool = False):
+        """MTP forward over a prompt (or, start > 0, a later chunk of one row's prompt, as `prefill`):
+        streams [B, S, hc, D] from `prefill`, next_ids [B, S] (token t+1 at position t) -> logits [B, S, V]
+        (with_streams: and the MTP block's output streams [B, S, hc, D])."""
         if not self.mtp:
             raise ValueError("this checkpoint has no MTP block")
         B, S = next_ids.shape
+        if start and B != 1:
+            raise ValueError(f"chunked MTP prefill (start {start}) runs one row at a time, got {B} rows")
         rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
-        positions = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        ctx = self._ctx(next_ids, rows, positions, prefill=True)
-        return self.mtp[0](streams, next_ids.to(self.device), ctx)
+        positions = torch.arange(start, start + S, device=self.device).unsqueeze(0).expand(B, S)
+        ctx = self._ctx(next_ids, rows, positions, prefill=True, start=int(start))
+        logits, out = self.mtp[0].forward(streams, next_ids.to(self.device), ctx)
+        return (logits, out) if with_streams else logits
+
+    # ------------------------------------------------------------------------ speculative decoding
+    def _verify_ctx(self, B: int, S: int, start: torch.Tensor, rows: torch.Tensor) -> StepContext:
+        positions = start.to(self.device).view(B, 1) + torch.arange(S, device=self.device)
+        ctx = self._ctx(None, rows.to(self.device), positions, prefill=False)
+        ctx.pending = {}
+        return ctx
+
+    @torch.inference_mode()
+    def verify(self, input_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """S tokens per row at positions start[b] .. start[b] + S - 1 (the caches hold every position
+        before): input_ids [B, S], start [B], rows [B] -> (logits [B, S, V] f32, streams [B, S, hc, D],
+        the step's context for `commit`). Writes no cache (`deepinfer.model.verify`): the caches are as
+        before until `commit` keeps a prefix of each row's tokens."""
+        B, S = input_ids.shape
+        ctx = self._verify_ctx(B, S, start, rows)
+        h = self._body(input_ids.to(self.device), ctx)
+        return self.head(h), h, ctx
+
+    @torch.inference_mode()
+    def mtp_verify(self, streams: torch.Tensor, next_ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """The MTP block over S positions per row, as `verify` (no cache written until `commit`):
+        streams [B, S, hc, D] (the main model's at those positions, or the MTP block's own for a further
+        draft), next_ids [B, S] (token t+1 at position t) -> (logits [B, S, V], MTP streams, context)."""
+        B, S = next_ids.shape
+        ctx = self._verify_ctx(B, S, start, rows)
+        logits, out = self.mtp[0].forward(streams, next_ids.to(self.device), ctx)
+        return logits, out, ctx
+
+    @torch.inference_mode()
+    def commit(self, ctx: StepContext, n_keep: torch.Tensor, spare_row: int | None = None) -> None:
+        """Keep the first n_keep[b] (0 .. S) tokens of row b of a `verify` / `mtp_verify` step in every cache
+        that step's layers own, as decode steps over exactly those tokens would have written them; the rest
+        leave no trace. spare_row (default the last row: the decode runner's padding row) takes the
+        writes of the dropped tokens and must not be a live row."""
+        from deepinfer.model.verify import commit
+
+        spare = self.rows - 1 if spare_row is None else spare_row
+        keep = torch.arange(ctx.positions.size(1), device=self.device) < n_keep.to(self.device).view(-1, 1)
+        for a, pend in ctx.pending.items():
+            commit(a, pend, ctx, keep, spare)

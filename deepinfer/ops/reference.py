@@ -717,10 +717,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     greedy = lf.argmax(-1)  # first maximal index on ties
     if logits.device.type == "cpu" and temperature.shape == (B,) and not bool((temperature > 0).any()):
         return greedy  # all greedy: skip the sort (on a CPU the check costs no device sync)
+    masked = _kept_logits(lf, temperature, top_k, top_p)
+    drawn = (masked.double() + _gumbel(seeds, positions, V)).argmax(-1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+def _kept_logits(lf: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """The distribution `sample` draws from, as logits: lf [B, V] f32 / temperature, -inf outside the top-k /
+    top-p set (stable descending order; the first token always kept)."""
+    V = lf.size(-1)
     t = temperature.float().clamp_min(1e-5).unsqueeze(-1)
     scaled = lf / t
     sorted_l, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=logits.device).unsqueeze(0)
+    rank = torch.arange(V, device=lf.device).unsqueeze(0)
     keep = torch.ones_like(sorted_l, dtype=torch.bool)
     k = top_k.unsqueeze(-1)
     keep &= (k <= 0) | (rank < k)
@@ -729,13 +739,83 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     keep &= before < top_p.float().unsqueeze(-1)
     keep[:, 0] = True
     masked_sorted = sorted_l.masked_fill(~keep, float("-inf"))
-    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, masked_sorted)
-    ctr = (seeds.long().unsqueeze(-1) * 0x9E3779B1 + positions.long().unsqueeze(-1) * 0x85EBCA77) & 0xFFFFFFFF
-    h = _hash32(_hash32(ctr) ^ torch.arange(V, device=logits.device).unsqueeze(0))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, masked_sorted)
+
+
+def _counter(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1] the per-(seed, position) hash every sampling draw of that position derives from."""
+    return _hash32((seeds.long().unsqueeze(-1) * 0x9E3779B1 + positions.long().unsqueeze(-1) * 0x85EBCA77)
+                   & 0xFFFFFFFF)
+
+
+def _gumbel(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """[B, V] float64 Gumbel noise of token ids 0 .. V-1 at (seed, position): the hash of the counter and
+    the token id."""
+    h = _hash32(_counter(seeds, positions) ^ torch.arange(V, device=seeds.device).unsqueeze(0))
     u = (h.double() + 0.5) / 2.0**32
-    gumbel = -torch.log(-torch.log(u))
-    drawn = (masked.double() + gumbel).argmax(-1)
-    return torch.where(temperature > 0, drawn, greedy)
+    return -torch.log(-torch.log(u))
+
+
+DRAFT_SEED_SALT = 0x5DEECE66D
+"""Added to a request's seed for its draft tokens' noise (`sample` on the MTP logits): independent of the
+noise `spec_verify` draws the emitted tokens with at the same positions."""
+ACCEPT_SALT = 0xA5A5A5A5
+"""The acceptance uniform of position t is the hash of t's counter with this value in place of a token id
+(above any vocabulary id, so it never coincides with a token's Gumbel noise)."""
+
+
+# fp32 softmax over the vocabulary (129 280 terms): the reference itself is 2.8e-5 relative (7.6e-6 absolute) off
+# float64 at tiny shapes, the Triton kernel's blocked sums 3e-6 relative
+@defop("spec_probs", tol={"float32": (1e-4, 1e-6)})
+def spec_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+               ) -> torch.Tensor:
+    """The distribution `sample` draws from, as probabilities (speculative decoding's p and q).
+
+    logits [B, V], temperature / top_p [B] f32, top_k [B] int64 -> [B, V] float32: softmax of the logits over
+    temperature inside the top-k / top-p set (`sample`'s keep rule), 0 outside; temperature 0: one-hot of
+    the argmax (first index on ties), so greedy rows go through rejection sampling unchanged (accept iff
+    the draft is the argmax; the residual is the argmax's one-hot).
+    """
+    lf = logits.float()
+    greedy = F.one_hot(lf.argmax(-1), lf.size(-1)).float()
+    if logits.device.type == "cpu" and not bool((temperature > 0).any()):
+        return greedy  # all greedy: skip the sort (on a CPU the check costs no device sync)
+    drawn = _kept_logits(lf, temperature, top_k, top_p).softmax(-1)
+    return torch.where((temperature > 0).unsqueeze(-1), drawn, greedy)
+
+
+@defop("spec_verify", tol={"int64": (0.0, 0.0)})
+def spec_verify(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of K draft tokens per row (speculative decoding): accept, residual draw, bonus.
+
+    p [B, K+1, V] f32 the target's distributions at the K+1 verified positions (`spec_probs`), q [B, K, V]
+    the drafts' distributions, drafts [B, K] int64 (draft j drawn from q[:, j]), seeds [B] int64,
+    positions [B] int64: the position of the first draft token -> (n [B] int64 accepted drafts 0 .. K,
+    token [B] int64 the token after them).
+    Draft j (at position t = positions + j) is accepted when u_j · q_j(d_j) <= p_j(d_j), u_j uniform in
+    (0, 1) from the hash of (seed, t) (`ACCEPT_SALT`); n is the number accepted before the first
+    rejection. The token after them, at position t' = positions + n, is the Gumbel-max with (seed, t')'s
+    noise (`sample`'s) over the residual max(0, p_n - q_n) (normalising does not move an argmax), or over
+    p_K when all K were accepted (the bonus token). The emitted tokens are then distributed exactly as the
+    target's (Leviathan et al. 2023); one-hot p and q (greedy) give the target's argmax. Nothing syncs.
+    """
+    B, K1, V = p.shape
+    K = K1 - 1
+    pos = positions.long().unsqueeze(-1) + torch.arange(K1, device=p.device)  # [B, K+1]
+    pd = p[:, :K].float().gather(-1, drafts.long().unsqueeze(-1))[..., 0]
+    qd = q.float().gather(-1, drafts.long().unsqueeze(-1))[..., 0]
+    h = _hash32(_counter(seeds.repeat_interleave(K1), pos.flatten()) ^ ACCEPT_SALT).view(B, K1)[:, :K]
+    u = (h.double() + 0.5) / 2.0**32
+    ok = u * qd.double() <= pd.double()
+    n = ok.long().cumprod(-1).sum(-1)  # accepted before the first rejection
+    ar = torch.arange(B, device=p.device)
+    pn = p[ar, n].float()
+    qn = torch.where((n < K).unsqueeze(-1), q[ar, n.clamp(max=max(K - 1, 0))].float(), 0.0) if K else 0.0
+    resid = (pn - qn).clamp_min(0.0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)  # (rounding only: p_n <= q_n everywhere)
+    tok = (resid.double().log() + _gumbel(seeds, positions.long() + n, V)).argmax(-1)
+    return n, tok
 
 
 @defop("logprobs", tol={"float32": (1e-6, 1e-5)})

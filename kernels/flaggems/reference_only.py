@@ -44,4 +44,6 @@ REFERENCE_ONLY: dict[str, str] = {
     "sample": "sampling is a handful of small reductions over the vocabulary; FlagGems' topk would compile per k",
     "logprobs": "a log-softmax of the logits (an ATen op --flaggems can swap: _log_softmax)",
     "apply_token_bitmask": "guided decoding's mask on the logits, part of sampling; FlagGems has no bitmask kernel",
+    "spec_probs": "speculative decoding's sampling distribution, part of sampling; FlagGems has no such kernel",
+    "spec_verify": "speculative decoding's acceptance and residual draw, part of sampling; FlagGems has no such kernel",
 }

@@ -33,4 +33,6 @@ REFERENCE_ONLY: dict[str, str] = {
     "logprobs": "a log-softmax of the logits, as sample",
     "apply_token_bitmask": "guided decoding's mask on the logits, part of sampling (as sample); DeepSeek's release "
                            "has no guided decoding",
+    "spec_probs": "speculative decoding's sampling distribution, as sample",
+    "spec_verify": "speculative decoding's acceptance and residual draw: two passes over K + 1 rows, as sample",
 }

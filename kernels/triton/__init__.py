@@ -8,6 +8,7 @@ write every element), launches with a grid that depends only on shapes, and neve
 from __future__ import annotations
 
 from . import attention, cache, compressor, gemm, indexer, linear, mhc, moe, moe_grouped, norm, quant, rope, sampling  # noqa: F401
+from . import speculative  # noqa: F401
 
 REFERENCE_ONLY: dict[str, str] = {}
 """Ops the Triton backend intentionally leaves to the torch reference, with the reason."""
