@@ -30,10 +30,7 @@ from deepinfer.quant.grouped import moe_align
 
 from ._common import build, tl_dtype
 
-BN = 128
-STAGED_MIN_BM = 64
-"""FP4 blocks of at least this many rows, with N % 128 == 0, take the staged kernel (TMA-fed, warp-specialised,
-wgmma at 128 rows); smaller ones the direct-load kernel."""
+BM, BN = 32, 128
 
 
 def _e2m1_to_e4m3_bits(code):
@@ -46,20 +43,9 @@ def _e2m1_to_e4m3_bits(code):
     return ((code & 8) << 4) | mag
 
 
-def block_m(P: int, E: int) -> int:
-    """Rows per block from the average rows per expert: decode (a few rows) 32, prefill up to 128, so a decoded
-    weight tile serves as many rows as the routing gives it."""
-    avg = P / max(E, 1)
-    return 32 if avg <= 32 else (64 if avg <= 80 else 128)
-
-
-def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32, staged: bool = False):
+def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str):
     """A [P, K] e4m3, AS [P, K/128] f32, W [E, N, K/2] uint8, WS [E, N, K/32] f32, ROWS [NB, BM] int64 (P = pad),
-    BEXP [NB] int64 (-1 = unused) -> C [P, N] out_dt, rows of no block untouched (P, NB symbolic).
-    staged (N % 128 == 0): the packed weight tile and its scales are copied into shared memory by the pipeline
-    (asynchronous copies, 3 stages) and decoded from there, instead of decoded from global loads."""
-    if staged:
-        return _grouped_fp4_staged(E, N, K, out_dt, BM)
+    BEXP [NB] int64 (-1 = unused) -> C [P, N] out_dt, rows of no block untouched (P, NB symbolic)."""
     P = T.symbolic("P")
     NB = T.symbolic("NB")
     BK = 32
@@ -69,7 +55,7 @@ def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32, staged
                       W: T.Tensor((E, N, K // 2), "uint8"), WS: T.Tensor((E, N, K // 32), "float32"),
                       ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
                       C: T.Tensor((P, N), out_dt)):
-        with T.Kernel(T.ceildiv(N, BN), NB, threads=128 if BM <= 64 else 256) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), NB, threads=128) as (bx, by):
             a_t = T.alloc_shared((BM, BK), "float8_e4m3")
             w_t = T.alloc_shared((BN, BK), "float8_e4m3")
             rows = T.alloc_shared((BM,), "int64")
@@ -109,58 +95,7 @@ def grouped_fp4_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32, staged
     return grouped_fp4_k
 
 
-def _grouped_fp4_staged(E: int, N: int, K: int, out_dt: str, BM: int):
-    P = T.symbolic("P")
-    NB = T.symbolic("NB")
-    BK = 32
-    assert N % BN == 0
-
-    @T.prim_func
-    def grouped_fp4_staged_k(A: T.Tensor((P, K), "float8_e4m3"), AS: T.Tensor((P, K // 128), "float32"),
-                             W: T.Tensor((E, N, K // 2), "uint8"), WS: T.Tensor((E, N, K // 32), "float32"),
-                             ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
-                             C: T.Tensor((P, N), out_dt)):
-        with T.Kernel(N // BN, NB, threads=128 if BM <= 64 else 256) as (bx, by):
-            a_t = T.alloc_shared((BM, BK), "float8_e4m3")
-            w4 = T.alloc_shared((BN, BK // 2), "uint8")
-            w_t = T.alloc_shared((BN, BK), "float8_e4m3")
-            rows = T.alloc_shared((BM,), "int64")
-            sa = T.alloc_shared((BM,), "float32")
-            sw = T.alloc_shared((BN,), "float32")
-            part = T.alloc_fragment((BM, BN), "float32")
-            acc = T.alloc_fragment((BM, BN), "float32")
-            ex = T.alloc_local((1,), "int64")
-            ex[0] = BEXP[by]
-            for i in T.Parallel(BM):
-                rows[i] = ROWS[by, i]
-            T.clear(acc)
-            if ex[0] >= 0:
-                for k in T.Pipelined(K // BK, num_stages=3):
-                    T.copy(W[ex[0], bx * BN:(bx + 1) * BN, k * (BK // 2):(k + 1) * (BK // 2)], w4)
-                    for i in T.Parallel(BN):
-                        sw[i] = WS[ex[0], bx * BN + i, k]
-                    for i, j in T.Parallel(BM, BK):
-                        a_t[i, j] = T.if_then_else(rows[i] < P, A[T.min(rows[i], P - 1), k * BK + j],
-                                                   T.Cast("float8_e4m3", 0))
-                    for i in T.Parallel(BM):
-                        sa[i] = T.if_then_else(rows[i] < P, AS[T.min(rows[i], P - 1), k // 4], T.float32(0))
-                    for i, j in T.Parallel(BN, BK // 2):
-                        lo = _e2m1_to_e4m3_bits(T.Cast("int32", w4[i, j] & T.uint8(15)))
-                        hi = _e2m1_to_e4m3_bits(T.Cast("int32", w4[i, j] >> T.uint8(4)))
-                        w_t[i, 2 * j] = T.reinterpret("float8_e4m3", T.Cast("uint8", lo))
-                        w_t[i, 2 * j + 1] = T.reinterpret("float8_e4m3", T.Cast("uint8", hi))
-                    T.clear(part)
-                    T.gemm(a_t, w_t, part, transpose_B=True)
-                    for i, j in T.Parallel(BM, BN):
-                        acc[i, j] += part[i, j] * sa[i] * sw[j]
-                for i, j in T.Parallel(BM, BN):
-                    if rows[i] < P:
-                        C[rows[i], bx * BN + j] = T.Cast(out_dt, acc[i, j])
-
-    return grouped_fp4_staged_k
-
-
-def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32):
+def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str):
     """A [P, K] e4m3, AS [P, K/128] f32, W [E, N, K] e4m3, WS [E, ceil(N/128), K/128] f32, ROWS, BEXP as the FP4
     kernel -> C [P, N] out_dt."""
     P = T.symbolic("P")
@@ -173,7 +108,7 @@ def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str, BM: int = 32):
                       W: T.Tensor((E, N, K), "float8_e4m3"), WS: T.Tensor((E, NW, K // 128), "float32"),
                       ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
                       C: T.Tensor((P, N), out_dt)):
-        with T.Kernel(T.ceildiv(N, BN), NB, threads=128 if BM <= 64 else 256) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), NB, threads=128) as (bx, by):
             a_t = T.alloc_shared((BM, BK), "float8_e4m3")
             w_t = T.alloc_shared((BN, BK), "float8_e4m3")
             rows = T.alloc_shared((BM,), "int64")
@@ -218,14 +153,8 @@ def _run(a, a_s, e, w, w_s, out_dtype, op):
         ops.runtime_fallback(op, f"the TileLang grouped GEMM takes e4m3 A with K % 128 == 0, not {a.dtype}, K {K}")
         return None
     dt = tl_dtype(out_dtype)
-    BM = block_m(P, E)
-    if fp4:
-        staged = N % BN == 0 and BM >= STAGED_MIN_BM
-        kern = build(op, ("fp4", E, N, K, dt, BM, staged), lambda: tilelang.compile(
-            grouped_fp4_kernel(E, N, K, dt, BM, staged), out_idx=[]))
-    else:
-        kern = build(op, ("fp8", E, N, K, dt, BM), lambda: tilelang.compile(grouped_fp8_kernel(E, N, K, dt, BM),
-                                                                            out_idx=[]))
+    make = grouped_fp4_kernel if fp4 else grouped_fp8_kernel
+    kern = build(op, ("fp4" if fp4 else "fp8", E, N, K, dt), lambda: tilelang.compile(make(E, N, K, dt), out_idx=[]))
     if kern is None:
         return None
     c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows of no expert (e = -1) are 0
