@@ -32,6 +32,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deepinfer.engine.flaggems import allow_yaml, read_allow_yaml  # noqa: F401  (the allow-list file's form)
+
 # FlagGems 5.0.2's flag_gems.testing.RESOLUTION (NVIDIA): the rtol its own tests use per dtype; atol 1e-4
 # (their `assert_close(..., reduce_dim=1)`; they scale atol by the reduced size for reductions, which a generic
 # screen cannot know: this is the stricter choice, and the metric is reported so a reader can judge).
@@ -287,32 +289,6 @@ def allow_list(verdicts: list[dict], table: dict[str, str]) -> tuple[list[str], 
         else:
             allowed.append(fn)
     return allowed, refused
-
-
-def allow_yaml(allowed: list[str], header: list[str]) -> str:
-    """The allow-list in FlagGems' only_enable YAML form (`include:` function names), with comment lines."""
-    lines = [f"# {h}" for h in header] + ["include:"] + [f"  - {n}" for n in allowed]
-    return "\n".join(lines) + ("\n" if lines else "")
-
-
-def read_allow_yaml(path: str) -> list[str]:
-    """The `include:` names of an allow-list file (a YAML mapping, or a bare list, as only_enable reads it)."""
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as e:
-        raise ValueError(f"cannot read the allow-list {path}: {e.strerror or e}") from None
-    try:
-        import yaml
-
-        data = yaml.safe_load(text)
-    except ImportError:
-        data = {"include": [ln.strip()[2:].strip() for ln in text.splitlines() if ln.strip().startswith("- ")]}
-    except Exception as e:
-        raise ValueError(f"{path} is not YAML: {str(e).splitlines()[0]}") from None
-    names = data.get("include") if isinstance(data, dict) else data
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{path}: expected `include:` followed by a list of FlagGems function names")
-    return names
 
 
 # ------------------------------------------------------------------------------------------ worker

@@ -67,13 +67,37 @@ def resolve_op_names(requested: list[str], known: list[str]) -> tuple[list[str],
     return resolved, unresolved
 
 
+def allow_yaml(allowed: list[str], header: list[str]) -> str:
+    """The allow-list in FlagGems' only_enable YAML form (`include:` function names), with comment lines."""
+    lines = [f"# {h}" for h in header] + ["include:"] + [f"  - {n}" for n in allowed]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def read_allow_yaml(path: str) -> list[str]:
+    """The `include:` names of an allow-list file (a YAML mapping, or a bare list, as only_enable reads it)."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise ValueError(f"cannot read the allow-list {path}: {e.strerror or e}") from None
+    try:
+        import yaml
+
+        data = yaml.safe_load(text)
+    except ImportError:
+        data = {"include": [ln.strip()[2:].strip() for ln in text.splitlines() if ln.strip().startswith("- ")]}
+    except Exception as e:
+        raise ValueError(f"{path} is not YAML: {str(e).splitlines()[0]}") from None
+    names = data.get("include") if isinstance(data, dict) else data
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{path}: expected `include:` followed by a list of FlagGems function names")
+    return names
+
+
 def parse_names(spec: str | None) -> list[str]:
     """`add,mul` -> names; `@allow.yaml` -> the `include:` names of that file (an unreadable or malformed file is
     an OptionError naming it)."""
     spec = (spec or "").strip()
     if spec.startswith("@"):
-        from deepinfer.debug.fg_screen import read_allow_yaml
-
         try:
             names = read_allow_yaml(spec[1:])
         except ValueError as e:
