@@ -51,7 +51,7 @@ def test_missing_package_is_one_line_with_the_install_hint(monkeypatch):
 def test_loading_the_backend_does_not_import_flag_gems(fake_installed):
     load_backend("flaggems")
     assert "flag_gems" not in sys.modules
-    assert {"act_quant", "hc_pre", "hc_post", "sparse_attn"} <= {
+    assert {"act_quant", "fp8_gemm", "hc_pre", "hc_post", "sparse_attn"} <= {
         n for n, d in REGISTRY.items() if "flaggems" in d.impls}
     d = Dispatcher().configure("flaggems", strict=True, op_map={})  # every op wrapped or reference-only
     assert d.missing() == []
@@ -173,11 +173,22 @@ def test_the_tiny_model_runs_through_every_wrapper_on_a_cpu(fake_installed):
         wrapped = {n for n, d in REGISTRY.items() if "flaggems" in d.impls}
         assert set(ops.fallbacks) <= wrapped and all("CUDA" in why for why in ops.fallbacks.values())
         assert {"hc_pre", "act_quant", "rms_norm"} <= set(ops.fallbacks), ops.fallbacks
-        assert {"hc_pre_quant", "hc_post", "moe_combine_post", "rms_norm_quant", "swiglu_quant",
+        assert {"hc_pre_quant", "hc_post", "moe_combine_post", "rms_norm_quant", "swiglu_quant", "fp8_gemm",
                 "sparse_attn"} <= ops.used
     finally:
         ops.configure("torch", strict=False, op_map={})
     assert torch.equal(got, want)
+
+
+def test_fp8_gemm_weight_scales_in_every_checkpoint_form(fake_installed):
+    load_backend("flaggems")
+    from deepinfer_kernels.flaggems.quant import _f32_scales
+
+    f = torch.exp2(torch.randint(-9, 3, (3, 4)).float())
+    e8 = f.to(torch.float8_e8m0fnu)
+    assert torch.equal(_f32_scales(f), f) and torch.equal(_f32_scales(e8), f)
+    assert torch.equal(_f32_scales(e8.view(torch.uint8)), f)
+    assert _f32_scales(f.bfloat16()) is None
 
 
 def test_single_ops_on_flaggems_through_the_per_op_map(fake_installed):
@@ -303,6 +314,13 @@ def test_every_adapter_calls_flaggems_as_its_source_defines_it(fake_installed, m
                                        rtol=2 ** -7, atol=0)
         y2, q2, s2 = impl["rms_norm_quant"](xs, None, 1e-6)
         assert torch.equal(q2.view(torch.uint8), REGISTRY["act_quant"].ref(y2, 128)[0].view(torch.uint8))
+        M, N, K = 9, 300, 512
+        a, a_s = REGISTRY["act_quant"].ref(torch.randn(M, K, generator=g), 128)
+        wq = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn)
+        ws = torch.exp2(torch.randint(-9, -3, (3, 4), generator=g).float())
+        for scales in (ws, ws.to(torch.float8_e8m0fnu)):
+            torch.testing.assert_close(impl["fp8_gemm"](a, a_s, wq, scales, torch.float32),
+                                       REGISTRY["fp8_gemm"].ref(a, a_s, wq, ws, torch.float32))
         gate, up = torch.randn(6, 256, generator=g), torch.randn(6, 256, generator=g)
         got = impl["swiglu_quant"](gate, up, 7.0, None, torch.bfloat16, split=True)
         want = REGISTRY["swiglu_quant"].ref(gate, up, 7.0, None, torch.bfloat16, split=True)

@@ -52,6 +52,30 @@ def test_act_quant_bit_exact(shape, block, dtype):
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
+@pytest.mark.parametrize("M", [1, 33, 300])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gemm(M, out_dtype):
+    """w8a8_block_fp8_matmul scales and adds each 128-K block's FP8 dot into fp32: the tensor-core bound of a
+    kernel that promotes once per 128-K block (tc_bounds, as cuBLASLt and our Triton prefill kernel), which a
+    wrong tile, scale or row exceeds by orders of magnitude; ue8m0 weight scales give the same bits."""
+    from tc_bounds import abs_products, assert_tensor_core_bound
+
+    impl = _fg()("fp8_gemm")
+    N, K = 1536, 4096
+    g = _g(M)
+    a = (torch.randn(M, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
+    w = (torch.randn(N, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
+    a_s = torch.exp2(torch.randint(-6, 2, (M, K // 128), device="cuda", generator=g).float())
+    w_s = torch.exp2(torch.randint(-9, -3, (N // 128, K // 128), device="cuda", generator=g).float())
+    out = impl(a, a_s, w, w_s, out_dtype)
+    ref = REGISTRY["fp8_gemm"].ref(a, a_s, w, w_s, out_dtype)
+    assert out.shape == (M, N) and out.dtype == out_dtype
+    assert_tensor_core_bound(out, ref, abs_products("fp8_gemm", a, a_s, w, w_s, torch.float32))
+    if hasattr(torch, "float8_e8m0fnu"):
+        out8 = impl(a, a_s, w, w_s.to(torch.float8_e8m0fnu), out_dtype)
+        assert torch.equal(out8, out)
+
+
 @pytest.mark.parametrize("rows,K,weighted", [(9, 4096, True), (3, 7168, False), (1, 1024, True)])
 def test_rms_norm_and_rms_norm_quant(rows, K, weighted):
     """fp32 statistics, one bf16 rounding: within a bf16 ulp of the reference (1/x.sqrt vs rsqrt: last bits);

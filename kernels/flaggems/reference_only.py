@@ -46,7 +46,4 @@ REFERENCE_ONLY: dict[str, str] = {
     "apply_token_bitmask": "guided decoding's mask on the logits, part of sampling; FlagGems has no bitmask kernel",
     "spec_probs": "speculative decoding's sampling distribution, part of sampling; FlagGems has no such kernel",
     "spec_verify": "speculative decoding's acceptance and residual draw, part of sampling; FlagGems has no such kernel",
-    "fp8_gemm": "FlagGems 5.0.2's w8a8_block_fp8_matmul missed the fp32-accumulation bound (5e-5 relative against "
-                "the reference) in all 6 GPU cases on the H200 (2026-12-02); until the gap is measured and "
-                "explained, the backend does not use it",
 }
