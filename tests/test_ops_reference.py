@@ -70,6 +70,19 @@ def test_sample_greedy_and_deterministic():
     assert a[2] in logits[2].topk(5).indices
 
 
+def test_top_p_one_cuts_nothing():
+    """top_p >= 1 keeps every token: over a V4-sized vocabulary with peaked logits the fp32 cumsum of the sorted
+    probabilities reaches 1.0 long before the tail (~126k of 129280 tokens sit after it), and the rule
+    `mass above < top_p` alone would drop them. top_p 0.999 still cuts."""
+    from deepinfer.ops.reference import _kept_logits
+
+    g = torch.Generator().manual_seed(0)
+    lf = torch.randn(2, 129280, generator=g) * 8
+    t, k = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    assert torch.isfinite(_kept_logits(lf, t, k, torch.tensor([1.0, 1.5]))).all()
+    assert not torch.isfinite(_kept_logits(lf, t, k, torch.tensor([0.999, 0.999]))).all()
+
+
 def test_sample_distribution_follows_softmax():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     n = 4000

@@ -725,7 +725,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 def _kept_logits(lf: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                  ) -> torch.Tensor:
     """The distribution `sample` draws from, as logits: lf [B, V] f32 / temperature, -inf outside the top-k /
-    top-p set (stable descending order; the first token always kept)."""
+    top-p set (stable descending order; the first token always kept; top_p >= 1 cuts nothing)."""
     V = lf.size(-1)
     t = temperature.float().clamp_min(1e-5).unsqueeze(-1)
     scaled = lf / t
@@ -736,7 +736,8 @@ def _kept_logits(lf: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     keep &= (k <= 0) | (rank < k)
     probs = sorted_l.softmax(-1)
     before = probs.cumsum(-1) - probs  # mass strictly above this token
-    keep &= before < top_p.float().unsqueeze(-1)
+    # top_p >= 1 is no cut: the fp32 cumsum can reach 1.0 before the tail, and `before < 1` would drop it
+    keep &= (before < top_p.float().unsqueeze(-1)) | (top_p.float().unsqueeze(-1) >= 1.0)
     keep[:, 0] = True
     masked_sorted = sorted_l.masked_fill(~keep, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, masked_sorted)

@@ -5,7 +5,8 @@ sample: one program per row (the row is L2-resident after the first pass), runti
 row's temperature:
   * temperature == 0: one streaming argmax over the raw logits (first index on ties, as torch.argmax)
     -- a single read of the row, nothing else.
-  * temperature > 0 (4 streaming passes, where a binary search takes up to 63):
+  * temperature > 0 (4 streaming passes, where a binary search takes up to 63; top_p >= 1 means no nucleus
+    cut, and with no top-k either, passes 2-3 are skipped and every token is kept):
     1. online max m and softmax denominator Z of the scaled logits s = x / t (div_rn as the reference);
     2. a 256-bin count+mass histogram of q = floor((m - s) * 2048) >> 8 (bins of width 1/8 in m - s,
        monotone in s, so every bin is a contiguous run of the reference's stable descending order and
@@ -135,6 +136,7 @@ def _sample_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, ws_pt
         t = tl.maximum(temp, 1e-5)
         top_k = tl.load(topk_ptr + row).to(tl.int64)
         top_p = tl.load(topp_ptr + row).to(tl.float32)
+        top_p = tl.where(top_p >= 1.0, float("inf"), top_p)  # >= 1: no nucleus cut (the reference's rule)
         k_eff = tl.where(top_k > 0, top_k, V + 1)
         # pass 1: online max / softmax denominator of the scaled logits
         mv = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -149,11 +151,15 @@ def _sample_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, ws_pt
         m = tl.max(mv, 0)
         Z = tl.sum(tl.where(mv > float("-inf"), zv * tl.exp(mv - m), 0.0), 0)
         # passes 2-3: boundary bin (width 1/8 in m - s), then boundary sub-bin (width 1/2048)
-        cnt1, mass1 = _hist256(l_ptr, row, V, t, m, Z, tl.full([], -1, tl.int32), 8, HBLOCK)
-        b1, c1, m1 = _cut(cnt1, mass1, 0, 0.0, k_eff, top_p)
-        cnt2, mass2 = _hist256(l_ptr, row, V, t, m, Z, b1, 0, HBLOCK)
-        b2, cq, mq = _cut(cnt2, mass2, c1, m1, k_eff, top_p)
-        qstar = tl.where(b1 == 255, 65536, b1 * 256 + b2)  # bin 255 cannot win: keep everything
+        qstar = tl.full([], 65536, tl.int32)  # no q reaches it: every token kept
+        cq = tl.full([], 0, tl.int32)
+        mq = tl.full([], 0.0, tl.float32)
+        if (k_eff <= V) | (top_p < float("inf")):  # a cut to find (plain temperature sampling has none)
+            cnt1, mass1 = _hist256(l_ptr, row, V, t, m, Z, tl.full([], -1, tl.int32), 8, HBLOCK)
+            b1, c1, m1 = _cut(cnt1, mass1, 0, 0.0, k_eff, top_p)
+            cnt2, mass2 = _hist256(l_ptr, row, V, t, m, Z, b1, 0, HBLOCK)
+            b2, cq, mq = _cut(cnt2, mass2, c1, m1, k_eff, top_p)
+            qstar = tl.where(b1 == 255, 65536, b1 * 256 + b2)  # bin 255 cannot win: keep everything
         # pass 4: Gumbel-max over q < q* (all kept); collect the q == q* candidates
         ctr = (tl.load(seed_ptr + row).to(tl.int64) * 0x9E3779B1
                + tl.load(pos_ptr + row).to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF

@@ -57,6 +57,7 @@ def _spec_probs_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, V, BLOCK: t
         t = tl.maximum(temp, 1e-5)
         top_k = tl.load(topk_ptr + row).to(tl.int64)
         top_p = tl.load(topp_ptr + row).to(tl.float32)
+        top_p = tl.where(top_p >= 1.0, float("inf"), top_p)  # >= 1: no nucleus cut (the reference's rule)
         k_eff = tl.where(top_k > 0, top_k, V + 1)
         mv = tl.full([BLOCK], float("-inf"), tl.float32)
         zv = tl.zeros([BLOCK], tl.float32)
@@ -73,7 +74,7 @@ def _spec_probs_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, V, BLOCK: t
         m = tl.max(mv, 0)
         Z = tl.sum(tl.where(mv > float("-inf"), zv * tl.exp(mv - m), 0.0), 0)
         thr = tl.full([], 0, tl.int64)
-        if (k_eff <= V) | (top_p < 1.0):
+        if (k_eff <= V) | (top_p < float("inf")):
             lo = tl.full([], 0, tl.int64)
             hi = tl.full([], 9223372036854775807, tl.int64)
             while lo < hi:
