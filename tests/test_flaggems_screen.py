@@ -53,6 +53,18 @@ def test_recorder_skips_cpu_calls_by_default_and_caps_signatures():
     assert len(sigs) == 2 and all(c.inputs is None and "FlagGems registers CUDA kernels" in c.why_not for c in sigs)
 
 
+def test_recorder_captures_factory_ops_by_their_device_keyword():
+    """zeros / full / arange have no tensor argument: their `device=` says where FlagGems would run them (a "meta"
+    device stands in for cuda on a CPU machine)."""
+    rec = S.AtenRecorder(capture=None, devices=("meta",))
+    with rec:
+        torch.zeros(3, device="meta")
+        torch.full((2,), 1.5)
+    on, off = rec.calls["zeros"], rec.calls["full"]
+    assert all(c.inputs is not None and not c.why_not for c in on.values())
+    assert all(c.inputs is None and "FlagGems registers" in c.why_not for c in off.values())
+
+
 @pytest.mark.slow
 def test_recording_the_tiny_model():
     """A real prefill + decode step of deepinfer-tiny: the ops FlagGems registers are recorded under their

@@ -86,6 +86,12 @@ def _spec(v):
     return type(v).__name__
 
 
+def _kw_device(kwargs: dict) -> str | None:
+    """The device type a factory op (zeros, full, arange: no tensor argument) creates its result on."""
+    d = kwargs.get("device")
+    return None if d is None else torch.device(d).type
+
+
 def _tensors(v):
     if isinstance(v, torch.Tensor):
         yield v
@@ -172,7 +178,8 @@ class AtenRecorder(TorchDispatchMode):
             ts = list(_tensors((args, kwargs)))
             if self.capture is not None and key not in self.capture:
                 c.why_not = "not in FlagGems' table"
-            elif self.devices is not None and not any(t.device.type in self.devices for t in ts):
+            elif self.devices is not None and not (any(t.device.type in self.devices for t in ts)
+                                                   or _kw_device(kwargs) in self.devices):
                 c.why_not = f"no argument on {'/'.join(self.devices)} (FlagGems registers CUDA kernels)"
             else:
                 nbytes = sum(t.numel() * t.element_size() for t in ts)
