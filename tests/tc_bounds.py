@@ -30,3 +30,13 @@ def abs_products(op: str, *args, **kwargs) -> torch.Tensor:
     """Σ_k |a_k w_k| per output element of GEMM op `op`: its reference on the operands with their sign bits
     cleared (`COMPARE[op].abs_args`, as `deepinfer ab` computes it; the scales are positive)."""
     return REGISTRY[op].ref(*COMPARE[op].abs_args(args), **kwargs)
+
+
+def block_fp8_operands(M: int, N: int, K: int, g: torch.Generator, device="cuda") -> tuple:
+    """Random block-FP8 GEMM operands (a [M, K] e4m3, a_s [M, K/128] and w_s [N/128, K/128] powers of two, w [N, K]
+    e4m3) -> (a, a_s, w, w_s), as `fp8_gemm` takes them; values x 50 so the e4m3 codes span their range."""
+    a = (torch.randn(M, K, device=device, generator=g) * 50).to(torch.float8_e4m3fn)
+    w = (torch.randn(N, K, device=device, generator=g) * 50).to(torch.float8_e4m3fn)
+    a_s = torch.exp2(torch.randint(-6, 2, (M, K // 128), device=device, generator=g).float())
+    w_s = torch.exp2(torch.randint(-9, -3, (N // 128, K // 128), device=device, generator=g).float())
+    return a, a_s, w, w_s

@@ -58,15 +58,11 @@ def test_fp8_gemm(M, out_dtype):
     """w8a8_block_fp8_matmul scales and adds each 128-K block's FP8 dot into fp32: the tensor-core bound of a
     kernel that promotes once per 128-K block (tc_bounds, as cuBLASLt and our Triton prefill kernel), which a
     wrong tile, scale or row exceeds by orders of magnitude; ue8m0 weight scales give the same bits."""
-    from tc_bounds import abs_products, assert_tensor_core_bound
+    from tc_bounds import abs_products, assert_tensor_core_bound, block_fp8_operands
 
     impl = _fg()("fp8_gemm")
     N, K = 1536, 4096
-    g = _g(M)
-    a = (torch.randn(M, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
-    w = (torch.randn(N, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
-    a_s = torch.exp2(torch.randint(-6, 2, (M, K // 128), device="cuda", generator=g).float())
-    w_s = torch.exp2(torch.randint(-9, -3, (N // 128, K // 128), device="cuda", generator=g).float())
+    a, a_s, w, w_s = block_fp8_operands(M, N, K, _g(M))
     out = impl(a, a_s, w, w_s, out_dtype)
     ref = REGISTRY["fp8_gemm"].ref(a, a_s, w, w_s, out_dtype)
     assert out.shape == (M, N) and out.dtype == out_dtype

@@ -123,13 +123,7 @@ def test_gpu_verify_commit_caches_equal_decode_bf16():
     ops.configure("triton", strict=True)
     m = load_model(None, numerics="official", dtype="bfloat16", device="cuda", progress=False).model
     spec, dec = _verify_commit_then_decode(m, "cuda", 0.0)
-    names = []  # cache_tensors()'s order
-    for li, a in enumerate(m.attentions()):
-        names.append(f"attn{li}.kv_cache")
-        if a.compressor is not None:
-            names += [f"attn{li}.compressor.kv_state", f"attn{li}.compressor.score_state"]
-        if a.indexer is not None:
-            names += [f"attn{li}.indexer.cache", f"attn{li}.indexer.kv_state", f"attn{li}.indexer.score_state"]
+    names = [n for n, _ in m.named_cache_tensors()]  # the order of _live's cache_tensors()
     assert len(names) == len(spec)
     bad = []
     for i, (x, y) in enumerate(zip(spec, dec)):

@@ -99,13 +99,11 @@ def test_rms_norm_quant(rows, K, weighted):
 def test_fp8_gemm(M, out_dtype):
     """fp32 accumulation over the whole K, as the official kernel: the reference's outputs but for last-bit
     differences of the summation order."""
+    from tc_bounds import block_fp8_operands
+
     impl = _tilelang()("fp8_gemm")
     N, K = 1536, 4096
-    g = _g(M)
-    a = (torch.randn(M, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
-    w = (torch.randn(N, K, device="cuda", generator=g) * 50).to(torch.float8_e4m3fn)
-    a_s = torch.exp2(torch.randint(-6, 2, (M, K // 128), device="cuda", generator=g).float())
-    w_s = torch.exp2(torch.randint(-9, -3, (N // 128, K // 128), device="cuda", generator=g).float())
+    a, a_s, w, w_s = block_fp8_operands(M, N, K, _g(M))
     out = impl(a, a_s, w, w_s, out_dtype)
     ref = REGISTRY["fp8_gemm"].ref(a, a_s, w, w_s, out_dtype)
     assert out.shape == (M, N) and out.dtype == out_dtype and torch.isfinite(out.float()).all()

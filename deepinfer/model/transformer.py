@@ -157,17 +157,24 @@ class Transformer:
         for a in self.attentions():
             a.set_kv_layout(layout)
 
-    def cache_tensors(self) -> list[torch.Tensor]:
-        """Every per-row cache tensor: KV (window + compressed entries), compressor carry-over, indexer keys."""
+    def named_cache_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every per-row cache tensor with a name (`attn{i}.kv_cache`, `attn{i}.compressor.kv_state`, ...): KV
+        (window + compressed entries), compressor carry-over, indexer keys; i counts `attentions()`."""
         out = []
-        for a in self.attentions():
-            out.append(a.kv_cache)
+        for i, a in enumerate(self.attentions()):
+            out.append((f"attn{i}.kv_cache", a.kv_cache))
             if a.compressor is not None:
-                out += [a.compressor.kv_state, a.compressor.score_state]
+                out += [(f"attn{i}.compressor.kv_state", a.compressor.kv_state),
+                        (f"attn{i}.compressor.score_state", a.compressor.score_state)]
             if a.indexer is not None:
                 c = a.indexer.compressor
-                out += [c.cache, c.kv_state, c.score_state]
+                out += [(f"attn{i}.indexer.cache", c.cache), (f"attn{i}.indexer.kv_state", c.kv_state),
+                        (f"attn{i}.indexer.score_state", c.score_state)]
         return out
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """`named_cache_tensors` without the names."""
+        return [t for _, t in self.named_cache_tensors()]
 
     def allocate(self, rows: int, max_seq_len: int) -> None:
         """(Re)allocate every layer's cache for `rows` sequences of up to `max_seq_len` tokens."""
