@@ -163,16 +163,18 @@ def _print(report: dict, con: Console) -> None:
     if report.get("fallbacks"):
         con.print(f"ops on the torch reference (no kernel in their backend): {', '.join(report['fallbacks'])}",
                   highlight=False)
+    if report.get("against"):
+        _print_against(report, con)
     if report.get("guided"):
         t = Table(title="guided decoding: decode + sample (temperature 1) + logprobs per step; the mask filled on "
                         "the host while the step runs")
         for col in ("batch", "no mask ms", "all-ones ms", "overhead", "JSON matcher ms", "overhead",
-                    "host fill ms"):
+                    "host fill ms", "host accept ms"):
             t.add_column(col, justify="right")
         for g in report["guided"]:
             t.add_row(str(g["batch"]), f"{g['off_ms']:.3f}", f"{g['all_ones_ms']:.3f}",
                       f"{g['all_ones_overhead_ms']:+.3f}", f"{g['json_ms']:.3f}", f"{g['json_overhead_ms']:+.3f}",
-                      f"{g['json_fill_ms']:.3f}")
+                      f"{g['json_fill_ms']:.3f}", f"{g['json_accept_ms']:.3f}")
         con.print(t)
     if report.get("speculative"):
         _print_speculative(report, con)
@@ -189,6 +191,32 @@ def _print(report: dict, con: Console) -> None:
                 p.add_row(str(r["batch"]), f"{r['ms_per_step']:.2f}", f"{ours[r['batch']]:.2f}",
                           f"{r['speedup_ours']:.2f}x")
         con.print(p)
+
+
+def _print_against(report: dict, con: Console) -> None:
+    """The main configuration and each `--against` one side by side: TTFT and decode ms/step, each with its
+    ratio to the (shared) floor, and the peers' ratio to the main row."""
+    main = {"spec": _backend_cell(report), "prefill": report["prefill"], "decode": report["decode"]}
+    t = Table(title=f"same run, same floors: {report['prompt_len']}-token prefill and decode ms/step (x floor; "
+                    f"peers also / {main['spec']})")
+    t.add_column("configuration", justify="left")
+    t.add_column(f"TTFT ms (P {report['prompt_len']})", justify="right")
+    for d in report["decode"]:
+        t.add_column(f"decode B={d['batch']}", justify="right")
+    t.add_row(main["spec"], f"{main['prefill']['ttft_ms']:.2f} ({main['prefill']['ratio']:.1f}x)",
+              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in main["decode"]])
+    for a in report["against"]:
+        pf = a["prefill"]
+        t.add_row(a["spec"], f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x; {pf['vs_main']:.2f})",
+                  *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x; {d['vs_main']:.2f})" for d in a["decode"]])
+    con.print(t)
+    for a in report["against"]:
+        if a.get("fallbacks"):
+            con.print(f"{a['spec']}: ops on the torch reference: {', '.join(a['fallbacks'])}", highlight=False)
+        for d in a["decode"]:
+            if d.get("graph_error"):
+                con.print(f"[red]{a['spec']} batch {d['batch']}: graph capture failed, timed eagerly: "
+                          f"{d['graph_error']}[/red]")
 
 
 def _print_speculative(report: dict, con: Console) -> None:
@@ -244,6 +272,9 @@ def bench_cmd(
     guided: bool = typer.Option(False, "--guided", help="Also time guided decoding's per-step overhead at each "
                                 "batch size: decode + sample without a mask, with all-ones masks, and with an "
                                 "xgrammar JSON matcher per row (needs the guided extra)."),
+    against: list[str] = typer.Option(None, "--against", help="Also time another configuration in the same run, "
+                                      "against the same floors (repeatable): a backend (triton), or a backend "
+                                      "with a per-op map (triton:grouped_gemm=tilelang,sparse_attn_fp8=tilelang)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
                                   "(e.g. docs/perf-log.md)."),
@@ -263,7 +294,7 @@ def bench_cmd(
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
                         numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
-                        profile=profile, guided=guided, speculate=speculate)
+                        profile=profile, guided=guided, speculate=speculate, against=tuple(against or ()))
     err = Console(stderr=True)
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:
@@ -273,6 +304,8 @@ def bench_cmd(
         argv += ["--op", op_map] if op_map else []
         argv += ["--numerics", numerics] if numerics != "official" else []
         argv += (["--device", device] if device else []) + (["--peer", peer] if peer else [])
+        for a in against or ():
+            argv += ["--against", a]
         record(record_to, report, shlex.join(argv))
     if as_json:
         print(json.dumps(report, default=str))

@@ -183,8 +183,35 @@ def test_cli_json_and_record(tmp_path):
     assert len(rows) == 1 and "deepinfer bench --preset tiny" in rows[0] and "B=1:" in rows[0]
 
 
+def test_bench_against_same_run_same_floors(tmp_path):
+    """--against times other configurations in the same run: one row per configuration against the main rows'
+    floors, the per-op map recorded, the main dispatch restored afterwards; the table prints them."""
+    from deepinfer.ops import ops
+
+    r = run_bench(BenchOptions(preset="tiny", batches=(1, 2), prompt_len=6, gen_len=1, device="cpu", progress=False,
+                               against=("torch", "torch:rms_norm=torch")))
+    assert [a["spec"] for a in r["against"]] == ["torch", "torch:rms_norm=torch"]
+    assert [a["op_map"] for a in r["against"]] == ["", "rms_norm=torch"]
+    for a in r["against"]:
+        assert [d["batch"] for d in a["decode"]] == [1, 2]
+        pf = a["prefill"]
+        assert pf["ratio"] == pytest.approx(pf["ttft_ms"] / r["prefill"]["floor"]["floor_ms"])
+        assert pf["vs_main"] == pytest.approx(pf["ttft_ms"] / r["prefill"]["ttft_ms"])
+        for d, m in zip(a["decode"], r["decode"]):
+            assert _finite_positive(d["ms_per_step"])
+            assert d["ratio"] == pytest.approx(d["ms_per_step"] / m["floor"]["floor_ms"])
+            assert d["vs_main"] == pytest.approx(d["ms_per_step"] / m["ms_per_step"])
+    assert ops.op_map == {}  # the main configuration is back
+    args = ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "6", "--gen-len", "1", "--device", "cpu",
+            "--against", "torch:rms_norm=torch"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "same run, same floors" in res.output and "torch:rms_norm=torch" in res.output
+
+
 def test_cli_bad_options():
-    for args in (["bench", "--batch", "0"], ["bench", "--preset", "nope"], ["bench", "--batch", "a,b"],
+    for args in (["bench", "--against", "nope"], ["bench", "--against", "triton:foo=tilelang"],
+                 ["bench", "--against", "torch:rms_norm"], ["bench", "--against", "tilelang", "--device", "cpu"],["bench", "--batch", "0"], ["bench", "--preset", "nope"], ["bench", "--batch", "a,b"],
                  ["bench", "--peer", "vllm", "--device", "cpu", "--batch", "1"]):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)

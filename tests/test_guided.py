@@ -396,7 +396,7 @@ def test_bench_guided_runs(lm, compiler):
     out = time_guided(lm.model, lm.cfg, 2, 8, 2, lm.model.device, 0, compiler)
     for mode in ("off", "all_ones", "json"):
         assert out[f"{mode}_ms"] > 0
-    assert out["json_fill_ms"] > 0 and "all_ones_overhead_ms" in out and out["batch"] == 2
+    assert out["json_fill_ms"] > 0 and out["json_accept_ms"] > 0 and "all_ones_overhead_ms" in out and out["batch"] == 2
 
 
 # ------------------------------------------------------------------------------------ GPU

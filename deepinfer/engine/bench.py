@@ -11,6 +11,9 @@ What is measured (on the chosen device, in this process):
   logprobs + the tokens back to the host) without a mask, with the mask path and all-ones masks (host
   fill, pinned copy, `apply_token_bitmask`), and with an xgrammar JSON-grammar matcher per row (the host
   fill overlapping the decode step on CUDA): ms/step of each, the overheads, and the host fill time.
+* peers in the same run (`--against triton`, `--against triton:sparse_attn_fp8=tilelang,...`): the same
+  model, prompts, floors and batch sizes timed again with each other backend (and per-op map), TTFT and
+  decode rows with their ratio to the main configuration's.
 * the device: copy bandwidth and dense matmul rate (`deepinfer.engine.rates`). Floors use these measured
   numbers, not specs.
 
@@ -63,6 +66,7 @@ class BenchOptions:
     profile: bool = False
     guided: bool = False
     speculate: int = 0  # > 0: also time speculative steps of K MTP drafts per batch size (`spec_bench`)
+    against: tuple = ()  # --against: other configurations ("triton", "triton:op=b,...") timed in the same run
     notes: list = field(default_factory=list)
 
 
@@ -182,7 +186,9 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     sample (temperature 1) + logprobs -> tokens to the host -> matchers accept, fed back, in each mode:
     off (no mask), all_ones (every row unconstrained: fill + copy + apply of all-ones masks), json (an
     xgrammar builtin-JSON matcher per row, reset when it terminates). The host fill runs right after the
-    decode step is launched, as in the scheduler; `json_fill_ms` is its host time per step."""
+    decode step is launched, as in the scheduler; `json_fill_ms` is its host time per step (hidden behind the
+    step while shorter than it), `json_accept_ms` the matchers' accept after the tokens are back (serial:
+    on the step's critical path)."""
     from deepinfer.engine.guided import MaskBuffer
     from deepinfer.engine.runner import DecodeRunner, GraphCaptureError
 
@@ -210,11 +216,11 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     for mode in GUIDED_MODES:
         matchers = [json_guide.matcher() if mode == "json" else None for _ in range(B)]
         ids, pos = first, torch.full((B,), P, dtype=torch.long, device=device)
-        fill_s = 0.0
+        fill_s = accept_s = 0.0
         for s in range(WARMUP_STEPS + K):
             if s == WARMUP_STEPS:
                 sync(device)
-                t0, fill_s = time.perf_counter(), 0.0
+                t0, fill_s, accept_s = time.perf_counter(), 0.0, 0.0
             logits = runner.decode(ids, pos, rows)
             if mode != "off":
                 tf = time.perf_counter()
@@ -224,18 +230,21 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
             toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)
             ops.logprobs(logits)
             toks_l = toks.tolist()
+            ta = time.perf_counter()
             for j, m in enumerate(matchers):
                 if m is not None:
                     if not m.accept_token(toks_l[j]):
                         raise RuntimeError(f"bench --guided: the matcher refused token {toks_l[j]} the mask allowed")
                     if m.is_terminated():
                         m.reset()
+            accept_s += time.perf_counter() - ta
             ids, pos = toks.view(B, 1), pos + 1
         sync(device)
         out[f"{mode}_ms"] = (time.perf_counter() - t0) / K * 1e3
         if mode != "off":
             out[f"{mode}_overhead_ms"] = out[f"{mode}_ms"] - out["off_ms"]
             out[f"{mode}_fill_ms"] = fill_s / K * 1e3
+            out[f"{mode}_accept_ms"] = accept_s / K * 1e3
     return out
 
 
@@ -258,6 +267,52 @@ def _fp8_prefill_gemm(device: torch.device) -> str | None:
     return backend_facts(ops.backend, device).get("fp8_prefill_gemm")
 
 
+def _check_device(device: torch.device, what: str | None = None) -> None:
+    """Kernel backends run on CUDA only: a BackendError naming the option otherwise."""
+    for b in ops.backends():
+        if b != "torch" and device.type != "cuda":
+            from deepinfer.ops.registry import BackendError
+
+            opt = what or ("--backend" if b == ops.backend else "--op backend")
+            raise BackendError(f"{opt} {b} needs a CUDA device (device is {device})")
+
+
+def parse_against(spec: str) -> tuple[str, dict[str, str]]:
+    """An `--against` entry: `triton` or `triton:grouped_gemm=tilelang,...` -> (backend, op map); an unknown
+    backend or op is a ValueError naming the valid ones (`parse_op_map`)."""
+    from deepinfer.ops.registry import BACKENDS, parse_op_map
+
+    backend, _, ops_text = (x.strip() for x in spec.partition(":"))
+    if backend not in BACKENDS:
+        raise ValueError(f"--against {spec!r}: unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    return backend, parse_op_map(ops_text, f"--against {spec!r}:")
+
+
+def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec: str, main: dict, device,
+                 graphs: bool, batches: list[int], log) -> dict:
+    """Prefill and decode timed again under configuration `spec` (`parse_against`), against the same floors
+    as the main rows (`main`: the report so far) -> {spec, backend, op_map, fallbacks, prefill, decode}; the
+    dispatch is left on `spec` (the caller restores the main one)."""
+    backend, op_map = parse_against(spec)
+    ops.configure(backend, opts.strict if opts.strict else None, op_map)
+    log(f"against {spec}: prefill 1 x {opts.prompt_len} tokens ...")
+    model.allocate(1, opts.prompt_len + 1)
+    pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
+    floor_pf = main["prefill"]["floor"]["floor_ms"]
+    pf.update(ratio=pf["ttft_ms"] / floor_pf, vs_main=pf["ttft_ms"] / main["prefill"]["ttft_ms"])
+    time_decode(model, cfg, batches[0], min(opts.prompt_len, 16), 2, device, opts.seed, graphs=False)  # compiles
+    rows = []
+    main_dec = {d["batch"]: d for d in main["decode"]}
+    for B in batches:
+        log(f"against {spec}: decode batch {B} ...")
+        d = time_decode(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed, graphs=graphs)
+        m = main_dec[B]
+        d.update(ratio=d["ms_per_step"] / m["floor"]["floor_ms"], vs_main=d["ms_per_step"] / m["ms_per_step"])
+        rows.append(d)
+    return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "fallbacks": sorted(ops.fallbacks),
+            "prefill": pf, "decode": rows}
+
+
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     """Run every measurement of `deepinfer bench`; returns the JSON-able report."""
     from deepinfer.engine.loader import OptionError, resolve_device, resolve_numerics
@@ -273,13 +328,17 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         raise OptionError(f"--peer {opts.peer!r}: only 'transformers' is supported")
     if opts.speculate < 0:
         raise OptionError(f"--speculate {opts.speculate}: must be at least 1 (draft tokens per step)")
+    peers = []
+    for spec in opts.against:
+        try:
+            peers.append(parse_against(spec))
+        except ValueError as e:
+            raise OptionError(str(e)) from None
+    for backend, op_map in peers:  # importable and complete enough before anything is built
+        ops.configure(backend, opts.strict if opts.strict else None, op_map)
+        _check_device(device, "--against")
     ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
-    for b in ops.backends():
-        if b != "torch" and device.type != "cuda":
-            from deepinfer.ops.registry import BackendError
-
-            what = "--backend" if b == ops.backend else "--op backend"
-            raise BackendError(f"{what} {b} needs a CUDA device (device is {device})")
+    _check_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -339,6 +398,18 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         d["ratio"] = d["ms_per_step"] / d["floor"]["floor_ms"]
         d["ratio_engine_bytes"] = d["ms_per_step"] / d["floor"]["floor_engine_ms"]
         report["decode"].append(d)
+    if peers:
+        main_cfg = (ops.backend, ops.strict, dict(ops.op_map))
+        main_fallbacks = dict(ops.fallbacks)
+        report["against"] = []
+        try:
+            for spec in opts.against:
+                peer_graphs = device.type == "cuda" and not opts.eager and parse_against(spec)[0] != "torch"
+                report["against"].append(time_against(model, cfg, opts, spec, report, device, peer_graphs, batches,
+                                                        log))
+        finally:
+            ops.configure(*main_cfg)
+            ops.fallbacks.update(main_fallbacks)
     if opts.guided:
         from deepinfer.engine.guided import GuideCompiler
         from deepinfer.tokenizer import V4Tokenizer
