@@ -66,8 +66,8 @@ def _verify_commit_then_decode(m, dev, logits_atol: float):
     """Ten verify steps of 4 tokens on two rows (prompts of 13 and 6 tokens), keeping 1-4 tokens per row and
     step (KEEPS): to position 40 / 30, across the window's wrap (8), CSA's blocks (4) and two HCA entries (16);
     the dropped tokens are arbitrary ids. Then the same caches rebuilt by decode steps over the kept tokens
-    only, each decode's logits checked against the verify's at that position (`logits_atol`).
-    -> (the rows' cache tensors after verify + commit, the same after decode)."""
+    only. -> (the rows' cache tensors after verify + commit, the same after decode, [(row, kept token, max
+    |decode logits - verify logits|)] where that exceeds `logits_atol`)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (13,), generator=g).tolist(), torch.randint(1, 1000, (6,), generator=g).tolist()]
     cont = [torch.randint(1, 1000, (40,), generator=g).tolist() for _ in prompts]
@@ -93,12 +93,15 @@ def _verify_commit_then_decode(m, dev, logits_atol: float):
     spec = _live(m, [0, 1])
     setup()
     pos = [len(p) for p in prompts]
+    off = []
     for b in range(2):
         for i in range(used[b]):
             lg = m.decode(t([[cont[b][i]]]), t([pos[b]]), rows=t([b]))
-            assert torch.allclose(lg[0, -1].float(), vlogits[b][i].float(), atol=logits_atol, rtol=0), (b, i)
+            err = (lg[0, -1].float() - vlogits[b][i].float()).abs().max().item()
+            if not err <= logits_atol:  # NaN included
+                off.append((b, i, err))
             pos[b] += 1
-    return spec, _live(m, [0, 1])
+    return spec, _live(m, [0, 1]), off
 
 
 @pytest.mark.slow
@@ -112,7 +115,8 @@ def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
     else:
         m = load_model(None, numerics="official", dtype="float32", device="cpu", progress=False).model
         m.set_kv_qat(True)
-    spec, dec = _verify_commit_then_decode(m, "cpu", 1e-4)
+    spec, dec, off = _verify_commit_then_decode(m, "cpu", 1e-4)
+    assert not off, off
     _assert_caches(spec, dec, "verify + commit vs decode")
 
 
@@ -122,7 +126,7 @@ def test_gpu_verify_commit_caches_equal_decode_bf16():
     row the same bits whatever the batch's row count), every cache tensor that differs named with its error."""
     ops.configure("triton", strict=True)
     m = load_model(None, numerics="official", dtype="bfloat16", device="cuda", progress=False).model
-    spec, dec = _verify_commit_then_decode(m, "cuda", 0.0)
+    spec, dec, off = _verify_commit_then_decode(m, "cuda", 0.0)
     names = [n for n, _ in m.named_cache_tensors()]  # the order of _live's cache_tensors()
     assert len(names) == len(spec)
     bad = []
@@ -133,6 +137,7 @@ def test_gpu_verify_commit_caches_equal_decode_bf16():
             err = (x.float() - y.float()).abs()[f].max().item() if f.any() else float("nan")
             bad.append(f"{names[i]} {tuple(y.shape)}: {err:.3g}")
     assert not bad, bad
+    assert not off, off  # (row, kept token, logits error) where decode's logits are not verify's bits
 
 
 @pytest.mark.slow
@@ -514,41 +519,37 @@ LENS = [9, 3, 6, 12, 5]  # rows finish at different steps: the batch walks throu
 def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     """Triton backend, CUDA graphs per bucket, with the MTP block's drafts and with the oracle drafter
     (acceptance runs): the speculative step's replay equals the same step run eagerly in the same padded
-    buckets (tokens and logprobs), and its greedy tokens equal plain greedy decoding's (graphs).
+    buckets (tokens and logprobs), and its greedy tokens equal plain greedy decoding's (graphs), in batches of
+    3 slots and, bf16, in one slot too.
 
-    float32: every token, in batches of 3 slots. bfloat16: every token with one slot, where a verify of K + 1
-    positions and a decode step run the same kernels on the same rows; in batches, decoding itself is not
-    invariant to the batch's composition in bf16 (plain decoding with 1, 3 or 5 slots already picks other
-    tokens at margins up to ~0.4 on random weights: a bf16 rounding moved by the GEMM's row count flips an FP8
-    activation code), so there the speculative run is only held to its own eager replay."""
+    In bf16 this needs every kernel of the step to give a token the same bits whether it is alone (a decode
+    step at batch 1), one of B rows, or one of B x (K + 1) verify tokens: up to 16 rows the Triton GEMMs keep one
+    tile shape, and the mHC mix one split (`kernels/triton/mhc.py`); here 3 x 4 = 12 rows at most."""
     from deepinfer.engine.generate import _SPEC_STEPS
 
     ops.configure("triton", strict=True)
     lm = load_model(None, numerics=numerics, dtype=dtype, device="cuda", progress=False)
     plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in [24] * 5]
-    slots = 3 if dtype == "float32" else 1
-    plain = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, graphs=True).completions
+    plain = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=1, graphs=True).completions
+    plain3 = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, graphs=True).completions
+    assert [c.token_ids for c in plain3] == [c.token_ids for c in plain]
 
     for oracle in (False, True):
         if oracle:
             _oracle(monkeypatch, plain, PROMPTS)
             _SPEC_STEPS.clear()  # the captured graphs hold the drafter they were captured with
-        g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, graphs=True, speculate=k).completions
-        e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, pad_to_buckets=True,
-                     speculate=k).completions
-        for a, b in zip(g, e):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
-        assert [c.token_ids for c in g] == [c.token_ids for c in plain], (oracle, k)
-        if oracle:
-            assert sum(c.spec_accepted for c in g) > 0
-        if dtype == "bfloat16":  # batched: replay against eager only (see above)
+        for slots in ((1, 3) if dtype == "bfloat16" else (3,)):
+            g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, graphs=True, speculate=k).completions
+            e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, pad_to_buckets=True,
+                         speculate=k).completions
+            for i, (a, b) in enumerate(zip(g, e)):
+                assert a.token_ids == b.token_ids, ("replay vs eager", oracle, slots, i)
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5, ("replay vs eager", oracle,
+                                                                                         slots, i)
+            assert [c.token_ids for c in g] == [c.token_ids for c in plain], (oracle, k, slots)
+            if oracle:
+                assert sum(c.spec_accepted for c in g) > 0
             _SPEC_STEPS.clear()
-            g3 = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, graphs=True, speculate=k).completions
-            e3 = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=3, pad_to_buckets=True,
-                          speculate=k).completions
-            assert [c.token_ids for c in g3] == [c.token_ids for c in e3]
-        _SPEC_STEPS.clear()
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from deepinfer.ops.registry import implement
 
 from . import norm
 from .moe import combined_row
-from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, store_act_quant, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 from ._common import unit_last_stride
 
 
@@ -173,42 +173,6 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
         tl.store(y_ptr + t * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
-def _hc_apply_quant_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, nw_ptr, y_ptr, q_ptr, s_ptr, o_ptr, HC, D, NS, NB,
-                           norm_eps, hc_eps, eps, HAS_W: tl.constexpr, BHC: tl.constexpr, BW: tl.constexpr,
-                           BS: tl.constexpr, BNB: tl.constexpr, QB: tl.constexpr, SPLIT: tl.constexpr = False):
-    """`hc_pre_quant` for token t (one program, the whole row in registers): y = sum_j pre_j x_j in x's dtype
-    (`_hc_apply_kernel`'s expressions; the mix partials summed BS at a time, BS set for this program's warps,
-    so the mixes may differ from the apply launch's in the last bit), then `_rms_norm_quant_kernel`'s norm of
-    that y -- sum of squares, x · r · w in `_normed`'s order, the act_quant of the cast value
-    (`quant_e4m3_rows`) -- for its NB blocks of QB columns at once. Replaces the apply launch (16 programs per
-    token) and the norm launch; SPLIT also stores the FP4 experts' input form (`store_bf16_split`)."""
-    pdl_wait()
-    t = tl.program_id(0).to(tl.int64)
-    R = (2 + HC) * HC
-    j = tl.arange(0, BHC)
-    mj = j < HC
-    blk = tl.arange(0, BNB)
-    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [BNB, QB]
-    m = blk[:, None] < NB
-    # The row and the norm weight are loaded before the partials are summed: the three loads are in flight
-    # together instead of one after another behind the sums' barriers (the kernel is a chain of latencies).
-    x = tl.load(x_ptr + (t * HC + j[:, None, None]) * D + cols[None, :, :], mask=mj[:, None, None] & m[None, :, :],
-                other=0.0)
-    if HAS_W:
-        nw = tl.load(nw_ptr + cols, mask=m, other=0.0)
-    mix, w, r = _mixes(ws_ptr, t, NS, R, HC * D, norm_eps, BW, BS)
-    pre = tl.where(mj, _pre(mix, w, r, scale_ptr, base_ptr, HC, hc_eps, BHC), 0.0)
-    yb = tl.sum(pre[:, None, None] * x.to(tl.float32), 0).to(y_ptr.dtype.element_ty).to(tl.float32)  # hc_pre's y
-    rr = tl.math.rsqrt(tl.sum(tl.sum(yb * yb, 1), 0) / D + eps)
-    yn = yb * rr
-    if HAS_W:
-        yn = nw.to(tl.float32) * yn
-    yc = yn.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + t * D + cols, yc, mask=m)
-    store_act_quant(yc.to(tl.float32), q_ptr + t * D, s_ptr + t * NB, o_ptr + t * D, blk, m, NB, QB, SPLIT)
-
-
 TILE_TOKENS = 64
 """From this many tokens (prefill) the mix runs token-tiled: per-token programs re-read the whole fn
 ([24, 16384] fp32 = 1.5 MB for hc_pre) once per token (~0.2 ms per call at 1024 tokens on the H200)."""
@@ -234,13 +198,17 @@ thread 9.5 / 12.0 / 14.9; bounding the tile alone (a loop of four loads) 18.5 at
 
 
 def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
-    """The mix launch: -> (ws [T, ns, R + 1] split-K partials, ns, tiled)."""
+    """The mix launch: -> (ws [T, ns, R + 1] split-K partials, ns, tiled). Below `TILE_TOKENS` a token's
+    partials are the same bits at every T (ns is one token's split); from it on the token-tiled kernel's."""
     KD = HC * D
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
     BT = 64 if tiled else 1
     BR = max(16, p2(R)) if tiled else p2(R)
     BK = 64 if tiled else max(16, min(p2(KD), MIX_TILE // BR))
-    per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT), 2 * sms(xc.device))
+    # decode sizes: the split of one token whatever T, so a token's partials -- and the order the apply sums
+    # them in -- do not depend on how many tokens share the call (a verify step of S tokens, a batch of B
+    # rows: the same bits as one decode step of that row)
+    per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT) if tiled else 1, 2 * sms(xc.device))
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
@@ -307,48 +275,21 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return y, post, comb
 
 
-QUANT_FUSED_MAX_TOKENS = TILE_TOKENS
-"""`hc_pre_quant` runs fused (one program per token: `_hc_apply_quant_kernel`) below this many tokens (decode)
-when its apply computes post / comb too (no `side`), else as `hc_pre` then `rms_norm_quant` (prefill's
-token-tiled mix and wide apply tiles; decode with `side`, the branch's default on CUDA).
-
-Why not fused with `side`: one program per token runs the whole row's sum, norm and quantisation as one
-chain of ~2100 instructions with 16 barriers (offline sm_90 compile), while the apply launch without the
-Sinkhorn rounds spreads the row over 16 programs and `rms_norm_quant` is short. H200 (batch 1, hc 4, D 4096,
-graph-timed chains, us per call incl. the mix launch): fused 10.0; apply without comb + `rms_norm_quant` 7.7;
-apply with comb + `rms_norm_quant` 10.5, so without a side stream the fused form stays (docs/perf-log.md,
-"The batch-1 critical path: norm launches, routing, stream priority")."""
-
-
 @implement("hc_pre_quant", "triton")
 def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
                  hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None, split: bool = False
                  ) -> tuple:
-    B, S, HC, D = x.shape
-    T, QB = B * S, 128
-    if T >= QUANT_FUSED_MAX_TOKENS or D % QB or T == 0 or side is not None:
-        y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
-        return (*norm.rms_norm_quant(y, weight, eps, QB, split=split), post, comb)
-    xc, fn, scale, base, y, post, comb = _pre_buffers(x, fn, scale, base)
-    q = torch.empty(B, S, D, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(B, S, D // QB, dtype=torch.float32, device=x.device)
-    o = torch.empty(B, S, D, dtype=torch.bfloat16, device=x.device) if split else None
-    R = (2 + HC) * HC
-    ws, ns, _ = _mix(xc, T, HC, D, R, fn)
-    meta = _apply_meta(HC, R, D, ns, False, True)  # hc_pre's decode launch (its COMB form, below)
-    NB = D // QB
-    BNB = p2(NB)
-    nw = max(4, min(16, meta["BHC"] * BNB * QB // 2048))  # ~64 row values a thread (the whole row is one tile)
-    # this program's warps load the partials in one [BS, BW] tile where <= APPLY_PARTIALS a thread allow (batch 1:
-    # all 64 at once; the 1-warp apply loads 16 at a time, 4 round trips to L2 one after another)
-    BS = max(2, min(p2(ns), APPLY_PARTIALS * 32 * nw // meta["BW"]))
-    _hc_apply_quant_kernel[(T,)](xc, ws, scale, base, weight if weight is not None else xc, y, q, s,
-                                 o if split else q, HC, D, ns, NB, float(norm_eps), float(hc_eps), float(eps),
-                                 HAS_W=weight is not None, BHC=meta["BHC"], BW=meta["BW"], BS=BS, BNB=BNB, QB=QB,
-                                 SPLIT=split, num_warps=nw, **pdl())
-    args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
-    _comb(args, meta, T, ws, None)  # no side here (with one, the composition above runs)
-    return (y, q, s, o, post, comb) if split else (y, q, s, post, comb)
+    """`hc_pre` then `rms_norm_quant` of its y (two launches, post / comb under `side` when given).
+
+    At every size and with or without `side` the bits are those two kernels', so a decode step (side stream on
+    CUDA), the same step in order, and a speculative verify of S tokens give a token the same y, q, s. A
+    one-program-per-token fused form (sum, norm and quantisation of the row in registers) summed the mixes in
+    its own order: on the H200 58-71 % of its fp32 y differed in the last bits, a bf16 x flipped by one ulp
+    now and then, the compressors' fp32 projections of x moved, and speculative greedy decoding left plain
+    decoding (docs/perf-log.md, "Speculative decoding's bf16 greedy equality"). It was ~0.5 us faster per call
+    than this composition where no side stream runs (10.0 against 10.5 us, batch 1)."""
+    y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
+    return (*norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
 
 
 @implement("hc_head", "triton")

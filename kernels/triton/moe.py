@@ -166,12 +166,14 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
 
 GEMV_MAX_T = 16
 ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM = 256, 1
-"""The GEMV launch at one or two tokens (batch-1 decode): 256-wide D steps and a split target of one program
-per SM, so the fused select sums 8 partials instead of 32 (E 256, D 4096). H200 (graph-timed chains, us
-per moe_route): BD 128 / 2 per SM (the general setting) 10.7; BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2;
-BD 256 / 0.5 8.9; BD 512 / 1 8.1 (docs/perf-log.md, "The batch-1 critical path: norm launches, routing,
-stream priority"). Same routing, weights within 2^-26 (the partials' order). Not measured at more tokens,
-which keep the general setting."""
+"""The GEMV launch (decode sizes, T <= GEMV_MAX_T): two-token tiles, 256-wide D steps and the split of one token
+tile at one program per SM, so the fused select sums 8 partials (E 256, D 4096). H200 at batch 1 (graph-timed
+chains, us per moe_route): BD 128 / 2 per SM 10.7; BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2; BD 256 / 0.5
+8.9; BD 512 / 1 8.1 (docs/perf-log.md, "The batch-1 critical path: norm launches, routing, stream priority").
+The tile and the split do not change with T, so a token's logits, scores and weights are the same bits
+whether it is routed alone, in a batch of rows or in a speculative verify of S tokens (the general setting
+-- tiles of p2(T) tokens, 128-wide steps, splits by tile count -- summed them in another order at T > 2).
+More tokens are more token tiles, each re-reading the gate from L2."""
 FUSED_SELECT = True
 """On the GEMV path (decode sizes) the selection runs in the logits kernel's last program of each token tile
 (`_moe_logits_kernel` SELECT): one launch per routing instead of two, the same bits (`_select` either way)."""
@@ -197,16 +199,15 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     per_sm = 2  # split-K target: programs per SM
     if dot:
         BT, BE, BD = (32 if T <= 64 else 64), 64, 32
-    else:
-        BT = max(2, p2(T))
-        BD, per_sm = (ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM) if BT == 2 else (128, per_sm)
-        BD = max(16, min(p2(D), BD))
+    else:  # every T: one token tile's shape and split (GEMV_MAX_T's docstring)
+        BT, per_sm = 2, ROUTE_ONE_TOKEN_PER_SM
+        BD = max(16, min(p2(D), ROUTE_ONE_TOKEN_BD))
         BE = max(2, min(p2(E), 8192 // (BT * BD)))
-    tiles = triton.cdiv(T, BT) * triton.cdiv(E, BE)
+    tiles = (triton.cdiv(T, BT) if dot else 1) * triton.cdiv(E, BE)
     per, ns = split_k(triton.cdiv(D, BD), tiles, per_sm * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     BE2 = max(16, p2(E))
-    BT2 = max(2, min(16, p2(T)))  # == BT on the GEMV path: the fused select takes the logits' token tiles
+    BT2 = BT if not dot else max(2, min(16, p2(T)))  # the GEMV path's fused select takes the logits' token tiles
     sel = dict(FUNC=func, HAS_BIAS=bias is not None, HASH=tid2eid is not None, BKT=max(2, p2(k)),
                BS=max(2, min(p2(ns), 8192 // (BT2 * BE2))), ONE=ns == 1)
     sel_args = (bias.contiguous() if bias is not None else ws, tid2eid.contiguous() if tid2eid is not None else ws,
