@@ -71,8 +71,9 @@ def _peer_cell(report: dict) -> str:
 
 
 def record(path: str, report: dict, command: str) -> None:
-    """Append one row for `report` to the markdown table in `path` (created with its header if missing);
-    the file is rewritten through a rename, so an interrupted write never leaves half a row."""
+    """Append one row for `report` to the markdown table in `path` (created with its header if missing), and one
+    per `--against` configuration; the file is rewritten through a rename, so an interrupted write never leaves
+    half a row."""
     head = "" if os.path.isfile(path) else DOC_HEADER
     pf, dec = report["prefill"], report["decode"]
     last = dec[-1]
@@ -84,18 +85,26 @@ def record(path: str, report: dict, command: str) -> None:
         f"{last['tokens_per_s']:.0f} @{last['batch']}",
         f"{report['peak_mem_bytes'] / GiB:.1f}" if report.get("peak_mem_bytes") else "-", _peer_cell(report),
     ]
-    row = "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |"
+    rows = [cells]
+    for a in report.get("against", []):  # the same run's other configurations, against the same floors
+        apf, adec = a["prefill"], a["decode"]
+        rows.append(cells[:3] + [f"{a['spec']} · {report['numerics']} (same run as {_backend_cell(report)})",
+                                 cells[4], cells[5], f"{apf['ttft_ms']:.1f} ({apf['prompt_len']})",
+                                 f"{apf['tokens_per_s']:.0f}",
+                                 "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in adec),
+                                 f"{adec[-1]['tokens_per_s']:.0f} @{adec[-1]['batch']}", "-", "-"])
+    new = ["| " + " | ".join(c.replace("\n", " ") for c in r) + " |" for r in rows]
     if head:
-        atomic_write(path, head + row + "\n")
+        atomic_write(path, head + "\n".join(new) + "\n")
         return
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
-    # the new row goes under the table's last dated row (the file may go on with prose below the table)
+    # the new rows go under the table's last dated row (the file may go on with prose below the table)
     last = max((i for i, ln in enumerate(lines) if re.match(r"^\| \d{4}-\d{2}-\d{2} \|", ln)), default=None)
     if last is None:
-        lines = lines[:-1] + [row, ""] if lines and lines[-1] == "" else lines + [row, ""]
+        lines = lines[:-1] + new + [""] if lines and lines[-1] == "" else lines + new + [""]
     else:
-        lines.insert(last + 1, row)
+        lines[last + 1:last + 1] = new
     atomic_write(path, "\n".join(lines))
 
 

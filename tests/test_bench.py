@@ -202,11 +202,15 @@ def test_bench_against_same_run_same_floors(tmp_path):
             assert d["ratio"] == pytest.approx(d["ms_per_step"] / m["floor"]["floor_ms"])
             assert d["vs_main"] == pytest.approx(d["ms_per_step"] / m["ms_per_step"])
     assert ops.op_map == {}  # the main configuration is back
+    doc = tmp_path / "perf.md"
     args = ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "6", "--gen-len", "1", "--device", "cpu",
-            "--against", "torch:rms_norm=torch"]
+            "--against", "torch:rms_norm=torch", "--record", str(doc)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "same run, same floors" in res.output and "torch:rms_norm=torch" in res.output
+    rows = [ln for ln in doc.read_text().splitlines() if ln.startswith("| 20")]
+    assert len(rows) == 2 and "--against torch:rms_norm=torch" in rows[0]
+    assert "torch:rms_norm=torch · official (same run as torch)" in rows[1] and "B=1:" in rows[1]
 
 
 def test_cli_bad_options():
