@@ -215,7 +215,8 @@ def test_bench_against_same_run_same_floors(tmp_path):
 
 def test_cli_bad_options():
     for args in (["bench", "--against", "nope"], ["bench", "--against", "triton:foo=tilelang"],
-                 ["bench", "--against", "torch:rms_norm"], ["bench", "--against", "tilelang", "--device", "cpu"],["bench", "--batch", "0"], ["bench", "--preset", "nope"], ["bench", "--batch", "a,b"],
+                 ["bench", "--against", "torch:rms_norm"], ["bench", "--against", "tilelang", "--device", "cpu"],
+                 ["bench", "--batch", "0"], ["bench", "--preset", "nope"], ["bench", "--batch", "a,b"],
                  ["bench", "--peer", "vllm", "--device", "cpu", "--batch", "1"]):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)

@@ -437,10 +437,8 @@ def test_guided_with_cuda_graphs_gpu(tiny_dir):
     ps = [SamplingParams(max_new_tokens=64, temperature=t, seed=s, guide=g) for s in range(4) for t in (0.0, 1.0)
           for g in (gj, gr)] + [SamplingParams(max_new_tokens=8, temperature=1.0, seed=9)]
     prompts = (_ids(lm, PROMPTS) * 5)[:len(ps)]
-    from deepinfer.engine.generate import _RUNNERS
-
     res = generate(lm.model, prompts, ps, EOS, max_batch=8, graphs=True).completions
-    assert _RUNNERS[lm.model].mode == "graphs" and _RUNNERS[lm.model].captured
+    assert lm.model.steps["decode"].mode == "graphs" and lm.model.steps["decode"].captured
     for c, p in zip(res, ps):
         if p.guide is gj:
             jsonschema.validate(json.loads(_text(lm, c)), SCHEMA)

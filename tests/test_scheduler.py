@@ -353,3 +353,20 @@ def test_model_prefill_in_chunks_equals_one_prefill(lm_exact):
         torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5 * scale, msg=str(chunks))
     with pytest.raises(ValueError, match="one row"):
         m.prefill(ids.repeat(2, 1)[:, :4], start=4)
+
+
+def test_generate_steps_are_freed_with_their_model():
+    """The decode runner and the speculative step (with their CUDA graphs) live in `model.steps`: a model that
+    generated is freed with them once nothing else refers to it (a module-level map keyed by the model kept
+    every model, its caches and graphs alive, since a runner refers to its model)."""
+    import gc
+    import weakref
+
+    m = load_model(None, numerics="exact", dtype="float32", device="cpu", progress=False).model
+    generate(m, PROMPTS[:2], SamplingParams(max_new_tokens=2), eos_id=1, max_batch=2)
+    generate(m, PROMPTS[:1], SamplingParams(max_new_tokens=3), eos_id=1, max_batch=1, speculate=1)
+    assert set(m.steps) == {"decode", "speculative"}
+    gone = weakref.ref(m)
+    del m
+    gc.collect()
+    assert gone() is None

@@ -525,8 +525,6 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     In bf16 this needs every kernel of the step to give a token the same bits whether it is alone (a decode
     step at batch 1), one of B rows, or one of B x (K + 1) verify tokens: up to 16 rows the Triton GEMMs keep one
     tile shape, and the mHC mix one split (`kernels/triton/mhc.py`); here 3 x 4 = 12 rows at most."""
-    from deepinfer.engine.generate import _SPEC_STEPS
-
     ops.configure("triton", strict=True)
     lm = load_model(None, numerics=numerics, dtype=dtype, device="cuda", progress=False)
     plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in [24] * 5]
@@ -537,7 +535,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     for oracle in (False, True):
         if oracle:
             _oracle(monkeypatch, plain, PROMPTS)
-            _SPEC_STEPS.clear()  # the captured graphs hold the drafter they were captured with
+            lm.model.steps.pop("speculative", None)  # its graphs hold the drafter they were captured with
         for slots in ((1, 3) if dtype == "bfloat16" else (3,)):
             g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, graphs=True, speculate=k).completions
             e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, pad_to_buckets=True,
@@ -549,7 +547,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
             assert [c.token_ids for c in g] == [c.token_ids for c in plain], (oracle, k, slots)
             if oracle:
                 assert sum(c.spec_accepted for c in g) > 0
-            _SPEC_STEPS.clear()
+            lm.model.steps.pop("speculative", None)
 
 
 @pytest.mark.gpu

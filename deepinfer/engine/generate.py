@@ -9,7 +9,6 @@ prompt. Sampling and logprobs go through the op registry (`sample`, `logprobs`).
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -193,28 +192,21 @@ def plan_memory(model: Transformer, prompts: list[list[int]], rows: int, max_len
     return prefill_chunk
 
 
-_RUNNERS: "weakref.WeakKeyDictionary[Transformer, DecodeRunner]" = weakref.WeakKeyDictionary()
-
-
 def _runner(model: Transformer, slots: int, graphs: bool, pad_to_buckets: bool) -> DecodeRunner:
     """One runner per model, reused while the allocation, backend, slots and mode stay the same (graphs
-    are captured once, not per call)."""
-    r = _RUNNERS.get(model)
+    are captured once, not per call). The model holds it (`model.steps`): a module-level map keyed by the
+    model kept every model alive with its caches and graphs, since a runner refers to its model."""
+    r = model.steps.get("decode")
     if r is None or not r.valid_for(model, slots, graphs, pad_to_buckets):
-        r = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
-        _RUNNERS[model] = r
+        r = model.steps["decode"] = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
     return r
 
 
-_SPEC_STEPS: "weakref.WeakKeyDictionary[Transformer, SpecStep]" = weakref.WeakKeyDictionary()
-
-
 def _spec_step(model: Transformer, k: int, slots: int, graphs: bool, pad_to_buckets: bool) -> SpecStep:
-    """One speculative step per model, reused as `_runner` (its graphs are captured once)."""
-    r = _SPEC_STEPS.get(model)
+    """One speculative step per model, reused and held as `_runner`'s (its graphs are captured once)."""
+    r = model.steps.get("speculative")
     if r is None or not r.valid_for(model, k, slots, graphs, pad_to_buckets):
-        r = SpecStep(model, k, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
-        _SPEC_STEPS[model] = r
+        r = model.steps["speculative"] = SpecStep(model, k, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
     return r
 
 

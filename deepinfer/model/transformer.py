@@ -141,6 +141,9 @@ class Transformer:
         # how the blocks' sub-steps are issued: None, in order on one stream; the engine sets its plan
         # (`deepinfer.engine.schedule.Schedule`: side streams and fusions, the same values)
         self.schedule = None
+        # the engine's steps built for this model and its allocation (decode runner, speculative step, with
+        # their CUDA graphs), held here so they are freed with the model (`deepinfer.engine.generate`)
+        self.steps: dict = {}
 
     def attentions(self):
         return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
