@@ -81,8 +81,7 @@ def record(path: str, report: dict, command: str) -> None:
         datetime.date.today().isoformat(), report["device_name"],
         f"{report['torch']} / {report['triton'] or '-'}", f"{_backend_cell(report)} · {report['numerics']}",
         report["model"], f"`{command}`", f"{pf['ttft_ms']:.1f} ({pf['prompt_len']})", f"{pf['tokens_per_s']:.0f}",
-        "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in dec),
-        f"{last['tokens_per_s']:.0f} @{last['batch']}",
+        _decode_cell(dec), f"{last['tokens_per_s']:.0f} @{last['batch']}",
         f"{report['peak_mem_bytes'] / GiB:.1f}" if report.get("peak_mem_bytes") else "-", _peer_cell(report),
     ]
     rows = [cells]
@@ -90,8 +89,7 @@ def record(path: str, report: dict, command: str) -> None:
         apf, adec = a["prefill"], a["decode"]
         rows.append(cells[:3] + [f"{a['spec']} · {report['numerics']} (same run as {_backend_cell(report)})",
                                  cells[4], cells[5], f"{apf['ttft_ms']:.1f} ({apf['prompt_len']})",
-                                 f"{apf['tokens_per_s']:.0f}",
-                                 "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in adec),
+                                 f"{apf['tokens_per_s']:.0f}", _decode_cell(adec),
                                  f"{adec[-1]['tokens_per_s']:.0f} @{adec[-1]['batch']}", "-", "-"])
     new = ["| " + " | ".join(c.replace("\n", " ") for c in r) + " |" for r in rows]
     if head:
@@ -106,6 +104,11 @@ def record(path: str, report: dict, command: str) -> None:
     else:
         lines[last + 1:last + 1] = new
     atomic_write(path, "\n".join(lines))
+
+
+def _decode_cell(decode: list[dict]) -> str:
+    """A row's decode cell: ms per step and the ratio to the floor, per batch size."""
+    return "; ".join(f"B={d['batch']}: {d['ms_per_step']:.2f} ({d['ratio']:.1f}x)" for d in decode)
 
 
 def _backend_cell(report: dict) -> str:
@@ -205,15 +208,15 @@ def _print(report: dict, con: Console) -> None:
 def _print_against(report: dict, con: Console) -> None:
     """The main configuration and each `--against` one side by side: TTFT and decode ms/step, each with its
     ratio to the (shared) floor, and the peers' ratio to the main row."""
-    main = {"spec": _backend_cell(report), "prefill": report["prefill"], "decode": report["decode"]}
+    main, pf = _backend_cell(report), report["prefill"]
     t = Table(title=f"same run, same floors: {report['prompt_len']}-token prefill and decode ms/step (x floor; "
-                    f"peers also / {main['spec']})")
+                    f"peers also / {main})")
     t.add_column("configuration", justify="left")
     t.add_column(f"TTFT ms (P {report['prompt_len']})", justify="right")
     for d in report["decode"]:
         t.add_column(f"decode B={d['batch']}", justify="right")
-    t.add_row(main["spec"], f"{main['prefill']['ttft_ms']:.2f} ({main['prefill']['ratio']:.1f}x)",
-              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in main["decode"]])
+    t.add_row(main, f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x)",
+              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in report["decode"]])
     for a in report["against"]:
         pf = a["prefill"]
         t.add_row(a["spec"], f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x; {pf['vs_main']:.2f})",

@@ -288,13 +288,18 @@ def parse_against(spec: str) -> tuple[str, dict[str, str]]:
     return backend, parse_op_map(ops_text, f"--against {spec!r}:")
 
 
-def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec: str, main: dict, device,
-                 graphs: bool, batches: list[int], log) -> dict:
-    """Prefill and decode timed again under configuration `spec` (`parse_against`), against the same floors
-    as the main rows (`main`: the report so far) -> {spec, backend, op_map, fallbacks, prefill, decode}; the
-    dispatch is left on `spec` (the caller restores the main one)."""
-    backend, op_map = parse_against(spec)
+def _graphs(device: torch.device, opts: BenchOptions, backend: str) -> bool:
+    """Decode as CUDA graphs: CUDA, a kernel backend (the torch reference MoE syncs with the host), no --eager."""
+    return device.type == "cuda" and not opts.eager and backend != "torch"
+
+
+def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec: str, backend: str,
+                 op_map: dict[str, str], main: dict, device, batches: list[int], log) -> dict:
+    """Prefill and decode timed again with `backend` and `op_map` (the `--against` entry `spec`), against the
+    same floors as the main rows (`main`: the report so far) -> {spec, backend, op_map, fallbacks, prefill,
+    decode}; the dispatch is left on it (the caller restores the main one)."""
     ops.configure(backend, opts.strict if opts.strict else None, op_map)
+    graphs = _graphs(device, opts, backend)
     log(f"against {spec}: prefill 1 x {opts.prompt_len} tokens ...")
     model.allocate(1, opts.prompt_len + 1)
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
@@ -328,13 +333,13 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         raise OptionError(f"--peer {opts.peer!r}: only 'transformers' is supported")
     if opts.speculate < 0:
         raise OptionError(f"--speculate {opts.speculate}: must be at least 1 (draft tokens per step)")
-    peers = []
+    peers = []  # (spec, backend, op map)
     for spec in opts.against:
         try:
-            peers.append(parse_against(spec))
+            peers.append((spec, *parse_against(spec)))
         except ValueError as e:
             raise OptionError(str(e)) from None
-    for backend, op_map in peers:  # importable and complete enough before anything is built
+    for _, backend, op_map in peers:  # importable and complete enough before anything is built
         ops.configure(backend, opts.strict if opts.strict else None, op_map)
         _check_device(device, "--against")
     ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
@@ -343,9 +348,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
-    # Graphs need CUDA and a backend whose decode step never syncs with the host (the torch reference
-    # MoE does); --eager turns them off.
-    graphs = device.type == "cuda" and not opts.eager and ops.backend != "torch"
+    graphs = _graphs(device, opts, ops.backend)
     log(f"building the model on {device} ...")
     cfg, model, state, source, t_weights = build(opts, device, numerics)
     if opts.speculate:
@@ -403,10 +406,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         main_fallbacks = dict(ops.fallbacks)
         report["against"] = []
         try:
-            for spec in opts.against:
-                peer_graphs = device.type == "cuda" and not opts.eager and parse_against(spec)[0] != "torch"
-                report["against"].append(time_against(model, cfg, opts, spec, report, device, peer_graphs, batches,
-                                                        log))
+            for spec, backend, op_map in peers:
+                report["against"].append(time_against(model, cfg, opts, spec, backend, op_map, report, device,
+                                                      batches, log))
         finally:
             ops.configure(*main_cfg)
             ops.fallbacks.update(main_fallbacks)
