@@ -97,7 +97,8 @@ def _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, pid, T, E, 
             BKT: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr, CG: tl.constexpr):
     """Tokens pid * BT ..: sum the NS logit partials of ws [NS, T, E] in a fixed order, score, select the
     top-k (or the hash table's experts) and their weights. CG: read the partials from L2 (`.cg`): they
-    were written by other programs of the same launch (`_moe_logits_kernel`'s fused select)."""
+    were written by other programs of the same launch (`_moe_logits_kernel`'s fused select). ONE: ws is
+    the scores tensor itself, overwritten in place once every thread has read it."""
     t = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     e = tl.arange(0, BE)
     mt = t < T
@@ -128,6 +129,10 @@ def _select(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, pid, T, E, 
         sc = tl.sigmoid(acc)
     else:
         sc = tl.sqrt(_softplus(acc))
+    if ONE:
+        # ws is s (unsplit logits, `moe_route`): the tile is held by several warps (replicas) while only one
+        # of them stores, so a replica could read a score where it expects its logit. Every load first.
+        tl.debug_barrier()
     tl.store(s_ptr + t[:, None] * E + e[None, :], sc, mask=m2)
     kk = tl.arange(0, BKT)
     mk = kk < TOPK
