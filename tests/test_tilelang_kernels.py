@@ -167,16 +167,23 @@ def _fp4_weights(E, N, K, g):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (600, 8, 256, 512), (1000, 8, 128, 256)])
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+@pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (600, 8, 256, 512), (1000, 8, 128, 256),
+                                     (40, 4, 192, 384)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_grouped_gemm_fp4(P, E, N, K, out_dtype):
-    """The FP4 experts as kernel.py's fp4_gemm computes them (e2m1 -> e4m3 in shared memory, one FP8 MMA per
-    32-K step, scales applied in fp32): the reference's values but for the fp32 summation order; rows of no expert
-    (e = -1) are 0."""
+def test_grouped_gemm_fp4(P, E, N, K, out_dtype, form, monkeypatch):
+    """Both FP4 forms: "bf16" (grouped_fp4.py: weights decoded to exact bf16 tiles, the split A, one fp32
+    accumulation in the tensor core; 16-row blocks at P <= 256, 64 beyond; N = 192 takes 64-row weight tiles) and
+    "fp8" (kernel.py's fp4_gemm: e4m3 tiles, one FP8 MMA per 32-K step, scales in fp32). The reference's values but
+    for the fp32 summation order; rows of no expert (e = -1) are 0; ue8m0 bytes and f32 scales give the same bits,
+    and so does the producer's split form (a_split)."""
+    from deepinfer_kernels.tilelang import moe as tl_moe
+
+    monkeypatch.setattr(tl_moe, "FP4_FORM", form)
     impl = _tilelang()("grouped_gemm")
     g = _g(P + E)
     w, w_s = _fp4_weights(E, N, K, g)
-    from deepinfer.ops.reference import act_quant
+    from deepinfer.ops.reference import act_quant, bf16_split
 
     a, a_s = act_quant(torch.randn(P, K, device="cuda", generator=g), 128)
     e = torch.randint(0, E, (P,), device="cuda", generator=g)
@@ -191,6 +198,30 @@ def test_grouped_gemm_fp4(P, E, N, K, out_dtype):
 
     out8 = impl(a, a_s, e, w, float_to_e8m0(w_s), out_dtype)  # ue8m0 bytes, as the checkpoint holds them
     assert torch.equal(out8, out)
+    if form == "bf16":
+        assert torch.equal(impl(a, a_s, e, w, w_s, out_dtype, a_split=bf16_split(a, a_s)), out)
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_fp4_bf16_form_exact_for_any_scale_spread():
+    """Group scales 2^-40 .. 2^+29 side by side in one 128-K block, the weights of every group scaled above 1 zeroed:
+    the output is the small groups' alone, and a form that folded a block's four scales into its largest (an e4m3
+    tile with one scale per 128) would flush them. The bf16 form stays within fp32 summation order of the
+    reference."""
+    impl = _tilelang()("grouped_gemm")
+    g = _g(11)
+    P, E, N, K = 300, 4, 128, 512
+    from deepinfer.ops.reference import act_quant
+
+    w = torch.randint(-128, 128, (E, N, K // 2), device="cuda", generator=g, dtype=torch.int8)
+    w_s = torch.randint(127 - 40, 127 + 30, (E, N, K // 32), device="cuda", generator=g).to(torch.uint8)
+    w.view(E, N, K // 32, 16)[w_s > 127] = 0
+    a, a_s = act_quant(torch.randn(P, K, device="cuda", generator=g), 128)
+    e = torch.randint(0, E, (P,), device="cuda", generator=g)
+    out = impl(a, a_s, e, w, w_s, torch.float32)
+    ref = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, torch.float32)
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.gpu

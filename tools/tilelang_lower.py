@@ -2,7 +2,7 @@
 through TileLang's passes (layout inference, pipelining, TMA lowering) before a device run. Numerics are the GPU
 tests' (tests/test_tilelang_kernels.py).
 
-Needs TileLang importable, e.g. the H200 site of ../shared/device/make-site.sh (built for Python 3.12) with a
+Needs TileLang importable (and nvcc, which compiles the extern decode of grouped_fp4.py), e.g. the H200 site of ../shared/device/make-site.sh (built for Python 3.12) with a
 Python 3.12 that has torch:
     mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
     mkdir -p /tmp/tlpkg && ln -sfn "$PWD/kernels" /tmp/tlpkg/deepinfer_kernels
@@ -13,7 +13,7 @@ import sys
 import tilelang
 import tvm
 
-from deepinfer_kernels.tilelang import attention, gemm, indexer, moe, quant
+from deepinfer_kernels.tilelang import attention, gemm, grouped_fp4, indexer, moe, quant
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CASES = [
@@ -29,6 +29,13 @@ CASES = [
         64, 512, 640, "bfloat16", 512 ** -0.5, (448, 464, 592))),
     ("grouped_gemm fp4 flash w1 E=256 N=2048 K=4096", lambda: moe.grouped_fp4_kernel(256, 2048, 4096, "bfloat16")),
     ("grouped_gemm fp4 tiny E=8 N=64 K=256 -> f32", lambda: moe.grouped_fp4_kernel(8, 64, 256, "float32")),
+    ("grouped_gemm fp4 bf16 form flash w1|w3 E=256 N=4096 K=4096 BM=64", lambda: grouped_fp4.grouped_fp4_bf16_kernel(
+        256, 4096, 4096, "bfloat16", 64)),
+    ("grouped_gemm fp4 bf16 form decode E=256 N=4096 K=2048 BM=16", lambda: grouped_fp4.grouped_fp4_bf16_kernel(
+        256, 4096, 2048, "bfloat16", 16)),
+    ("grouped_gemm fp4 bf16 form tiny E=8 N=192 K=256 BN=64 -> f32", lambda: grouped_fp4.grouped_fp4_bf16_kernel(
+        8, 192, 256, "float32", 16, 64)),
+    ("grouped_gemm fp4 gather + split K=4096", lambda: grouped_fp4.gather_split_kernel(4096, 64)),
     ("grouped_gemm fp8 E=16 N=512 K=1024", lambda: moe.grouped_fp8_kernel(16, 512, 1024, "bfloat16")),
     ("indexer_scores flash H=64 D=128", lambda: indexer.indexer_scores_kernel(64, 128)),
     ("indexer_scores tiny H=4 D=64", lambda: indexer.indexer_scores_kernel(4, 64)),

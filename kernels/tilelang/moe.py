@@ -5,8 +5,9 @@ C[p] = A[p] W[e[p]]^T for P (token, expert) rows. The rows are sorted by expert 
 graph); one program per (N tile, block) gathers its block's A rows, streams its expert's weight tiles over K and
 scatters its rows of C. Blocks past the last used one carry expert -1 and do nothing.
 
-FP4 experts (w int8 [E, N, K/2], e2m1 pairs along K, low nibble first; w_s [E, N, K/32] power-of-two scales):
-as DeepSeek's kernel.py `fp4_gemm` computes them. Each 32-wide K step decodes the weight nibbles to e4m3 in
+FP4 experts (w int8 [E, N, K/2], e2m1 pairs along K, low nibble first; w_s [E, N, K/32] power-of-two scales)
+run `grouped_fp4.py`'s bf16 form by default; the official form here runs with DEEPINFER_TL_FP4=fp8 and for shapes
+the bf16 form does not take (N % 64 != 0), as DeepSeek's kernel.py `fp4_gemm` computes them. Each 32-wide K step decodes the weight nibbles to e4m3 in
 shared memory -- lossless, every e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) is an e4m3 value --
 and runs one FP8 x FP8 tensor-core product into an fp32 fragment, cleared every step. The step's product is then
 multiplied by the row's per-128 activation scale (the step's K lies inside one activation block: four steps per
@@ -19,6 +20,8 @@ activation scale and the 128 x 128 weight block's scale, accumulated in fp32 (as
 No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
 """
 
+import os
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -28,9 +31,16 @@ from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.formats import scale_f32
 from deepinfer.quant.grouped import moe_align
 
+from . import grouped_fp4
 from ._common import build, tl_dtype
 
 BM, BN = 32, 128
+
+# FP4 experts: "bf16" (default) the bf16 form of `grouped_fp4.py` where N % 64 == 0; "fp8": the official form
+# below (e4m3 tiles, one FP8 MMA per 32-K step, scales in fp32) for every shape.
+FP4_FORM = os.environ.get("DEEPINFER_TL_FP4", "bf16")
+if FP4_FORM not in ("bf16", "fp8"):
+    raise ValueError(f"DEEPINFER_TL_FP4={FP4_FORM!r}: expected bf16 or fp8")
 
 
 def _e2m1_to_e4m3_bits(code):
@@ -141,7 +151,7 @@ def grouped_fp8_kernel(E: int, N: int, K: int, out_dt: str):
     return grouped_fp8_k
 
 
-def _run(a, a_s, e, w, w_s, out_dtype, op):
+def _run(a, a_s, e, w, w_s, out_dtype, op, a_split=None):
     """The grouped kernel for w's format, or None where it does not apply (the reason reported)."""
     P, K = a.shape
     E, N = w.size(0), w.size(1)
@@ -153,6 +163,8 @@ def _run(a, a_s, e, w, w_s, out_dtype, op):
         ops.runtime_fallback(op, f"the TileLang grouped GEMM takes e4m3 A with K % 128 == 0, not {a.dtype}, K {K}")
         return None
     dt = tl_dtype(out_dtype)
+    if fp4 and FP4_FORM == "bf16" and grouped_fp4.takes(N, K):
+        return grouped_fp4.run(a, a_s, e, w, w_s, out_dtype, a_split, lambda key, mk: build(op, key, mk), dt)
     make = grouped_fp4_kernel if fp4 else grouped_fp8_kernel
     kern = build(op, ("fp4" if fp4 else "fp8", E, N, K, dt), lambda: tilelang.compile(make(E, N, K, dt), out_idx=[]))
     if kern is None:
@@ -175,7 +187,7 @@ def _run(a, a_s, e, w, w_s, out_dtype, op):
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
                  a_split: torch.Tensor | None = None) -> torch.Tensor:
-    c = _run(a, a_s, e, w, w_s, out_dtype, "grouped_gemm")
+    c = _run(a, a_s, e, w, w_s, out_dtype, "grouped_gemm", a_split)
     return c if c is not None else REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, out_dtype, a_split)
 
 

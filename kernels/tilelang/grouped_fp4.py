@@ -1,0 +1,227 @@
+"""The routed FP4 experts' grouped GEMM in its bf16 form, in TileLang, on sm_90: C[p] = A[p] W[e[p]]^T.
+
+A comes as `bf16_split(q, s)` rows ([P, K] bf16: e4m3 x its per-128 power-of-two scale, exact; each 128-K block as
+its 64 even then its 64 odd columns), the form the Triton kernel reads; producers that write it pass it as
+`a_split`, otherwise `split_a` (below) converts the act_quant'd rows in one launch. Each program owns BN weight
+rows of one expert and one block of BM sorted rows (`moe_align`), and computes the transposed tile
+C^T = W A^T: the decoded weight tile is the wgmma's M side (64 rows per warpgroup), the block's tokens its N
+side, so a block can be as small as 16 rows without padding the MMA to 64.
+
+Per 128-K step the packed tile (BN rows x 64 bytes) arrives in shared memory and every thread decodes 16-byte
+chunks -- one per-32 scale group, 32 values -- into registers and stores them to the bf16 tile: the low nibbles
+to columns 0-63 (K's even columns, as the split A holds them), the high nibbles to 64-127. The decode is bit
+placement (`_DECODE_SRC`): two packed bytes b0, b1 become [0, b0, 0, b1] by one byte permute; shifted and masked,
+a nibble s|e1 e0 m lands at bf16 bit 15 and bits 8..6 and reads as e2m1 x 2^-126 (e = 0: the subnormal
+m x 2^-127), so one exact bf16x2 multiply by 2^126 and one by the group scale 2^(b-127) give the weight; both
+products are powers-of-two rescalings of 2-significant-bit values, exact for every scale byte (bf16 keeps
+fp32's exponent range and its subnormals). The whole K then accumulates in fp32 in the tensor core.
+
+Why bf16 and not FP8 MMA here: an e4m3 weight tile needs the four per-32 scales of a 128-K block folded into
+one per-128 scale, exact only while they lie within 2^8 of each other (e4m3's subnormal floor), and a second
+path beyond; the bf16 tile is exact for every scale pattern and costs the same decode. `moe.py` keeps the
+official per-32 FP8 form (`grouped_fp4_kernel`) for shapes this one does not take.
+
+No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+
+_DECODE_SRC = r"""
+#ifndef DI_FP4_GROUP_BF16
+#define DI_FP4_GROUP_BF16
+// 16 packed e2m1 bytes (one per-32 scale group) and its ue8m0 scale byte -> the 16 low-nibble values (lo) and
+// the 16 high-nibble values (hi) as bf16, in byte order.
+__device__ __forceinline__ void di_fp4_group_bf16(const unsigned char* src, unsigned char sb, void* lo, void* hi) {
+  const unsigned int* s32 = reinterpret_cast<const unsigned int*>(src);
+  unsigned int* l32 = reinterpret_cast<unsigned int*>(lo);
+  unsigned int* h32 = reinterpret_cast<unsigned int*>(hi);
+  unsigned int s16 = sb ? (sb == 255u ? 0x7FC0u : ((unsigned int)sb << 7)) : 0x40u;  // 2^(b-127) as bf16
+  unsigned int sc = s16 | (s16 << 16);
+  const unsigned int k126 = 0x7E807E80u;  // 2^126 in both halves
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    unsigned int v = s32[w];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      unsigned int x, y, u;
+      // [0, b0, 0, b1] from bytes 2h, 2h+1 of v
+      asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(v), "r"(h ? 0x3424u : 0x1404u));
+      y = ((x << 4) | (x >> 2)) & 0x81C081C0u;
+      u = x & 0xF000F000u;
+      x = (u | (u >> 6)) & 0x81C081C0u;
+      asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(y) : "r"(k126));
+      asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(y) : "r"(sc));
+      asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(x) : "r"(k126));
+      asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(x) : "r"(sc));
+      l32[2 * w + h] = y;
+      h32[2 * w + h] = x;
+    }
+  }
+}
+#endif
+"""
+
+
+def grouped_fp4_bf16_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: int = 128, stages: int = 2):
+    """A [NB*BM, K] bf16 split rows in block order (`gather_split`), W [E*N, K/2] uint8, WS [E*N, K/32] uint8
+    (ue8m0), ROWS [NB, BM] int64 (P = pad), BEXP [NB] int64 (-1 = unused) -> C [P, N] out_dt; rows of no block
+    untouched (P, NB symbolic). N % BN == 0, K % 128 == 0; BN a multiple of 64 (a warpgroup per 64 weight rows).
+    The scale bytes of the program's BN rows (all of K) are loaded once, before the K loop."""
+    P = T.symbolic("P")
+    NB = T.symbolic("NB")
+    BK = 128
+    threads = 2 * BN  # BN / 64 warpgroups
+    CH = BN * 4 // threads  # 16-byte chunks per thread per step
+    assert N % BN == 0 and K % BK == 0 and BN % 64 == 0
+
+    @T.prim_func
+    def grouped_fp4_bf16_k(A: T.Tensor((NB * BM, K), "bfloat16"), W: T.Tensor((E * N, K // 2), "uint8"),
+                           WS: T.Tensor((E * N, K // 32), "uint8"), ROWS: T.Tensor((NB, BM), "int64"),
+                           BEXP: T.Tensor((NB,), "int64"), C: T.Tensor((P, N), out_dt)):
+        with T.Kernel(N // BN, NB, threads=threads) as (bx, by):
+            wq = T.alloc_shared((BN, BK // 2), "uint8")
+            sc = T.alloc_shared((BN, K // 32), "uint8")
+            wd = T.alloc_shared((BN, BK), "bfloat16")
+            a_t = T.alloc_shared((BM, BK), "bfloat16")
+            c_t = T.alloc_shared((BM, BN), out_dt)
+            rows = T.alloc_shared((BM,), "int64")
+            acc = T.alloc_fragment((BN, BM), "float32")
+            src = T.alloc_local((16,), "uint8")
+            lo = T.alloc_local((16,), "bfloat16")
+            hi = T.alloc_local((16,), "bfloat16")
+            T.import_source(_DECODE_SRC)
+            tx = T.get_thread_binding()
+            # the expert is read where it is used, not kept in a local: TileLang 0.1.15's warp specialisation
+            # moved a local's assignment below its first use (the staged form of 2026-12-02 wrote zeros)
+            if BEXP[by] >= 0:
+                for i in T.Parallel(BM):
+                    rows[i] = ROWS[by, i]
+                T.copy(WS[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, 0:K // 32], sc)
+                T.clear(acc)
+                for k in T.Pipelined(K // BK, num_stages=stages):
+                    T.copy(W[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, k * (BK // 2):(k + 1) * (BK // 2)], wq)
+                    T.copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_t)
+                    for c in T.serial(CH):
+                        r = (c * threads + tx) // 4
+                        g = (c * threads + tx) % 4
+                        for v in T.vectorized(16):
+                            src[v] = wq[r, g * 16 + v]
+                        T.call_extern("handle", "di_fp4_group_bf16", T.address_of(src[0]), sc[r, k * 4 + g],
+                                      T.address_of(lo[0]), T.address_of(hi[0]))
+                        for v in T.vectorized(16):
+                            wd[r, g * 16 + v] = lo[v]
+                        for v in T.vectorized(16):
+                            wd[r, 64 + g * 16 + v] = hi[v]
+                    T.gemm(wd, a_t, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for j, i in T.Parallel(BN, BM):
+                    c_t[i, j] = T.Cast(out_dt, acc[j, i])
+                for i, j in T.Parallel(BM, BN):
+                    if rows[i] < P:
+                        C[rows[i], bx * BN + j] = c_t[i, j]
+
+    return grouped_fp4_bf16_k
+
+
+def gather_split_kernel(K: int, BM: int):
+    """Q [P, K] e4m3, S [P, K/128] f32, ROWS [R] int64 (R = NB * BM; P = pad) -> O [R, K] bf16: row r is
+    `bf16_split` of row min(ROWS[r], P - 1) (each 128-K block's even then odd columns, times the block's
+    scale; exact). Pad rows repeat a real row: finite, and their outputs are never stored."""
+    P = T.symbolic("P")
+    R = T.symbolic("R")
+    BR = 16  # rows per program; a thread per (row, 16-column chunk of the 128-K block)
+
+    @T.prim_func
+    def gather_split_k(Q: T.Tensor((P, K), "float8_e4m3"), S: T.Tensor((P, K // 128), "float32"),
+                       ROWS: T.Tensor((R,), "int64"), O: T.Tensor((R, K), "bfloat16")):
+        with T.Kernel(T.ceildiv(R, BR), K // 128, threads=BR * 8) as (bx, kb):
+            q = T.alloc_local((16,), "float8_e4m3")
+            lo = T.alloc_local((8,), "bfloat16")
+            hi = T.alloc_local((8,), "bfloat16")
+            s = T.alloc_local((1,), "float32")
+            tx = T.get_thread_binding()
+            r = bx * BR + tx // 8
+            c = tx % 8  # columns 16c .. 16c + 15: pairs 8c .. 8c + 7
+            if r < R:
+                src = T.min(ROWS[r], P - 1)
+                s[0] = S[src, kb]
+                for v in T.vectorized(16):
+                    q[v] = Q[src, kb * 128 + c * 16 + v]
+                for v in T.serial(8):
+                    lo[v] = T.Cast("bfloat16", T.Cast("float32", q[2 * v]) * s[0])
+                    hi[v] = T.Cast("bfloat16", T.Cast("float32", q[2 * v + 1]) * s[0])
+                for v in T.vectorized(8):
+                    O[r, kb * 128 + c * 8 + v] = lo[v]
+                for v in T.vectorized(8):
+                    O[r, kb * 128 + 64 + c * 8 + v] = hi[v]
+
+    return gather_split_k
+
+
+def block_rows(P: int, E: int) -> int:
+    """Rows per block (the MMA's N side): 16 at decode sizes; at prefill 128 where the experts average >= 64 rows,
+    else 64 (H200, flash w1|w3 / w2, 2026-12-03: at 96 rows per expert 128-row blocks take 2.50 ms against 3.89
+    for 64; at 48 rows, 1.02 against 1.39)."""
+    if P <= 256:
+        return 16
+    return 128 if P >= 64 * E else 64
+
+
+def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt):
+    """C [P, N] out_dtype (rows with e = -1: 0) for a [P, K] e4m3 + a_s [P, K/128] (or their split form
+    a_split [P, K] bf16), w [E, N, K/2] packed e2m1, w_s [E, N, K/32] (ue8m0 bytes or f32 powers of two).
+    build(key, make) compiles once per key (the backend's cache; None when the build failed)."""
+    from deepinfer.quant.grouped import moe_align
+
+    P, K = a.shape
+    E, N = w.size(0), w.size(1)
+    BM = block_rows(P, E)
+    stages = 3 if BM == 128 else 2
+    kern = build(("fp4-bf16", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages))
+    if a_split is None:
+        gath = build(("gather-split", K, BM), lambda: compile_gather_split(K, BM))
+        if gath is None:
+            return None
+    if kern is None:
+        return None
+    c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows of no expert (e = -1) are 0
+    if P == 0 or N == 0 or E == 0:
+        return c
+    rows, bexp = moe_align(e, E, BM)
+    if a_split is None:
+        a2 = torch.empty(rows.numel(), K, dtype=torch.bfloat16, device=a.device)
+        gath(a.contiguous(), a_s.float().contiguous(), rows, a2)
+    else:
+        a2 = a_split.index_select(0, rows.clamp(max=P - 1))
+    ws = scale_bytes(w_s).contiguous()
+    kern(a2, w.contiguous().view(torch.uint8).view(E * N, K // 2), ws.view(E * N, K // 32), rows.view(-1, BM),
+         bexp, c)
+    return c
+
+
+def compile_grouped(E: int, N: int, K: int, out_dt: str, BM: int, stages: int = 2, ws: bool = True):
+    """The compiled grouped kernel; BN 128 where N allows, else 64. ws=False: TileLang's software pipeline with
+    cp.async stages instead of its warp-specialised producer (a sweep option, `pass_configs`)."""
+    f = grouped_fp4_bf16_kernel(E, N, K, out_dt, BM, 128 if N % 128 == 0 else 64, stages)
+    return tilelang.compile(f, out_idx=[], pass_configs={"tl.disable_warp_specialized": not ws})
+
+
+def compile_gather_split(K: int, BM: int):
+    return tilelang.compile(gather_split_kernel(K, BM), out_idx=[])
+
+
+def takes(N: int, K: int) -> bool:
+    """Shapes this kernel computes: N a multiple of 64, K of 128."""
+    return N % 64 == 0 and K % 128 == 0
+
+
+def scale_bytes(w_s: torch.Tensor) -> torch.Tensor:
+    """The per-32 weight scales as raw ue8m0 bytes (the checkpoint's form; f32 powers of two converted)."""
+    from deepinfer.quant.formats import float_to_e8m0
+
+    if w_s.dtype == torch.uint8:
+        return w_s
+    if w_s.dtype == torch.float8_e8m0fnu:
+        return w_s.view(torch.uint8)
+    return float_to_e8m0(w_s.float())
