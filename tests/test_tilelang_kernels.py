@@ -177,9 +177,7 @@ def test_grouped_gemm_fp4(P, E, N, K, out_dtype, form, monkeypatch):
     "fp8" (kernel.py's fp4_gemm: e4m3 tiles, one FP8 MMA per 32-K step, scales in fp32). The reference's values but
     for the fp32 summation order; rows of no expert (e = -1) are 0; ue8m0 bytes and f32 scales give the same bits,
     and so does the producer's split form (a_split)."""
-    from deepinfer_kernels.tilelang import moe as tl_moe
-
-    monkeypatch.setattr(tl_moe, "FP4_FORM", form)
+    monkeypatch.setenv("DEEPINFER_TL_FP4", form)
     impl = _tilelang()("grouped_gemm")
     g = _g(P + E)
     w, w_s = _fp4_weights(E, N, K, g)

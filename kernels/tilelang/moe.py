@@ -20,12 +20,11 @@ activation scale and the 128 x 128 weight block's scale, accumulated in fp32 (as
 No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
 """
 
-import os
-
 import tilelang
 import tilelang.language as T
 import torch
 
+from deepinfer import settings
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.formats import scale_f32
@@ -36,11 +35,6 @@ from ._common import build, tl_dtype
 
 BM, BN = 32, 128
 
-# FP4 experts: "bf16" (default) the bf16 form of `grouped_fp4.py` where N % 64 == 0; "fp8": the official form
-# below (e4m3 tiles, one FP8 MMA per 32-K step, scales in fp32) for every shape.
-FP4_FORM = os.environ.get("DEEPINFER_TL_FP4", "bf16")
-if FP4_FORM not in ("bf16", "fp8"):
-    raise ValueError(f"DEEPINFER_TL_FP4={FP4_FORM!r}: expected bf16 or fp8")
 
 
 def _e2m1_to_e4m3_bits(code):
@@ -163,7 +157,8 @@ def _run(a, a_s, e, w, w_s, out_dtype, op, a_split=None):
         ops.runtime_fallback(op, f"the TileLang grouped GEMM takes e4m3 A with K % 128 == 0, not {a.dtype}, K {K}")
         return None
     dt = tl_dtype(out_dtype)
-    if fp4 and FP4_FORM == "bf16" and grouped_fp4.takes(N, K):
+    # DEEPINFER_TL_FP4 (read per call): "bf16", grouped_fp4.py's form where N % 64 == 0; "fp8", the official form
+    if fp4 and settings.choice("DEEPINFER_TL_FP4") == "bf16" and grouped_fp4.takes(N, K):
         return grouped_fp4.run(a, a_s, e, w, w_s, out_dtype, a_split, lambda key, mk: build(op, key, mk), dt)
     make = grouped_fp4_kernel if fp4 else grouped_fp8_kernel
     kern = build(op, ("fp4" if fp4 else "fp8", E, N, K, dt), lambda: tilelang.compile(make(E, N, K, dt), out_idx=[]))
