@@ -45,8 +45,10 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_FP4_ASM", "flag", "1", "the FP4 expert GEMM's inline-PTX FP4 decode on sm_90 "
             "(0: the portable Triton decode)"),
     Setting("DEEPINFER_TL_FP4", "choice", "bf16", "the TileLang backend's FP4 expert GEMM: bf16 (weights decoded "
-            "to exact bf16 tiles, fp32 accumulation over the whole K in the tensor core) or fp8 (kernel.py's fp4_gemm "
-            "form: e4m3 tiles, one FP8 MMA per 32-K step, scales applied in fp32)", ("bf16", "fp8")),
+            "to exact bf16 tiles, fp32 accumulation over the whole K in the tensor core), fold (the folded FP8 form at "
+            "64- and 128-row blocks -- a 128-K block's four per-32 scales folded into one, e4m3 tiles, one FP8 MMA per "
+            "128-K step promoted in fp32 -- where every block's scales lie within 2^11, else bf16) or fp8 (kernel.py's "
+            "fp4_gemm form: e4m3 tiles, one FP8 MMA per 32-K step, scales applied in fp32)", ("bf16", "fold", "fp8")),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
             "by Triton when a kernel module is imported"),
 )}

@@ -166,8 +166,37 @@ def _fp4_weights(E, N, K, g):
     return q.view(E, N, K // 2), scale_f32(s).view(E, N, K // 32)
 
 
+def _abs_fp4(w):
+    """|w| of packed e2m1 (both nibbles' sign bits cleared), in w's dtype."""
+    return (w.view(torch.uint8) & 0x77).view(w.dtype)
+
+
+def _abs_e4m3(a):
+    return (a.view(torch.uint8) & 0x7F).view(a.dtype)
+
+
+def _forms_run(call):
+    """call() and the grouped FP4 forms it ran ({"fold": n, "bf16": m}, calls of each)."""
+    from deepinfer_kernels.tilelang import grouped_fp4
+
+    before = dict(grouped_fp4.FORMS_RUN)
+    out = call()
+    return out, {f: n - before.get(f, 0) for f, n in grouped_fp4.FORMS_RUN.items() if n - before.get(f, 0)}
+
+
+def _within_fp8_mma_sums(out, ref, ref_abs, out_dtype):
+    """The folded form's bound: Hopper's FP8 wgmma adds each 32-K product into its accumulator keeping ~14
+    significant bits, truncated (DeepSeek-V3 report, 3.3.2; why DeepGEMM and kernel.py promote per 128-K block),
+    so a block's three adds lose up to 3 x 2^-13 of its running sum, <= sum|a w|: |out - ref| <= 2^-11 sum|a w|
+    per element, plus the output's rounding (bf16: one ulp, where the two round to neighbours)."""
+    tol = 2 ** -11 * ref_abs.float() + (2 ** -7 * ref.float().abs() if out_dtype == torch.bfloat16 else 0)
+    err = (out.float() - ref.float()).abs()
+    worst = (err / ref_abs.float().clamp_min(1e-30)).max().item()
+    assert torch.isfinite(out.float()).all() and (err <= tol).all(), f"max err / sum|a w| = {worst:.3g}"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["bf16", "fp8"])
+@pytest.mark.parametrize("form", ["fold", "bf16", "fp8"])
 @pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (600, 8, 256, 512), (1000, 8, 128, 256),
                                      (40, 4, 192, 384)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -186,22 +215,31 @@ def test_grouped_gemm_fp4(P, E, N, K, out_dtype, form, monkeypatch):
     a, a_s = act_quant(torch.randn(P, K, device="cuda", generator=g), 128)
     e = torch.randint(0, E, (P,), device="cuda", generator=g)
     e[::7] = -1
-    out = impl(a, a_s, e, w, w_s, out_dtype)
+    out, ran = _forms_run(lambda: impl(a, a_s, e, w, w_s, out_dtype))
     ref = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, out_dtype)
     assert out.shape == (P, N) and out.dtype == out_dtype and torch.isfinite(out.float()).all()
     assert (out[e < 0] == 0).all()
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < (1e-5 if out_dtype == torch.float32 else 3e-3), rel
+    from deepinfer_kernels.tilelang import grouped_fp4
+
+    folded = form == "fold" and grouped_fp4.block_rows(P, E) >= 64  # these weights' scales lie within 2^11
+    assert ran == ({} if form == "fp8" else {"fold": 1} if folded else {"bf16": 1}), ran
+    if folded:
+        ref_abs = REGISTRY["grouped_gemm"].ref(_abs_e4m3(a), a_s, e, _abs_fp4(w), w_s, torch.float32)
+        _within_fp8_mma_sums(out, ref, ref_abs, out_dtype)
+        assert rel < (1e-3 if out_dtype == torch.float32 else 3e-3), rel
+    else:
+        assert rel < (1e-5 if out_dtype == torch.float32 else 3e-3), rel
     from deepinfer.quant.formats import float_to_e8m0
 
     out8 = impl(a, a_s, e, w, float_to_e8m0(w_s), out_dtype)  # ue8m0 bytes, as the checkpoint holds them
     assert torch.equal(out8, out)
-    if form == "bf16":
+    if form != "fp8":  # the producer's split form: the same bits (the folded form reads a itself)
         assert torch.equal(impl(a, a_s, e, w, w_s, out_dtype, a_split=bf16_split(a, a_s)), out)
 
 
 @pytest.mark.gpu
-def test_grouped_gemm_fp4_bf16_form_exact_for_any_scale_spread():
+def test_grouped_gemm_fp4_bf16_form_exact_for_any_scale_spread(monkeypatch):
     """Group scales 2^-40 .. 2^+29 side by side in one 128-K block, the weights of every group scaled above 1 zeroed:
     the output is the small groups' alone, and a form that folded a block's four scales into its largest (an e4m3
     tile with one scale per 128) would flush them. The bf16 form stays within fp32 summation order of the
@@ -216,10 +254,46 @@ def test_grouped_gemm_fp4_bf16_form_exact_for_any_scale_spread():
     w.view(E, N, K // 32, 16)[w_s > 127] = 0
     a, a_s = act_quant(torch.randn(P, K, device="cuda", generator=g), 128)
     e = torch.randint(0, E, (P,), device="cuda", generator=g)
+    from deepinfer_kernels.tilelang import grouped_fp4
+
+    assert not grouped_fp4.fold_ok(w_s)  # so even DEEPINFER_TL_FP4=fold runs bf16 at these 128-row blocks
+    monkeypatch.setenv("DEEPINFER_TL_FP4", "fold")
     out = impl(a, a_s, e, w, w_s, torch.float32)
     ref = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, torch.float32)
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spread", [11, 12])
+def test_grouped_gemm_fp4_fold_exact_to_its_spread(spread, monkeypatch):
+    """The folded FP8 form at the edge of what it takes: in every 128-K block one group holds the largest scale and
+    zero weights, the other three scales lie `spread` below it or less (one at the bottom), with every e2m1 code.
+    The output is the small groups' alone, so a decode that flushed or rounded them shows. Spread 11 runs folded
+    (each group's shift d >= -5: every value a normal e4m3), 12 runs the bf16 form; both match the reference."""
+    monkeypatch.setenv("DEEPINFER_TL_FP4", "fold")
+    impl = _tilelang()("grouped_gemm")
+    g = _g(13 + spread)
+    P, E, N, K = 600, 4, 128, 512
+    from deepinfer.ops.reference import act_quant
+    from deepinfer_kernels.tilelang import grouped_fp4
+
+    w = torch.randint(-128, 128, (E, N, K // 2), device="cuda", generator=g, dtype=torch.int8)
+    base = torch.randint(100, 130, (E, N, K // 128, 1), device="cuda", generator=g)
+    off = torch.randint(0, spread + 1, (E, N, K // 128, 4), device="cuda", generator=g)
+    off[..., 0] = spread  # the largest scale: its group's weights zeroed
+    off[..., 1] = 0
+    w_s = (base + off).view(E, N, K // 32).to(torch.uint8)
+    w.view(E, N, K // 128, 4, 16)[..., 0, :] = 0
+    assert grouped_fp4.fold_ok(w_s) == (spread <= grouped_fp4.FOLD_SPREAD)
+    a, a_s = act_quant(torch.randn(P, K, device="cuda", generator=g), 128)
+    e = torch.randint(0, E, (P,), device="cuda", generator=g)
+    out, ran = _forms_run(lambda: impl(a, a_s, e, w, w_s, torch.float32))
+    ref = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, torch.float32)
+    assert ran == ({"fold": 1} if spread <= 11 else {"bf16": 1}), ran
+    ref_abs = REGISTRY["grouped_gemm"].ref(_abs_e4m3(a), a_s, e, _abs_fp4(w), w_s, torch.float32)
+    _within_fp8_mma_sums(out, ref, ref_abs, torch.float32)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-3
 
 
 @pytest.mark.gpu

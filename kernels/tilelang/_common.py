@@ -40,6 +40,18 @@ def build(op: str, key: tuple, make):
     return kern
 
 
+def expert_blocks(e: torch.Tensor, P: int, N: int, E: int, BM: int, out_dtype: torch.dtype):
+    """The grouped GEMMs' output and blocks: C [P, N] out_dtype zeroed (rows of no expert, e = -1, stay 0) and
+    `moe_align`'s (rows [NB * BM], block experts [NB]), or (C, None, None) when there is nothing to compute."""
+    from deepinfer.quant.grouped import moe_align
+
+    c = torch.zeros(P, N, dtype=out_dtype, device=e.device)
+    if P == 0 or N == 0 or E == 0:
+        return c, None, None
+    rows, bexp = moe_align(e, E, BM)
+    return c, rows, bexp
+
+
 def pow2_ceil(T, v):
     """2^ceil(log2 v) for a positive normal float32 `v`, from its bits (a power of two is its own ceiling):
     the ue8m0 scale rounding, exact where a log2 would round at powers of two."""

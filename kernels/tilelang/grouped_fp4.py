@@ -1,32 +1,44 @@
-"""The routed FP4 experts' grouped GEMM in its bf16 form, in TileLang, on sm_90: C[p] = A[p] W[e[p]]^T.
+"""The routed FP4 experts' grouped GEMM in TileLang, on sm_90, in two forms: C[p] = A[p] W[e[p]]^T.
 
-A comes as `bf16_split(q, s)` rows ([P, K] bf16: e4m3 x its per-128 power-of-two scale, exact; each 128-K block as
-its 64 even then its 64 odd columns), the form the Triton kernel reads; producers that write it pass it as
-`a_split`, otherwise `split_a` (below) converts the act_quant'd rows in one launch. Each program owns BN weight
-rows of one expert and one block of BM sorted rows (`moe_align`), and computes the transposed tile
-C^T = W A^T: the decoded weight tile is the wgmma's M side (64 rows per warpgroup), the block's tokens its N
-side, so a block can be as small as 16 rows without padding the MMA to 64.
+Both: each program owns BN weight rows of one expert and one block of BM sorted rows (`moe_align`), and computes
+the transposed tile C^T = W A^T: the decoded weight tile is the wgmma's M side (64 rows per warpgroup), the block's
+tokens its N side, so a block can be as small as 16 rows without padding the MMA to 64. TileLang's TMA producer
+warpgroup streams the packed weight tile (BN rows x 64 bytes per 128-K step) and the A tile; the consumers decode
+16-byte chunks -- one per-32 scale group, 32 values -- into registers, store them to the decoded tile in shared
+memory and run the MMA. A's rows arrive gathered in block order (one launch before the kernel).
 
-Per 128-K step the packed tile (BN rows x 64 bytes) arrives in shared memory and every thread decodes 16-byte
-chunks -- one per-32 scale group, 32 values -- into registers and stores them to the bf16 tile: the low nibbles
-to columns 0-63 (K's even columns, as the split A holds them), the high nibbles to 64-127. The decode is bit
-placement (`_DECODE_SRC`): two packed bytes b0, b1 become [0, b0, 0, b1] by one byte permute; shifted and masked,
-a nibble s|e1 e0 m lands at bf16 bit 15 and bits 8..6 and reads as e2m1 x 2^-126 (e = 0: the subnormal
-m x 2^-127), so one exact bf16x2 multiply by 2^126 and one by the group scale 2^(b-127) give the weight; both
-products are powers-of-two rescalings of 2-significant-bit values, exact for every scale byte (bf16 keeps
-fp32's exponent range and its subnormals). The whole K then accumulates in fp32 in the tensor core.
+The folded FP8 form (`grouped_fp4_fold_kernel`, prefill-sized blocks of 64 and 128 rows): per 128-K block of a
+weight row the four per-32 scales fold into their largest / 2^6 (convert.py's fold, per row instead of per 128
+rows); each group's nibbles decode to e4m3 times 2^d, d = its scale's offset from that, by two byte permutes
+(`_DECODE_E4M3_SRC`: an 8-entry magnitude table with d added to its exponent fields, then the signs). Exact while
+d >= -5 (every value a normal e4m3), i.e. the four scales lie within 2^11 -- `fold_ok` checks each weight once.
+A is the act_quant'd e4m3 itself, so the per-32 weight scales meet the per-128 activation scales as one power of
+two per (weight row, token, 128-K block), applied when the block's FP8 MMA is promoted into the fp32 accumulator
+(DeepGEMM's per-128 promotion; inside a block the tensor core keeps ~14 bits of its sums).
 
-Why bf16 and not FP8 MMA here: an e4m3 weight tile needs the four per-32 scales of a 128-K block folded into
-one per-128 scale, exact only while they lie within 2^8 of each other (e4m3's subnormal floor), and a second
-path beyond; the bf16 tile is exact for every scale pattern and costs the same decode. `moe.py` keeps the
-official per-32 FP8 form (`grouped_fp4_kernel`) for shapes this one does not take.
+The bf16 form (`grouped_fp4_bf16_kernel`, every block size and scale pattern): A comes as `bf16_split(q, s)`
+rows ([P, K] bf16: e4m3 x its per-128 power-of-two scale, exact; each 128-K block as its 64 even then its 64 odd
+columns), the form the Triton kernel reads; producers that write it pass it as `a_split`, otherwise
+`gather_split_kernel` converts the act_quant'd rows. The low nibbles go to columns 0-63, the high to 64-127. The
+decode is bit placement (`_DECODE_SRC`): two packed bytes b0, b1 become [0, b0, 0, b1] by one byte permute;
+shifted and masked, a nibble s|e1 e0 m lands at bf16 bit 15 and bits 8..6 and reads as e2m1 x 2^-126 (e = 0: the
+subnormal m x 2^-127), so one exact bf16x2 multiply by 2^126 and one by the group scale 2^(b-127) give the
+weight; both products are powers-of-two rescalings of 2-significant-bit values, exact for every scale byte (bf16
+keeps fp32's exponent range and its subnormals). The whole K then accumulates in fp32 in the tensor core.
+
+`run` takes the folded form where it applies under `DEEPINFER_TL_FP4=fold`, else the bf16 form (the default); `moe.py` keeps the
+official per-32 FP8 form (`grouped_fp4_kernel`, `DEEPINFER_TL_FP4=fp8`) and the shapes neither form takes.
 
 No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
 """
 
+from collections import Counter
+
 import tilelang
 import tilelang.language as T
 import torch
+
+from ._common import expert_blocks
 
 _DECODE_SRC = r"""
 #ifndef DI_FP4_GROUP_BF16
@@ -62,6 +74,123 @@ __device__ __forceinline__ void di_fp4_group_bf16(const unsigned char* src, unsi
 }
 #endif
 """
+
+
+_DECODE_E4M3_SRC = r"""
+#ifndef DI_FP4_GROUP_E4M3
+#define DI_FP4_GROUP_E4M3
+// 16 packed e2m1 bytes (one per-32 scale group, K order: low nibble first) -> its 32 values x 2^d as e4m3 bytes
+// in K order, for d in [-5, 6] (every result a normal e4m3, so exact). A byte permute reads four magnitudes from
+// an 8-entry table (0, 0.5, 1, 1.5, 2, 3, 4, 6 as e4m3, every non-zero exponent field raised by d), a second one
+// places the four sign bits.
+__device__ __forceinline__ void di_fp4_group_e4m3(const unsigned char* src, int d, void* dst) {
+  const unsigned int* s32 = reinterpret_cast<const unsigned int*>(src);
+  unsigned int* o32 = reinterpret_cast<unsigned int*>(dst);
+  unsigned int off = (unsigned int)(d * 8);
+  unsigned int la = 0x3C383000u + off * 0x01010100u;  // magnitudes 0-3: 0, 0.5, 1, 1.5
+  unsigned int lb = 0x4C484440u + off * 0x01010101u;  // magnitudes 4-7: 2, 3, 4, 6
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    unsigned int v = s32[w];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      unsigned int x = h ? (v >> 16) : v, m, g;
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(m) : "r"(la), "r"(lb), "r"(x & 0x7777u));
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(g) : "r"(0u), "r"(0x80808080u), "r"((x >> 1) & 0x4444u));
+      o32[2 * w + h] = m | g;
+    }
+  }
+}
+#endif
+"""
+
+FOLD_SPREAD = 11  # a 128-K block's group scales within 2^11: each group's shift d lies in [-5, 6]
+FORMS_RUN: Counter = Counter()  # calls per form ("fold", "bf16") in this process: which form a call took
+
+
+def grouped_fp4_fold_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: int = 128, stages: int = 3):
+    """The folded FP8 form. A [NB*BM, K] e4m3 (the act_quant'd rows gathered in block order), AST [K/128, NB*BM]
+    f32 (their per-128 scales, transposed), W [E*N, K/2] uint8, WS [E*N, K/128] int32 (a 128-K block's four ue8m0
+    bytes, the checkpoint's [E*N, K/32] bytes viewed as words), ROWS [NB, BM] int64 (P = pad), BEXP [NB] int64
+    (-1 = unused) -> C [P, N] out_dt; rows of no block untouched.
+
+    Per 128-K block of a weight row the four per-32 scales 2^(b_g - 127) fold into one, 2^(b_max - 133): group g's
+    nibbles decode to e4m3 times 2^d, d = b_g - b_max + 6, exact while every d >= -5 (`fold_ok` checks the whole
+    weight: spread <= FOLD_SPREAD). Then one 128-K FP8 MMA per step into a cleared fp32 fragment, promoted into
+    the fp32 accumulator times the row's folded weight scale and the token's activation scale. The folded scales
+    and the four d (as bytes d + 8 of one word) of the program's rows, and its rows' activation scales, are
+    computed / loaded once before the K loop, K-block-major so that the promotion's and the decode's shared reads
+    are conflict-free. N % BN == 0, K % 128 == 0, BN a multiple of 64."""
+    P = T.symbolic("P")
+    NB = T.symbolic("NB")
+    BK = 128
+    KB = K // BK
+    threads = 2 * BN
+    CH = BN * 4 // threads
+    assert N % BN == 0 and K % BK == 0 and BN % 64 == 0
+
+    @T.prim_func
+    def grouped_fp4_fold_k(A: T.Tensor((NB * BM, K), "float8_e4m3"), AST: T.Tensor((KB, NB * BM), "float32"),
+                           W: T.Tensor((E * N, K // 2), "uint8"), WS: T.Tensor((E * N, KB), "int32"),
+                           ROWS: T.Tensor((NB, BM), "int64"), BEXP: T.Tensor((NB,), "int64"),
+                           C: T.Tensor((P, N), out_dt)):
+        with T.Kernel(N // BN, NB, threads=threads) as (bx, by):
+            wq = T.alloc_shared((BN, BK // 2), "uint8")
+            wsb = T.alloc_shared((KB, BN), "float32")
+            dpk = T.alloc_shared((KB, BN), "int32")
+            asb = T.alloc_shared((KB, BM), "float32")
+            wd = T.alloc_shared((BN, BK), "float8_e4m3")
+            a_t = T.alloc_shared((BM, BK), "float8_e4m3")
+            c_t = T.alloc_shared((BM, BN), out_dt)
+            rows = T.alloc_shared((BM,), "int64")
+            acc = T.alloc_fragment((BN, BM), "float32")
+            blk = T.alloc_fragment((BN, BM), "float32")
+            src = T.alloc_local((16,), "uint8")
+            dec = T.alloc_local((32,), "float8_e4m3")
+            T.import_source(_DECODE_E4M3_SRC)
+            tx = T.get_thread_binding()
+            if BEXP[by] >= 0:  # the expert read where used (see grouped_fp4_bf16_kernel)
+                for i in T.Parallel(BM):
+                    rows[i] = ROWS[by, i]
+                # plain loads, not T.copy: TileLang 0.1.15 waits for a TMA copy at its first use inside the
+                # pipelined loop, so a prologue reading a TMA'd tile would read it before it lands
+                for kb, i in T.Parallel(KB, BM):
+                    asb[kb, i] = AST[kb, by * BM + i]
+                for kb, j in T.Parallel(KB, BN):
+                    wrd = WS[BEXP[by] * N + bx * BN + j, kb]
+                    b0 = wrd & 0xFF
+                    b1 = (wrd >> 8) & 0xFF
+                    b2 = (wrd >> 16) & 0xFF
+                    b3 = (wrd >> 24) & 0xFF
+                    bmax = T.max(T.max(b0, b1), T.max(b2, b3))
+                    # 2^(bmax - 133) as f32 bits: normal from bmax = 7, below that a subnormal's single bit
+                    wsb[kb, j] = T.reinterpret("float32", T.if_then_else(bmax >= 7, (bmax - 6) << 23,
+                                                                          T.shift_left(1, bmax + 16)))
+                    dpk[kb, j] = ((b0 - bmax + 14) | ((b1 - bmax + 14) << 8) | ((b2 - bmax + 14) << 16)
+                                  | ((b3 - bmax + 14) << 24))
+                T.clear(acc)
+                for k in T.Pipelined(KB, num_stages=stages):
+                    T.copy(W[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, k * (BK // 2):(k + 1) * (BK // 2)], wq)
+                    T.copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_t)
+                    for c in T.serial(CH):
+                        r = (c * threads + tx) // 4
+                        g = (c * threads + tx) % 4
+                        for v in T.vectorized(16):
+                            src[v] = wq[r, g * 16 + v]
+                        T.call_extern("handle", "di_fp4_group_e4m3", T.address_of(src[0]),
+                                      ((dpk[k, r] >> (g * 8)) & 0xFF) - 8, T.address_of(dec[0]))
+                        for v in T.vectorized(32):
+                            wd[r, g * 32 + v] = dec[v]
+                    T.gemm(wd, a_t, blk, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for j, i in T.Parallel(BN, BM):
+                        acc[j, i] += blk[j, i] * (wsb[k, j] * asb[k, i])
+                for j, i in T.Parallel(BN, BM):
+                    c_t[i, j] = T.Cast(out_dt, acc[j, i])
+                for i, j in T.Parallel(BM, BN):
+                    if rows[i] < P:
+                        C[rows[i], bx * BN + j] = c_t[i, j]
+
+    return grouped_fp4_fold_k
 
 
 def grouped_fp4_bf16_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: int = 128, stages: int = 2):
@@ -168,42 +297,72 @@ def block_rows(P: int, E: int) -> int:
     return 128 if P >= 64 * E else 64
 
 
-def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt):
+def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt, fold=False):
     """C [P, N] out_dtype (rows with e = -1: 0) for a [P, K] e4m3 + a_s [P, K/128] (or their split form
     a_split [P, K] bf16), w [E, N, K/2] packed e2m1, w_s [E, N, K/32] (ue8m0 bytes or f32 powers of two).
-    build(key, make) compiles once per key (the backend's cache; None when the build failed)."""
-    from deepinfer.quant.grouped import moe_align
-
+    fold: the folded FP8 form at 64- and 128-row blocks where `fold_ok(w_s)`, else the bf16 form (both exact
+    in the weights). build(key, make) compiles once per key (the backend's cache; None when the build failed)."""
     P, K = a.shape
     E, N = w.size(0), w.size(1)
     BM = block_rows(P, E)
     stages = 3 if BM == 128 else 2
-    kern = build(("fp4-bf16", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages))
-    if a_split is None:
-        gath = build(("gather-split", K, BM), lambda: compile_gather_split(K, BM))
-        if gath is None:
-            return None
+    fold = fold and BM >= 64 and fold_ok(w_s)
+    if fold:
+        kern = build(("fp4-fold", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages, fold=True))
+    else:
+        kern = build(("fp4-bf16", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages))
+        if a_split is None:
+            gath = build(("gather-split", K, BM), lambda: compile_gather_split(K, BM))
+            if gath is None:
+                return None
     if kern is None:
         return None
-    c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows of no expert (e = -1) are 0
-    if P == 0 or N == 0 or E == 0:
+    c, rows, bexp = expert_blocks(e, P, N, E, BM, out_dtype)
+    if rows is None:
         return c
-    rows, bexp = moe_align(e, E, BM)
+    src = rows.clamp(max=P - 1)  # pad rows repeat a real row: finite, and their outputs are never stored
+    ws = scale_bytes(w_s).contiguous().view(E * N, K // 32)
+    wq = w.contiguous().view(torch.uint8).view(E * N, K // 2)
+    FORMS_RUN["fold" if fold else "bf16"] += 1
+    if fold:
+        a2 = a.contiguous().view(torch.uint8).index_select(0, src).view(torch.float8_e4m3fn)
+        ast = a_s.float().t().index_select(1, src).contiguous()
+        kern(a2, ast, wq, ws.view(torch.int32).view(E * N, K // 128), rows.view(-1, BM), bexp, c)
+        return c
     if a_split is None:
         a2 = torch.empty(rows.numel(), K, dtype=torch.bfloat16, device=a.device)
         gath(a.contiguous(), a_s.float().contiguous(), rows, a2)
     else:
-        a2 = a_split.index_select(0, rows.clamp(max=P - 1))
-    ws = scale_bytes(w_s).contiguous()
-    kern(a2, w.contiguous().view(torch.uint8).view(E * N, K // 2), ws.view(E * N, K // 32), rows.view(-1, BM),
-         bexp, c)
+        a2 = a_split.index_select(0, src)
+    kern(a2, wq, ws, rows.view(-1, BM), bexp, c)
     return c
 
 
-def compile_grouped(E: int, N: int, K: int, out_dt: str, BM: int, stages: int = 2, ws: bool = True):
-    """The compiled grouped kernel; BN 128 where N allows, else 64. ws=False: TileLang's software pipeline with
-    cp.async stages instead of its warp-specialised producer (a sweep option, `pass_configs`)."""
-    f = grouped_fp4_bf16_kernel(E, N, K, out_dt, BM, 128 if N % 128 == 0 else 64, stages)
+def fold_ok(w_s: torch.Tensor) -> bool:
+    """Every 128-K block of this weight has its four per-32 scales within 2^FOLD_SPREAD of each other and none is
+    NaN (byte 255): the folded FP8 form is exact for it. Read once per scale tensor -- one host sync at its first
+    prefill-sized GEMM (the engine's warm-up runs before any graph capture; a first call inside a capture fails
+    with CUDA's capture error, never silently) -- and kept on the tensor object (weights are not modified in
+    place)."""
+    flag = getattr(w_s, "_deepinfer_fp4_fold", None)
+    if flag is None:
+        b = scale_bytes(w_s).reshape(-1, 4)
+        if b.numel() == 0:
+            flag = True
+        else:
+            lo, hi = b.amin(1).short(), b.amax(1).short()
+            flag = bool(((hi - lo).max() <= FOLD_SPREAD).item()) and int(hi.max().item()) < 255
+        w_s._deepinfer_fp4_fold = flag
+    return flag
+
+
+def compile_grouped(E: int, N: int, K: int, out_dt: str, BM: int, stages: int = 2, ws: bool = True,
+                    fold: bool = False):
+    """The compiled grouped kernel (fold: the folded FP8 form, else the bf16 form); BN 128 where N allows, else
+    64. ws=False: TileLang's software pipeline with cp.async stages instead of its warp-specialised producer (a
+    sweep option, `pass_configs`)."""
+    make = grouped_fp4_fold_kernel if fold else grouped_fp4_bf16_kernel
+    f = make(E, N, K, out_dt, BM, 128 if N % 128 == 0 else 64, stages)
     return tilelang.compile(f, out_idx=[], pass_configs={"tl.disable_warp_specialized": not ws})
 
 

@@ -6,8 +6,9 @@ graph); one program per (N tile, block) gathers its block's A rows, streams its 
 scatters its rows of C. Blocks past the last used one carry expert -1 and do nothing.
 
 FP4 experts (w int8 [E, N, K/2], e2m1 pairs along K, low nibble first; w_s [E, N, K/32] power-of-two scales)
-run `grouped_fp4.py`'s bf16 form by default; the official form here runs with DEEPINFER_TL_FP4=fp8 and for shapes
-the bf16 form does not take (N % 64 != 0), as DeepSeek's kernel.py `fp4_gemm` computes them. Each 32-wide K step decodes the weight nibbles to e4m3 in
+run `grouped_fp4.py`'s bf16 form by default (DEEPINFER_TL_FP4=fold: its folded FP8 form at prefill). The official form
+here runs with DEEPINFER_TL_FP4=fp8 and for shapes those do not take (N % 64 != 0), as DeepSeek's kernel.py
+`fp4_gemm` computes them. Each 32-wide K step decodes the weight nibbles to e4m3 in
 shared memory -- lossless, every e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) is an e4m3 value --
 and runs one FP8 x FP8 tensor-core product into an fp32 fragment, cleared every step. The step's product is then
 multiplied by the row's per-128 activation scale (the step's K lies inside one activation block: four steps per
@@ -28,10 +29,9 @@ from deepinfer import settings
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.formats import scale_f32
-from deepinfer.quant.grouped import moe_align
 
 from . import grouped_fp4
-from ._common import build, tl_dtype
+from ._common import build, expert_blocks, tl_dtype
 
 BM, BN = 32, 128
 
@@ -157,17 +157,19 @@ def _run(a, a_s, e, w, w_s, out_dtype, op, a_split=None):
         ops.runtime_fallback(op, f"the TileLang grouped GEMM takes e4m3 A with K % 128 == 0, not {a.dtype}, K {K}")
         return None
     dt = tl_dtype(out_dtype)
-    # DEEPINFER_TL_FP4 (read per call): "bf16", grouped_fp4.py's form where N % 64 == 0; "fp8", the official form
-    if fp4 and settings.choice("DEEPINFER_TL_FP4") == "bf16" and grouped_fp4.takes(N, K):
-        return grouped_fp4.run(a, a_s, e, w, w_s, out_dtype, a_split, lambda key, mk: build(op, key, mk), dt)
+    # DEEPINFER_TL_FP4 (read per call): "bf16" / "fold", grouped_fp4.py's forms where N % 64 == 0 ("fold": the
+    # folded FP8 form at 64- and 128-row blocks where the weight's scales allow it); "fp8", the official form
+    form = settings.choice("DEEPINFER_TL_FP4") if fp4 else None
+    if form in ("fold", "bf16") and grouped_fp4.takes(N, K):
+        return grouped_fp4.run(a, a_s, e, w, w_s, out_dtype, a_split, lambda key, mk: build(op, key, mk), dt,
+                               fold=form == "fold")
     make = grouped_fp4_kernel if fp4 else grouped_fp8_kernel
     kern = build(op, ("fp4" if fp4 else "fp8", E, N, K, dt), lambda: tilelang.compile(make(E, N, K, dt), out_idx=[]))
     if kern is None:
         return None
-    c = torch.zeros(P, N, dtype=out_dtype, device=a.device)  # rows of no expert (e = -1) are 0
-    if P == 0 or N == 0 or E == 0:
+    c, rows, bexp = expert_blocks(e, P, N, E, BM, out_dtype)
+    if rows is None:
         return c
-    rows, bexp = moe_align(e, E, BM)
     if fp4:
         ws = scale_f32(w_s, "grouped_gemm w_s")
         kern(a.contiguous(), a_s.float().contiguous(), w.contiguous().view(torch.uint8), ws.contiguous(),
