@@ -351,7 +351,7 @@ def fold_ok(w_s: torch.Tensor) -> bool:
             flag = True
         else:
             lo, hi = b.amin(1).short(), b.amax(1).short()
-            flag = bool(((hi - lo).max() <= FOLD_SPREAD).item()) and int(hi.max().item()) < 255
+            flag = bool((((hi - lo).max() <= FOLD_SPREAD) & (hi.max() < 255)).item())  # one host sync
         w_s._deepinfer_fp4_fold = flag
     return flag
 
