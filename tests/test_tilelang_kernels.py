@@ -114,11 +114,18 @@ def test_fp8_gemm(M, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,S,H,D,N,K", [(1, 9, 4, 128, 40, 12), (2, 1, 64, 512, 4096, 640), (1, 70, 64, 512, 300, 200)])
-def test_sparse_attn(B, S, H, D, N, K):
+@pytest.mark.parametrize("form", ["ws", "plain"])
+@pytest.mark.parametrize("B,S,H,D,N,K", [(1, 9, 4, 128, 40, 12), (2, 1, 64, 512, 4096, 640), (1, 70, 64, 512, 300, 200),
+                                         (2, 5, 128, 512, 700, 300), (1, 3, 72, 256, 100, 70)])
+def test_sparse_attn(B, S, H, D, N, K, form, monkeypatch):
     """Rounded as the reference (blocks of 64, running max over the logits, p in bf16 for P V, sink last); empty
-    slots anywhere, and one token whose slots are all empty (0 out)."""
+    slots anywhere, and one token whose slots are all empty (0 out). Both forms (DEEPINFER_TL_ATTN): the
+    warp-specialised one at an odd number of 64-slot blocks (its stages alternate), two 64-head blocks (H 128) and
+    padded heads (H 72), and batch rows read through their own cache (B 2)."""
+    monkeypatch.setenv("DEEPINFER_TL_ATTN", form)
     impl = _tilelang()("sparse_attn")
+    from deepinfer_kernels.tilelang import attention
+    before = attention.FORMS_RUN[form]
     g = _g(B * 1000 + K)
     q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
     kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
@@ -129,6 +136,7 @@ def test_sparse_attn(B, S, H, D, N, K):
     if K > 64:
         idx[-1, -1, :64] = -1  # a first block all empty, valid slots later
     out = impl(q, kv, sink, idx, D ** -0.5)
+    assert attention.FORMS_RUN[form] == before + 1
     ref = REGISTRY["sparse_attn"].ref(q, kv, sink, idx, D ** -0.5)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out.float()).all() and (out[0, 0] == 0).all()

@@ -13,7 +13,7 @@ import sys
 import tilelang
 import tvm
 
-from deepinfer_kernels.tilelang import attention, gemm, grouped_fp4, indexer, moe, quant
+from deepinfer_kernels.tilelang import attention, attention_ws, gemm, grouped_fp4, indexer, moe, quant
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CASES = [
@@ -24,6 +24,12 @@ CASES = [
     ("fp8_gemm N=1536 K=4096 -> bf16", lambda: gemm.fp8_gemm_kernel(1536, 4096, "bfloat16")),
     ("fp8_gemm N=4096 K=8192 -> f32", lambda: gemm.fp8_gemm_kernel(4096, 8192, "float32")),
     ("sparse_attn flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(64, 512, 640, "bfloat16", 512 ** -0.5)),
+    ("sparse_attn ws flash H=64 D=512 K=640 bf16", lambda: (attention_ws.sparse_attn_ws_kernel(
+        64, 512, 640, "bfloat16", 512 ** -0.5), attention_ws.PASS_CONFIGS)),
+    ("sparse_attn ws pro-like H=128 D=512 K=1100 fp16", lambda: (attention_ws.sparse_attn_ws_kernel(
+        128, 512, 1100, "float16", 512 ** -0.5), attention_ws.PASS_CONFIGS)),
+    ("sparse_attn ws small H=64 D=128 K=12 bf16", lambda: (attention_ws.sparse_attn_ws_kernel(
+        64, 128, 12, "bfloat16", 128 ** -0.5), attention_ws.PASS_CONFIGS)),
     ("sparse_attn tiny H=16 D=128 K=12 bf16", lambda: attention.sparse_attn_kernel(16, 128, 12, "bfloat16", 128 ** -0.5)),
     ("sparse_attn_fp8 flash H=64 D=512 K=640 bf16", lambda: attention.sparse_attn_kernel(
         64, 512, 640, "bfloat16", 512 ** -0.5, (448, 464, 592))),
@@ -56,8 +62,10 @@ def main() -> int:
         if only not in name:
             continue
         try:
-            with tvm.target.Target(TARGET):
-                art = tilelang.lower(make(), target=TARGET)
+            made = make()  # a prim_func, or (prim_func, the pass configs it compiles with)
+            func, config = made if isinstance(made, tuple) else (made, {})
+            with tvm.transform.PassContext(opt_level=3, config=config), tvm.target.Target(TARGET):
+                art = tilelang.lower(func, target=TARGET)
             print(f"ok    {name}: {len(art.kernel_source)} chars of CUDA")
         except Exception as e:
             bad += 1

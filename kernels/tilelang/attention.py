@@ -7,24 +7,30 @@ the block's kv rows gathered into shared memory (empty slots as zero rows, their
 the operands' dtype for the P V product, whose fp32 accumulator is rescaled as the max grows; the sink joins
 the denominator at the end. A token with no valid slot gets 0 (its max stays -inf: the exponentials use 0).
 bf16 / fp16 operands only (a float32 run takes the reference: tensor cores would round it to tf32).
-`sparse_attn_fp8` is the same kernel reading the FP8 cache layout (`kv_pack`) in place: each gathered entry's
+`sparse_attn` at 64-head blocks runs attention_ws.py's warp-specialised form by default (DEEPINFER_TL_ATTN).
+`sparse_attn_fp8` is the plain kernel reading the FP8 cache layout (`kv_pack`) in place: each gathered entry's
 codes times their ue8m0 scale, and its RoPE dims as stored, decoded into the shared tile.
 
 No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
 """
 
+from collections import Counter
+
 import tilelang
 import tilelang.language as T
 import torch
 
+from deepinfer import settings
 from deepinfer.ops import ops
 from deepinfer.ops.reference import SPARSE_ATTN_BLOCK
 from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
+from . import attention_ws
 from ._common import build, tl_dtype
 
 BLK = SPARSE_ATTN_BLOCK  # 64: the official kernel's block of slots
+FORMS_RUN: Counter = Counter()  # "ws" / "plain": which bf16 kernel each sparse_attn call ran (tests read it)
 
 
 def sparse_attn_kernel(H: int, D: int, K: int, dt: str, scale: float, fp8: tuple | None = None):
@@ -171,12 +177,21 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
                                                 f"not {q.dtype} / {kv.dtype}, D {D}")
         return ref(q, kv, sink, idx, scale)
     K = idx.size(-1)
-    Hp = max(16, -(-H // 16) * 16)
+    dt = tl_dtype(q.dtype)
+    if settings.choice("DEEPINFER_TL_ATTN") == "ws" and attention_ws.ws_fits(H, D):
+        Hp = -(-H // attention_ws.HB) * attention_ws.HB
+        key, make = ("ws", Hp, D, K, str(q.dtype), float(scale)), lambda: tilelang.compile(
+            attention_ws.sparse_attn_ws_kernel(Hp, D, K, dt, float(scale)), out_idx=[5],
+            pass_configs=attention_ws.PASS_CONFIGS)
+    else:
+        Hp = 16 if H <= 16 else -(-H // 64) * 64  # M 16, or whole 64-row tiles for the 8 warps' MMAs
+        key, make = (Hp, D, K, str(q.dtype), float(scale)), lambda: tilelang.compile(
+            sparse_attn_kernel(Hp, D, K, dt, float(scale)), out_idx=[5])
     qf, sk = _pad_heads(q.reshape(B * S, H, D), sink.float(), Hp)
-    kern = build("sparse_attn", (Hp, D, K, str(q.dtype), float(scale)),
-                 lambda: tilelang.compile(sparse_attn_kernel(Hp, D, K, tl_dtype(q.dtype), float(scale)), out_idx=[5]))
+    kern = build("sparse_attn", key, make)
     if kern is None:
         return ref(q, kv, sink, idx, scale)
+    FORMS_RUN["ws" if key[0] == "ws" else "plain"] += 1
     bt = torch.arange(B, device=q.device, dtype=torch.int32).repeat_interleave(S)
     o = kern(qf.contiguous(), kv.contiguous(), sk.contiguous(), idx.reshape(B * S, K).int().contiguous(), bt)
     return o[:, :H].reshape(B, S, H, D)
@@ -197,7 +212,7 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
                                                     f"the packed cache, not {q.dtype}, D {D}, {kv.size(-1)} bytes")
         return ref(q, kv, sink, idx, scale, rope_dim, out_rope)
     K = idx.size(-1)
-    Hp = max(16, -(-H // 16) * 16)
+    Hp = 16 if H <= 16 else -(-H // 64) * 64
     qf, sk = _pad_heads(q.reshape(B * S, H, D), sink.float(), Hp)
     fp8 = (nope, kv_rope_offset(D, rope_dim), W)
     kern = build("sparse_attn_fp8", (Hp, D, K, str(q.dtype), float(scale), fp8), lambda: tilelang.compile(
