@@ -27,6 +27,7 @@ from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
 from . import attention_ws
+from .attention_ws import online_softmax
 from ._common import build, tl_dtype
 
 BLK = SPARSE_ATTN_BLOCK  # 64: the official kernel's block of slots
@@ -56,20 +57,7 @@ def sparse_attn_kernel(H: int, D: int, K: int, dt: str, scale: float, fp8: tuple
         T.gemm(q_s, kv_s, lg, transpose_B=True)
         for h, j in T.Parallel(H, BLK):
             lg[h, j] = T.if_then_else(ids[j] >= 0, lg[h, j] * T.float32(scale), -T.infinity("float32"))
-        T.copy(m, m_prev)
-        T.reduce_max(lg, bm, dim=1, clear=True)
-        for h in T.Parallel(H):
-            m[h] = T.max(m_prev[h], bm[h])
-            # no valid slot yet: exponentials against 0 (exp(-inf) = 0, nothing to rescale)
-            bm[h] = T.if_then_else(m[h] == -T.infinity("float32"), T.float32(0), m[h])
-            rs[h] = T.exp(m_prev[h] - bm[h])
-        for h, j in T.Parallel(H, BLK):
-            lg[h, j] = T.exp(lg[h, j] - bm[h])
-        T.reduce_sum(lg, m_prev, dim=1, clear=True)  # the block's sum of p (m_prev is free here)
-        for h in T.Parallel(H):
-            l[h] = l[h] * rs[h] + m_prev[h]
-        for h, d in T.Parallel(H, D):
-            acc[h, d] *= rs[h]
+        online_softmax(lg, acc, m, m_prev, bm, rs, l, H, BLK, D, T.exp)
         T.copy(lg, p_s)  # p in the operands' dtype for the P V product
         T.gemm(p_s, kv_s, acc)
 
@@ -159,6 +147,11 @@ def sparse_attn_kernel(H: int, D: int, K: int, dt: str, scale: float, fp8: tuple
     return sparse_attn_fp8_k
 
 
+def _plain_heads(H: int) -> int:
+    """The plain kernel's padded head count: the MMA's 16 rows, or whole 64-row tiles for its 8 warps' MMAs."""
+    return 16 if H <= 16 else -(-H // 64) * 64
+
+
 def _pad_heads(qf: torch.Tensor, sk: torch.Tensor, Hp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero heads up to the MMA's 16 rows (sliced off after): q [T, H, D], sink [H] -> [T, Hp, D], [Hp]."""
     T_, H, D = qf.shape
@@ -178,20 +171,21 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         return ref(q, kv, sink, idx, scale)
     K = idx.size(-1)
     dt = tl_dtype(q.dtype)
-    if settings.choice("DEEPINFER_TL_ATTN") == "ws" and attention_ws.ws_fits(H, D):
+    form = "ws" if settings.choice("DEEPINFER_TL_ATTN") == "ws" and attention_ws.ws_fits(H, D) else "plain"
+    if form == "ws":
         Hp = -(-H // attention_ws.HB) * attention_ws.HB
         key, make = ("ws", Hp, D, K, str(q.dtype), float(scale)), lambda: tilelang.compile(
             attention_ws.sparse_attn_ws_kernel(Hp, D, K, dt, float(scale)), out_idx=[5],
             pass_configs=attention_ws.PASS_CONFIGS)
     else:
-        Hp = 16 if H <= 16 else -(-H // 64) * 64  # M 16, or whole 64-row tiles for the 8 warps' MMAs
+        Hp = _plain_heads(H)
         key, make = (Hp, D, K, str(q.dtype), float(scale)), lambda: tilelang.compile(
             sparse_attn_kernel(Hp, D, K, dt, float(scale)), out_idx=[5])
     qf, sk = _pad_heads(q.reshape(B * S, H, D), sink.float(), Hp)
     kern = build("sparse_attn", key, make)
     if kern is None:
         return ref(q, kv, sink, idx, scale)
-    FORMS_RUN["ws" if key[0] == "ws" else "plain"] += 1
+    FORMS_RUN[form] += 1
     bt = torch.arange(B, device=q.device, dtype=torch.int32).repeat_interleave(S)
     o = kern(qf.contiguous(), kv.contiguous(), sk.contiguous(), idx.reshape(B * S, K).int().contiguous(), bt)
     return o[:, :H].reshape(B, S, H, D)
@@ -212,7 +206,7 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
                                                     f"the packed cache, not {q.dtype}, D {D}, {kv.size(-1)} bytes")
         return ref(q, kv, sink, idx, scale, rope_dim, out_rope)
     K = idx.size(-1)
-    Hp = 16 if H <= 16 else -(-H // 64) * 64
+    Hp = _plain_heads(H)
     qf, sk = _pad_heads(q.reshape(B * S, H, D), sink.float(), Hp)
     fp8 = (nope, kv_rope_offset(D, rope_dim), W)
     kern = build("sparse_attn_fp8", (Hp, D, K, str(q.dtype), float(scale), fp8), lambda: tilelang.compile(

@@ -39,6 +39,27 @@ PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": Tru
 and so do its bounds guards (the cp.async gather is emitted as written)."""
 
 
+@T.macro
+def online_softmax(lg, acc, m, m_prev, bm, rs, l, H: int, BLK: int, D: int, exp):
+    """One block of the reference's online softmax, in place: logits lg [H, BLK] (empty slots -inf) -> p = exp(lg -
+    max); the running max m, the denominator l and the accumulator acc [H, D] rescaled by rs = exp(m_prev - m).
+    m_prev and bm are scratch. `exp` is the exponential the kernel rounds with (a Python callable of a TIR value)."""
+    T.copy(m, m_prev)
+    T.reduce_max(lg, bm, dim=1, clear=True)
+    for h in T.Parallel(H):
+        m[h] = T.max(m_prev[h], bm[h])
+        # no valid slot yet: exponentials against 0 (exp(-inf) = 0, nothing to rescale)
+        bm[h] = T.if_then_else(m[h] == -T.infinity("float32"), T.float32(0), m[h])
+        rs[h] = exp(m_prev[h] - bm[h])
+    for h, j in T.Parallel(H, BLK):
+        lg[h, j] = exp(lg[h, j] - bm[h])
+    T.reduce_sum(lg, m_prev, dim=1, clear=True)  # the block's sum of p (m_prev is free here)
+    for h in T.Parallel(H):
+        l[h] = l[h] * rs[h] + m_prev[h]
+    for h, d in T.Parallel(H, D):
+        acc[h, d] *= rs[h]
+
+
 def ws_fits(H: int, D: int) -> bool:
     """Whether the warp-specialised form takes this shape: D splits into two halves of whole 64-element rows
     (the producer's 8 threads x 8 elements a row) and fits the shared memory (D <= 512)."""
@@ -87,20 +108,7 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
         T.gemm(qr, kvr, lg, transpose_B=True)
         for h, j in T.Parallel(HB, BLK):
             lg[h, j] = lg[h, j] * T.float32(scale)
-        T.copy(m, m_prev)
-        T.reduce_max(lg, bm, dim=1, clear=True)
-        for h in T.Parallel(HB):
-            m[h] = T.max(m_prev[h], bm[h])
-            # no valid slot yet: exponentials against 0 (exp(-inf) = 0, nothing to rescale)
-            bm[h] = T.if_then_else(m[h] == NEG, T.float32(0), m[h])
-            rs[h] = T.exp2((m_prev[h] - bm[h]) * T.float32(LOG2E))
-        for h, j in T.Parallel(HB, BLK):
-            lg[h, j] = T.exp2((lg[h, j] - bm[h]) * T.float32(LOG2E))
-        T.reduce_sum(lg, m_prev, dim=1, clear=True)  # the block's sum of p (m_prev is free here)
-        for h in T.Parallel(HB):
-            l[h] = l[h] * rs[h] + m_prev[h]
-        for h, d in T.Parallel(HB, DH):
-            acc[h, d] *= rs[h]
+        online_softmax(lg, acc, m, m_prev, bm, rs, l, HB, BLK, DH, lambda x: T.exp2(x * T.float32(LOG2E)))
         if kb > 0:
             T.barrier_wait(p_free[0], (kb - 1) & 1)  # consumer 1 done with the previous block's p and factor
         T.copy(lg, p_s)

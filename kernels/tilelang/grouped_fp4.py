@@ -108,6 +108,24 @@ FOLD_SPREAD = 11  # a 128-K block's group scales within 2^11: each group's shift
 FORMS_RUN: Counter = Counter()  # calls per form ("fold", "bf16") in this process: which form a call took
 
 
+@T.macro
+def _load_step(W, A, BEXP, wq, a_t, bx, by, k, N, BN, BM, BK):
+    """The K step's tiles: block by's expert's packed weight rows bx*BN.. (BK/2 bytes) and the block's BM activation
+    rows. The expert is read where it is used (see grouped_fp4_bf16_kernel), not bound to a local."""
+    T.copy(W[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, k * (BK // 2):(k + 1) * (BK // 2)], wq)
+    T.copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_t)
+
+
+@T.macro
+def _store_rows(acc, c_t, rows, C, bx, P, BN, BM, out_dt):
+    """The transposed tile acc [BN, BM] out to C's rows (block rows past P are padding: not stored)."""
+    for j, i in T.Parallel(BN, BM):
+        c_t[i, j] = T.Cast(out_dt, acc[j, i])
+    for i, j in T.Parallel(BM, BN):
+        if rows[i] < P:
+            C[rows[i], bx * BN + j] = c_t[i, j]
+
+
 def grouped_fp4_fold_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: int = 128, stages: int = 3):
     """The folded FP8 form. A [NB*BM, K] e4m3 (the act_quant'd rows gathered in block order), AST [K/128, NB*BM]
     f32 (their per-128 scales, transposed), W [E*N, K/2] uint8, WS [E*N, K/128] int32 (a 128-K block's four ue8m0
@@ -170,8 +188,7 @@ def grouped_fp4_fold_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
                                   | ((b3 - bmax + 14) << 24))
                 T.clear(acc)
                 for k in T.Pipelined(KB, num_stages=stages):
-                    T.copy(W[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, k * (BK // 2):(k + 1) * (BK // 2)], wq)
-                    T.copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_t)
+                    _load_step(W, A, BEXP, wq, a_t, bx, by, k, N, BN, BM, BK)
                     for c in T.serial(CH):
                         r = (c * threads + tx) // 4
                         g = (c * threads + tx) % 4
@@ -184,11 +201,7 @@ def grouped_fp4_fold_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
                     T.gemm(wd, a_t, blk, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     for j, i in T.Parallel(BN, BM):
                         acc[j, i] += blk[j, i] * (wsb[k, j] * asb[k, i])
-                for j, i in T.Parallel(BN, BM):
-                    c_t[i, j] = T.Cast(out_dt, acc[j, i])
-                for i, j in T.Parallel(BM, BN):
-                    if rows[i] < P:
-                        C[rows[i], bx * BN + j] = c_t[i, j]
+                _store_rows(acc, c_t, rows, C, bx, P, BN, BM, out_dt)
 
     return grouped_fp4_fold_k
 
@@ -230,8 +243,7 @@ def grouped_fp4_bf16_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
                 T.copy(WS[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, 0:K // 32], sc)
                 T.clear(acc)
                 for k in T.Pipelined(K // BK, num_stages=stages):
-                    T.copy(W[BEXP[by] * N + bx * BN:BEXP[by] * N + bx * BN + BN, k * (BK // 2):(k + 1) * (BK // 2)], wq)
-                    T.copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_t)
+                    _load_step(W, A, BEXP, wq, a_t, bx, by, k, N, BN, BM, BK)
                     for c in T.serial(CH):
                         r = (c * threads + tx) // 4
                         g = (c * threads + tx) % 4
@@ -244,11 +256,7 @@ def grouped_fp4_bf16_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
                         for v in T.vectorized(16):
                             wd[r, 64 + g * 16 + v] = hi[v]
                     T.gemm(wd, a_t, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for j, i in T.Parallel(BN, BM):
-                    c_t[i, j] = T.Cast(out_dt, acc[j, i])
-                for i, j in T.Parallel(BM, BN):
-                    if rows[i] < P:
-                        C[rows[i], bx * BN + j] = c_t[i, j]
+                _store_rows(acc, c_t, rows, C, bx, P, BN, BM, out_dt)
 
     return grouped_fp4_bf16_k
 
