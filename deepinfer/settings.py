@@ -50,9 +50,9 @@ SETTINGS = {s.name: s for s in (
             "128-K step promoted in fp32 -- where every block's scales lie within 2^11, else bf16) or fp8 (kernel.py's "
             "fp4_gemm form: e4m3 tiles, one FP8 MMA per 32-K step, scales applied in fp32)", ("bf16", "fold", "fp8")),
     Setting("DEEPINFER_TL_ATTN", "choice", "ws", "the TileLang backend's bf16 sparse attention: ws "
-            "(warp-specialised: a producer warpgroup gathers kv rows by cp.async into two stages while two consumer "
-            "warpgroups compute, 64 heads a program, where D % 128 == 0 and D <= 512) or plain (one warpgroup "
-            "gathers, then computes)", ("ws", "plain")),
+            "(warp-specialised: a scorer warpgroup computes Q Kᵀ and the softmax while two warpgroups accumulate P V "
+            "over the halves of D and gather the kv rows ahead by cp.async, 64 heads a program, where D % 128 == 0 "
+            "and D <= 512) or plain (one warpgroup gathers, then computes)", ("ws", "plain")),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
             "by Triton when a kernel module is imported"),
 )}

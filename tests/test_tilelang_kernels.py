@@ -116,12 +116,16 @@ def test_fp8_gemm(M, out_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["ws", "plain"])
 @pytest.mark.parametrize("B,S,H,D,N,K", [(1, 9, 4, 128, 40, 12), (2, 1, 64, 512, 4096, 640), (1, 70, 64, 512, 300, 200),
-                                         (2, 5, 128, 512, 700, 300), (1, 3, 72, 256, 100, 70)])
+                                         (2, 5, 128, 512, 700, 300), (1, 3, 72, 256, 100, 70),
+                                         (1, 300, 64, 512, 2000, 256), (2, 150, 64, 128, 500, 100),
+                                         (1, 80, 128, 512, 700, 300)])
 def test_sparse_attn(B, S, H, D, N, K, form, monkeypatch):
     """Rounded as the reference (blocks of 64, running max over the logits, p in bf16 for P V, sink last); empty
     slots anywhere, and one token whose slots are all empty (0 out). Both forms (DEEPINFER_TL_ATTN): the
     warp-specialised one at an odd number of 64-slot blocks (its stages alternate), two 64-head blocks (H 128) and
-    padded heads (H 72), and batch rows read through their own cache (B 2)."""
+    padded heads (H 72), and batch rows read through their own cache (B 2); more programs than an H200 has SMs
+    (300 tokens; 300 programs of a single block pair, where each stage half is gathered once; 160 programs at
+    H 128)."""
     monkeypatch.setenv("DEEPINFER_TL_ATTN", form)
     impl = _tilelang()("sparse_attn")
     from deepinfer_kernels.tilelang import attention

@@ -57,7 +57,9 @@ def sparse_attn_kernel(H: int, D: int, K: int, dt: str, scale: float, fp8: tuple
         T.gemm(q_s, kv_s, lg, transpose_B=True)
         for h, j in T.Parallel(H, BLK):
             lg[h, j] = T.if_then_else(ids[j] >= 0, lg[h, j] * T.float32(scale), -T.infinity("float32"))
-        online_softmax(lg, acc, m, m_prev, bm, rs, l, H, BLK, D, T.exp)
+        online_softmax(lg, m, m_prev, bm, rs, l, H, BLK, T.exp)
+        for h, d in T.Parallel(H, D):
+            acc[h, d] *= rs[h]
         T.copy(lg, p_s)  # p in the operands' dtype for the P V product
         T.gemm(p_s, kv_s, acc)
 
@@ -65,9 +67,9 @@ def sparse_attn_kernel(H: int, D: int, K: int, dt: str, scale: float, fp8: tuple
     def finish(t, SINK, O, acc, m, bm, l, o_s):
         for h in T.Parallel(H):
             bm[h] = T.if_then_else(m[h] == -T.infinity("float32"), T.float32(0), m[h])
-            l[h] = l[h] + T.exp(SINK[h] - bm[h])
+            l[h] = 1 / (l[h] + T.exp(SINK[h] - bm[h]))  # the reciprocal: a multiply per element, not a division
         for h, d in T.Parallel(H, D):
-            acc[h, d] = acc[h, d] / l[h]
+            acc[h, d] = acc[h, d] * l[h]
         T.copy(acc, o_s)
         T.copy(o_s, O[t, 0, 0])
 
