@@ -125,8 +125,8 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
     @T.macro
     def accumulate(KV, IDX, b, t, px, half, kvh, ids, ready, kb, ix, acc, p_s, rs_s, p_ready, p_free):
         """Block kb's P V for this half of D, then this half of block kb + 2's rows into the stage just read (ix holds
-        their slot ids, loaded a block earlier: in a decode their latency would otherwise stall each gather), then
-        block kb + 4's slot ids."""
+        their slot ids, loaded after block kb - 2's P V: in a decode their latency would otherwise stall each
+        gather), then block kb + 4's slot ids."""
         T.barrier_wait(p_ready[0], kb & 1)
         for h, d in T.Parallel(HB, DH):
             acc[h, d] *= rs_s[h]
@@ -137,7 +137,7 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
         T.barrier_arrive(p_free[0])
 
     @T.macro
-    def accumulator(Q, KV, IDX, O, b, t, h0, px, half, kvh0, kvh1, ids0, ids1, ready0, ready1, ix0, ix1, acc, p_s,
+    def accumulator(KV, IDX, O, b, t, h0, px, half, kvh0, kvh1, ids0, ids1, ready0, ready1, ix0, ix1, acc, p_s,
                     rs_s, inv_s, p_ready, p_free, l_ready, o_s):
         """One half of D: the first two blocks' rows, then P V block after block, then the output. ix0 / ix1: the
         slot ids of the next even / odd block this thread gathers."""
@@ -205,10 +205,10 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
                     inv_s[h] = 1 / (l[h] + T.exp(SINK[h0 + h] - bm[h]))
                 T.barrier_arrive(l_ready[0])
             elif tx < 256:
-                accumulator(Q, KV, IDX, O, BT[t], t, h0, tx - 128, 0, kvl0, kvl1, ids0, ids1, ready0, ready1, ix0, ix1,
+                accumulator(KV, IDX, O, BT[t], t, h0, tx - 128, 0, kvl0, kvl1, ids0, ids1, ready0, ready1, ix0, ix1,
                             acc_l, p_s, rs_s, inv_s, p_ready, p_free, l_ready, ql)
             else:
-                accumulator(Q, KV, IDX, O, BT[t], t, h0, tx - 256, 1, kvr0, kvr1, ids0, ids1, ready0, ready1, ix0, ix1,
+                accumulator(KV, IDX, O, BT[t], t, h0, tx - 256, 1, kvr0, kvr1, ids0, ids1, ready0, ready1, ix0, ix1,
                             acc_r, p_s, rs_s, inv_s, p_ready, p_free, l_ready, qr)
 
     return sparse_attn_ws
