@@ -28,7 +28,12 @@ def test_kernels_from_the_repository_root_is_hugging_faces_or_absent():
         assert p.returncode != 0 and "deepinfer_kernels" in p.stderr, p.stderr[-2000:]
 
 
-def test_deepinfer_kernels_is_the_folder():
-    import deepinfer_kernels
-    assert os.path.dirname(os.path.abspath(deepinfer_kernels.__file__)).endswith("kernels")
-    assert deepinfer_kernels.__name__ == "deepinfer_kernels"
+def test_deepinfer_kernels_is_the_folder_and_loads_nothing_else(tmp_path):
+    """Under its own name the folder is itself and leaves the name `kernels` alone (run outside the repository, so
+    its root is not on sys.path)."""
+    code = "import sys, deepinfer_kernels; print(deepinfer_kernels.__file__); print('kernels' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    where, loaded = p.stdout.split()
+    assert os.path.samefile(os.path.dirname(where), os.path.join(ROOT, "kernels")), where
+    assert loaded == "False"

@@ -155,7 +155,7 @@ def _plain_heads(H: int) -> int:
 
 
 def _pad_heads(qf: torch.Tensor, sk: torch.Tensor, Hp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero heads up to the MMA's 16 rows (sliced off after): q [T, H, D], sink [H] -> [T, Hp, D], [Hp]."""
+    """Zero heads up to the kernel's padded count Hp (sliced off after): q [T, H, D], sink [H] -> [T, Hp, D], [Hp]."""
     T_, H, D = qf.shape
     if Hp == H:
         return qf, sk
