@@ -149,6 +149,61 @@ def test_sparse_attn(B, S, H, D, N, K, form, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
 
 
+def _model_layout_idx(S: int, win: int, ratio: int, topk: int, g) -> torch.Tensor:
+    """[S, win + topk] slot ids laid out as the model's prefill writes them: each token's window (positions
+    max(0, t - win + 1) .. t, -1 after them) then its top-k of the (t + 1) // ratio compressed entries complete
+    at t (rows S + j of the cache, random order, -1 after them). Early tokens have whole 64-slot blocks empty."""
+    from deepinfer.model.attention import _window_idx_prefill
+
+    win_idx = torch.full((S, win), -1, dtype=torch.int64)
+    w = _window_idx_prefill(S, win, "cpu")
+    win_idx[:, :w.size(1)] = w
+    n_entries = S // ratio
+    comp = torch.full((S, topk), -1, dtype=torch.int64)
+    for t in range(S):
+        n = min((t + 1) // ratio, topk)
+        comp[t, :n] = S + torch.randperm((t + 1) // ratio, generator=g)[:n]
+    return torch.cat([win_idx, comp], 1), S + n_entries
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "plain"])
+def test_sparse_attn_empty_blocks(form, monkeypatch):
+    """Whole 64-slot blocks of -1 (the model's prefill layout: a short window and few compressed entries early on,
+    plus blocks emptied at random, the first and the middle ones included) contribute nothing: the output equals,
+    bit for bit, the output over the same slots with the empty blocks removed (the ws form skips them; each is an
+    exact no-op of the online softmax), and both match the reference."""
+    monkeypatch.setenv("DEEPINFER_TL_ATTN", form)
+    impl = _tilelang()("sparse_attn")
+    S, H, D = 300, 64, 512
+    g = torch.Generator().manual_seed(7)
+    idx, N = _model_layout_idx(S, 128, 2, 192, g)  # K 320: 5 blocks, the last one filled from token 257 on
+    K = idx.size(1)
+    drop = torch.rand(S, K // 64, generator=g) < 0.25
+    idx = idx.masked_fill(drop.repeat_interleave(64, 1), -1)
+    blocks = idx.view(S, K // 64, 64)
+    keep = (blocks >= 0).any(-1)  # [S, blocks]
+    packed = torch.full_like(idx, -1)  # the non-empty blocks in order, then -1
+    for t in range(S):
+        kept = blocks[t, keep[t]].reshape(-1)
+        packed[t, :kept.numel()] = kept
+    assert (~keep).sum() > S  # many empty blocks, in every position
+    assert (~keep[:, 0]).any() and (~keep[:, 3]).any() and keep[:, -1].any()
+    gc = _g(S)
+    q = torch.randn(1, S, H, D, device="cuda", generator=gc).bfloat16()
+    kv = torch.randn(1, N, D, device="cuda", generator=gc).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=gc)
+    idx, packed = idx.cuda().unsqueeze(0), packed.cuda().unsqueeze(0)
+    out = impl(q, kv, sink, idx, D ** -0.5)
+    out_packed = impl(q, kv, sink, packed, D ** -0.5)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, out_packed)
+    ref = REGISTRY["sparse_attn"].ref(q, kv, sink, idx, D ** -0.5)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 2e-3, rel
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T_,D", [(1, 4096), (300, 4096), (7, 256)])
 def test_hc_post_through_tile_kernels(T_, D):
