@@ -221,3 +221,29 @@ def test_peer_time_ratio():
     assert c.peer_time_ratio is None
     c.peer = CaseResult("rms_norm", "tiny", "decode", "v", "pass", time_ms=1.5)
     assert c.peer_time_ratio == 3.0 and c.to_dict()["peer"]["time_ms"] == 1.5
+
+
+def test_sparse_attn_prefill_layout_is_the_models():
+    """The `csa_prefill_layout` case's slots are what `Attention._prefill` writes for a CSA layer: query t's window
+    is positions max(0, t - window + 1) .. t in order, then -1; then distinct compressed entries complete at t
+    (rows S + j, j < (t + 1) // ratio), then -1. At flash shapes whole 64-slot blocks are empty early on."""
+    from deepinfer.debug import ab_cases
+
+    d = ab_cases.SHAPES["flash"]
+    S = d.prefill_len
+    idx, N = ab_cases._prefill_layout_idx(d, S, torch.Generator().manual_seed(0))
+    idx = idx[0]
+    assert idx.shape == (S, d.window + d.index_topk) and N == S + S // d.ratio
+    t = torch.arange(S).unsqueeze(1)
+    w = idx[:, :d.window]
+    c = torch.arange(d.window)
+    want = (t - d.window + 1).clamp_min(0) + c
+    assert torch.equal(w, torch.where(want <= t, want, -1))
+    comp = idx[:, d.window:]
+    n_valid = ((torch.arange(S) + 1) // d.ratio).clamp_max(d.index_topk)
+    assert torch.equal((comp >= 0).sum(1), n_valid)  # every complete entry up to k, -1 after them
+    assert torch.equal(comp >= 0, torch.arange(d.index_topk) < n_valid.unsqueeze(1))
+    assert ((comp < 0) | ((comp >= S) & (comp - S < ((t + 1) // d.ratio)))).all()
+    assert all(len(set(r[r >= 0].tolist())) == int((r >= 0).sum()) for r in comp[::97])
+    blocks = (idx.view(S, -1, 64) >= 0).any(-1)
+    assert 0.5 < blocks.float().mean() < 0.8  # 35 % of the blocks empty at 2048 tokens
