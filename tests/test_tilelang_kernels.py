@@ -42,6 +42,21 @@ def test_a_failed_build_falls_back_visibly_and_is_an_error_under_strict(capsys):
         ops.configure("torch", strict=False)
 
 
+def test_ws_attention_takes_only_shapes_its_copies_cover():
+    """The warp-specialised sparse attention's shape guard (no GPU needed, TileLang is): Q's cp.async copy splits a
+    half-row over D / 16 threads, which must divide the scorer's 128 (D 384 gives 24: rows would go unloaded); every
+    64-slot block needs a prologue thread; and it must fit sm_90's shared memory (Q, two stages, the slot ids)."""
+    pytest.importorskip("tilelang")
+    from deepinfer_kernels.tilelang import attention_ws as a
+
+    assert all(a.ws_fits(H, D, K) for H, D, K in [(64, 512, 640), (128, 512, 1152), (64, 128, 12), (64, 256, 70)])
+    assert not a.ws_fits(64, 384, 640) and not a.ws_fits(64, 640, 640) and not a.ws_fits(64, 96, 640)
+    assert not a.ws_fits(64, 512, 8000) and a.smem_bytes(512, 8000) > a.SMEM_BYTES
+    assert not a.ws_fits(64, 128, 385 * 64) and a.ws_fits(64, 128, 384 * 64)
+    with pytest.raises(AssertionError):
+        a.sparse_attn_ws_kernel(64, 384, 640, "bfloat16", 0.05)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _tilelang():
     if not torch.cuda.is_available():

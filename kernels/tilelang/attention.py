@@ -173,7 +173,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         return ref(q, kv, sink, idx, scale)
     K = idx.size(-1)
     dt = tl_dtype(q.dtype)
-    form = "ws" if settings.choice("DEEPINFER_TL_ATTN") == "ws" and attention_ws.ws_fits(H, D) else "plain"
+    form = "ws" if settings.choice("DEEPINFER_TL_ATTN") == "ws" and attention_ws.ws_fits(H, D, K) else "plain"
     if form == "ws":
         Hp = -(-H // attention_ws.HB) * attention_ws.HB
         key, make = ("ws", Hp, D, K, str(q.dtype), float(scale)), lambda: tilelang.compile(

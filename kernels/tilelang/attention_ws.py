@@ -73,10 +73,23 @@ def online_softmax(lg, m, m_prev, bm, rs, l, H: int, BLK: int, exp):
         l[h] = l[h] * rs[h] + m_prev[h]
 
 
-def ws_fits(H: int, D: int) -> bool:
-    """Whether the warp-specialised form takes this shape: D splits into two halves of whole 64-element rows
-    (an accumulator's 8 threads x 8 elements a row) and fits the shared memory (D <= 512)."""
-    return D % 128 == 0 and D <= 512 and H > 0
+SMEM_BYTES = 227 * 1024  # sm_90's shared memory a block can take
+
+
+def smem_bytes(D: int, K: int) -> int:
+    """Shared memory the kernel takes at head dim D and K slots: Q, two stages, p, the two per-head vectors, the slot
+    ids and the block flags and list (1 KB for the barriers and alignment)."""
+    nblk = -(-K // BLK)
+    return 2 * HB * D + 2 * 2 * BLK * D + 2 * HB * BLK + 2 * 4 * HB + 4 * nblk * BLK + 2 * 4 * nblk + 1024
+
+
+def ws_fits(H: int, D: int, K: int) -> bool:
+    """Whether the warp-specialised form takes this shape: D splits into two halves of whole 64-element rows (an
+    accumulator's 8 threads x 8 elements a row) whose 16-byte chunks divide the scorer's 128 threads (Q's copy:
+    D 128, 256 or 512), every 64-slot block has a prologue thread (K <= 384 x 64), and it all fits the shared
+    memory."""
+    return (H > 0 and D % 128 == 0 and 128 % (D // 16) == 0 and -(-K // BLK) <= THREADS
+            and smem_bytes(D, K) <= SMEM_BYTES)
 
 
 def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
@@ -89,8 +102,9 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
     NL = (NBLK * BLK + THREADS - 1) // THREADS  # slot ids each thread loads in the prologue
     DH = D // 2
     U = DH // 64  # 16-byte copies per thread per half-row
-    QCR = DH // 8  # Q's load: threads a half-row (16 bytes each; DH <= 256, so <= 32)
+    QCR = DH // 8  # Q's load: threads a half-row (16 bytes each; ws_fits: QCR divides 128)
     QRP = 128 // QCR  # and half-rows a pass of the scorer's 128 threads
+    assert ws_fits(H, D, K), (H, D, K)
     NEG = -T.infinity("float32")
     LOG2E = 1.4426950408889634  # exp(x) as exp2(x log2 e), the hardware's ex2 (as Triton's exp)
 
@@ -168,7 +182,7 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
         T.barrier_wait(l_ready[0], 0)
         for h, d in T.Parallel(HB, DH):
             acc[h, d] = acc[h, d] * inv_s[h]
-        T.copy(acc, o_s)  # Q's last reader, the scorer's last Q Kᵀ, came before the last p waited for
+        T.copy(acc, o_s)  # o_s is ql / qr: the scorer's Q copy and its last Q Kᵀ were done before l_ready
         T.copy(o_s, O[t, h0:h0 + HB, half * DH:half * DH + DH])
 
     @T.macro
@@ -191,7 +205,8 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
     @T.macro
     def block_list(tx, v, ids_s, flag_s, bl_s, nb):
         """The token's slot ids (v, loaded by `load_ids`) into ids_s (-1 past K), and its non-empty 64-slot blocks, in
-        order, into bl_s; nb[0]: their count. Every thread takes part, between three syncs."""
+        order, into bl_s; nb[0]: their count. Every thread takes part (TileLang adds a fourth sync to the three
+        here, after the Q copy's cp.async writes)."""
         if tx < NBLK:
             flag_s[tx] = 0
         T.sync_threads()
@@ -204,8 +219,9 @@ def sparse_attn_ws_kernel(H: int, D: int, K: int, dt: str, scale: float):
         nb[0] = 0
         nb[1] = 0
         for kb in T.unroll(NBLK):  # nb[1]: block tx's place in the list, the non-empty blocks before it
-            nb[0] = nb[0] + flag_s[kb]
-            nb[1] = nb[1] + T.if_then_else(kb < tx, flag_s[kb], 0)
+            f = flag_s[kb]
+            nb[0] = nb[0] + f
+            nb[1] = nb[1] + T.if_then_else(kb < tx, f, 0)
         if tx < NBLK:
             if flag_s[tx] != 0:
                 bl_s[T.max(T.min(nb[1], NBLK - 1), 0)] = tx  # (bounded, so the sync pass sees it cannot alias flag_s)
