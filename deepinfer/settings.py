@@ -51,8 +51,9 @@ SETTINGS = {s.name: s for s in (
             "fp4_gemm form: e4m3 tiles, one FP8 MMA per 32-K step, scales applied in fp32)", ("bf16", "fold", "fp8")),
     Setting("DEEPINFER_TL_ATTN", "choice", "ws", "the TileLang backend's bf16 sparse attention: ws "
             "(warp-specialised: a scorer warpgroup computes Q Kᵀ and the softmax while two warpgroups accumulate P V "
-            "over the halves of D and gather the kv rows ahead by cp.async, 64 heads a program, where D % 128 == 0 "
-            "and D <= 512) or plain (one warpgroup gathers, then computes)", ("ws", "plain")),
+            "over the halves of D and gather the kv rows ahead by cp.async, 64 heads a program, only the 64-slot blocks "
+            "that hold a valid slot, where D is 128, 256 or 512) or plain (one warpgroup gathers, then computes every "
+            "block)", ("ws", "plain")),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
             "by Triton when a kernel module is imported"),
 )}

@@ -231,7 +231,7 @@ def test_sparse_attn_prefill_layout_is_the_models():
 
     d = ab_cases.SHAPES["flash"]
     S = d.prefill_len
-    idx, N = ab_cases._prefill_layout_idx(d, S, torch.Generator().manual_seed(0))
+    idx, N = ab_cases.prefill_layout_idx(S, d.window, d.ratio, d.index_topk, torch.Generator().manual_seed(0))
     idx = idx[0]
     assert idx.shape == (S, d.window + d.index_topk) and N == S + S // d.ratio
     t = torch.arange(S).unsqueeze(1)

@@ -164,23 +164,6 @@ def test_sparse_attn(B, S, H, D, N, K, form, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
 
 
-def _model_layout_idx(S: int, win: int, ratio: int, topk: int, g) -> torch.Tensor:
-    """[S, win + topk] slot ids laid out as the model's prefill writes them: each token's window (positions
-    max(0, t - win + 1) .. t, -1 after them) then its top-k of the (t + 1) // ratio compressed entries complete
-    at t (rows S + j of the cache, random order, -1 after them). Early tokens have whole 64-slot blocks empty."""
-    from deepinfer.model.attention import _window_idx_prefill
-
-    win_idx = torch.full((S, win), -1, dtype=torch.int64)
-    w = _window_idx_prefill(S, win, "cpu")
-    win_idx[:, :w.size(1)] = w
-    n_entries = S // ratio
-    comp = torch.full((S, topk), -1, dtype=torch.int64)
-    for t in range(S):
-        n = min((t + 1) // ratio, topk)
-        comp[t, :n] = S + torch.randperm((t + 1) // ratio, generator=g)[:n]
-    return torch.cat([win_idx, comp], 1), S + n_entries
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["ws", "plain"])
 def test_sparse_attn_empty_blocks(form, monkeypatch):
@@ -192,7 +175,10 @@ def test_sparse_attn_empty_blocks(form, monkeypatch):
     impl = _tilelang()("sparse_attn")
     S, H, D = 300, 64, 512
     g = torch.Generator().manual_seed(7)
-    idx, N = _model_layout_idx(S, 128, 2, 192, g)  # K 320: 5 blocks, the last one filled from token 257 on
+    from deepinfer.debug.ab_cases import prefill_layout_idx
+
+    idx, N = prefill_layout_idx(S, 128, 2, 192, g)  # K 320: 5 blocks, the last one filled from token 257 on
+    idx = idx[0]
     K = idx.size(1)
     drop = torch.rand(S, K // 64, generator=g) < 0.25
     idx = idx.masked_fill(drop.repeat_interleave(64, 1), -1)

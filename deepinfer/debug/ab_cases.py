@@ -405,28 +405,29 @@ def build_sparse_attn(d: Dims, phase: str, g, device):
     out = [Variant("csa", (q.to(device), kv.to(device), sink.to(device), idx.int().to(device), d.head_dim ** -0.5),
                    {})]
     if phase == "prefill":  # the slots as the model's prefill lays them out: whole 64-slot blocks of -1 early on
-        idx, N = _prefill_layout_idx(d, S, g)
+        idx, N = prefill_layout_idx(S, d.window, d.ratio, d.index_topk, g)
         kv = torch.randn(B, N, d.head_dim, generator=g).bfloat16()
         out.append(Variant("csa_prefill_layout", (q.to(device), kv.to(device), sink.to(device),
                                                   idx.expand(B, -1, -1).int().to(device), d.head_dim ** -0.5), {}))
     return out
 
 
-def _prefill_layout_idx(d: Dims, S: int, g) -> tuple[torch.Tensor, int]:
-    """[1, S, window + index_topk] slot ids as `Attention._prefill` writes them for a CSA layer, and the kv rows
-    they index: query t's window (positions max(0, t - window + 1) .. t, then -1), then the top-k of the
-    (t + 1) // ratio compressed entries complete at t (rows S + j; random scores), then -1."""
+def prefill_layout_idx(S: int, window: int, ratio: int, topk: int, g) -> tuple[torch.Tensor, int]:
+    """[1, S, window + topk] slot ids as `Attention._prefill` writes them for a CSA layer, and the kv rows they
+    index: query t's window (positions max(0, t - window + 1) .. t, then -1), then the top-k of the (t + 1) // ratio
+    compressed entries complete at t (rows S + j; random scores), then -1. Early tokens have whole 64-slot blocks
+    of -1."""
     from deepinfer.model.attention import _window_idx_prefill
 
-    win = torch.full((S, d.window), -1, dtype=torch.int64)
-    w = _window_idx_prefill(S, d.window, "cpu")
+    win = torch.full((S, window), -1, dtype=torch.int64)
+    w = _window_idx_prefill(S, window, "cpu")
     win[:, :w.size(1)] = w
-    T = max(1, S // d.ratio)
-    n_valid = (torch.arange(S) + 1) // d.ratio
+    T = max(1, S // ratio)
+    n_valid = (torch.arange(S) + 1) // ratio
     j = torch.arange(T)
     scores = torch.rand(S, T, generator=g).masked_fill(j >= n_valid.unsqueeze(-1), -1.0)
-    top = scores.topk(min(d.index_topk, T), -1)
-    comp = torch.full((S, d.index_topk), -1, dtype=torch.int64)
+    top = scores.topk(min(topk, T), -1)
+    comp = torch.full((S, topk), -1, dtype=torch.int64)
     comp[:, :top.indices.size(-1)] = torch.where(top.values >= 0, top.indices + S, -1)
     return torch.cat([win, comp], -1).unsqueeze(0), S + T
 
