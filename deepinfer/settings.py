@@ -47,7 +47,8 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_TL_FP4", "choice", "bf16", "the TileLang backend's FP4 expert GEMM: bf16 (weights decoded "
             "to exact bf16 tiles, fp32 accumulation over the whole K in the tensor core), fold (the folded FP8 form at "
             "64- and 128-row blocks -- a 128-K block's four per-32 scales folded into one, e4m3 tiles, one FP8 MMA per "
-            "128-K step promoted in fp32 -- where every block's scales lie within 2^11, else bf16) or fp8 (kernel.py's "
+            "128-K step promoted in fp32, a hand-written warp-specialised pipeline where N % 128 == 0 -- where every "
+            "block's scales lie within 2^11, else bf16) or fp8 (kernel.py's "
             "fp4_gemm form: e4m3 tiles, one FP8 MMA per 32-K step, scales applied in fp32)", ("bf16", "fold", "fp8")),
     Setting("DEEPINFER_TL_ATTN", "choice", "ws", "the TileLang backend's bf16 sparse attention: ws "
             "(warp-specialised: a scorer warpgroup computes Q Kᵀ and the softmax while two warpgroups accumulate P V "

@@ -57,6 +57,29 @@ def test_ws_attention_takes_only_shapes_its_copies_cover():
         a.sparse_attn_ws_kernel(64, 384, 640, "bfloat16", 0.05)
 
 
+def test_fold_ws_gemm_decodes_while_its_mma_runs():
+    """The warp-specialised folded FP4 GEMM, lowered for sm_90a (no GPU needed, TileLang and nvcc are): each consumer
+    issues its step's wgmma without waiting, decodes the next step's weights, then waits -- a synchronous gemm
+    (TileLang's `warpgroup_wait<0>` after the issue) would put decode and MMA back in turn. The packed weights are
+    copied with the L2 prefetch hint; the shape guard and the stage count follow the shared memory."""
+    pytest.importorskip("tilelang")
+    import tilelang
+    import tvm
+
+    from deepinfer_kernels.tilelang import grouped_fp4_ws as ws
+
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    with tvm.transform.PassContext(opt_level=3, config=ws.PASS_CONFIGS), tvm.target.Target(target):
+        src = tilelang.lower(ws.grouped_fp4_fold_ws_kernel(8, 256, 512, "bfloat16", 128), target=target).kernel_source
+    assert "warpgroup_wait<0>" not in src
+    mma = src.index("wgmma_ss")
+    assert mma < src.index("di_fp4_group_e4m3(", mma) < src.index("wait_wgmma<0>", mma)
+    assert "di_cp_async16<256>(" in src
+    assert ws.stages_for(128, 2) == 4 and ws.stages_for(128, 4) == 3 and ws.stages_for(64, 4) == 4
+    assert ws.takes(4096, 4096, 128) and ws.takes(2048, 4096, 64)
+    assert not ws.takes(192, 384, 128) and not ws.takes(256, 512, 16) and not ws.takes(256, 320, 64)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _tilelang():
     if not torch.cuda.is_available():
@@ -267,11 +290,13 @@ def _within_fp8_mma_sums(out, ref, ref_abs, out_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["fold", "bf16", "fp8"])
 @pytest.mark.parametrize("P,E,N,K", [(6, 16, 256, 512), (384, 64, 512, 1024), (600, 8, 256, 512), (1000, 8, 128, 256),
-                                     (40, 4, 192, 384)])
+                                     (40, 4, 192, 384), (600, 4, 192, 384)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_gemm_fp4(P, E, N, K, out_dtype, form, monkeypatch):
-    """Both FP4 forms: "bf16" (grouped_fp4.py: weights decoded to exact bf16 tiles, the split A, one fp32
-    accumulation in the tensor core; 16-row blocks at P <= 256, 64 beyond; N = 192 takes 64-row weight tiles) and
+    """The FP4 forms: "fold" (the folded FP8 form at 64- and 128-row blocks: grouped_fp4_ws.py's warp-specialised
+    kernel, or grouped_fp4.py's at N = 192, whose 64-row weight tiles it does not take), "bf16" (grouped_fp4.py:
+    weights decoded to exact bf16 tiles, the split A, one fp32 accumulation in the tensor core; 16-row blocks at
+    P <= 256, 64 or 128 beyond; N = 192 takes 64-row weight tiles) and
     "fp8" (kernel.py's fp4_gemm: e4m3 tiles, one FP8 MMA per 32-K step, scales in fp32). The reference's values but
     for the fp32 summation order; rows of no expert (e = -1) are 0; ue8m0 bytes and f32 scales give the same bits,
     and so does the producer's split form (a_split)."""

@@ -13,7 +13,7 @@ import sys
 import tilelang
 import tvm
 
-from deepinfer_kernels.tilelang import attention, attention_ws, gemm, grouped_fp4, indexer, moe, quant
+from deepinfer_kernels.tilelang import attention, attention_ws, gemm, grouped_fp4, grouped_fp4_ws, indexer, moe, quant
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CASES = [
@@ -47,6 +47,12 @@ CASES = [
         256, 4096, 2048, "float32", 64, stages=2)),
     ("grouped_gemm fp4 fold form tiny E=8 N=192 K=256 BN=64", lambda: grouped_fp4.grouped_fp4_fold_kernel(
         8, 192, 256, "bfloat16", 64, 64, 2)),
+    ("grouped_gemm fp4 fold ws flash w1|w3 E=256 N=4096 K=4096 BM=128", lambda: (
+        grouped_fp4_ws.grouped_fp4_fold_ws_kernel(256, 4096, 4096, "bfloat16", 128), grouped_fp4_ws.PASS_CONFIGS)),
+    ("grouped_gemm fp4 fold ws flash w2 E=256 N=4096 K=2048 BM=64 -> f32", lambda: (
+        grouped_fp4_ws.grouped_fp4_fold_ws_kernel(256, 4096, 2048, "float32", 64), grouped_fp4_ws.PASS_CONFIGS)),
+    ("grouped_gemm fp4 fold ws tiny E=8 N=256 K=256 BM=64", lambda: (
+        grouped_fp4_ws.grouped_fp4_fold_ws_kernel(8, 256, 256, "bfloat16", 64), grouped_fp4_ws.PASS_CONFIGS)),
     ("grouped_gemm fp4 gather + split K=4096", lambda: grouped_fp4.gather_split_kernel(4096, 64)),
     ("grouped_gemm fp8 E=16 N=512 K=1024", lambda: moe.grouped_fp8_kernel(16, 512, 1024, "bfloat16")),
     ("indexer_scores flash H=64 D=128", lambda: indexer.indexer_scores_kernel(64, 128)),

@@ -14,7 +14,9 @@ rows); each group's nibbles decode to e4m3 times 2^d, d = its scale's offset fro
 d >= -5 (every value a normal e4m3), i.e. the four scales lie within 2^11 -- `fold_ok` checks each weight once.
 A is the act_quant'd e4m3 itself, so the per-32 weight scales meet the per-128 activation scales as one power of
 two per (weight row, token, 128-K block), applied when the block's FP8 MMA is promoted into the fp32 accumulator
-(DeepGEMM's per-128 promotion; inside a block the tensor core keeps ~14 bits of its sums).
+(DeepGEMM's per-128 promotion; inside a block the tensor core keeps ~14 bits of its sums). Where N % 128 == 0,
+`grouped_fp4_ws.py` runs it as a hand-written warp-specialised pipeline (same bits); this file's kernel takes the
+64-row weight tiles.
 
 The bf16 form (`grouped_fp4_bf16_kernel`, every block size and scale pattern): A comes as `bf16_split(q, s)`
 rows ([P, K] bf16: e4m3 x its per-128 power-of-two scale, exact; each 128-K block as its 64 even then its 64 odd
@@ -38,6 +40,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from . import grouped_fp4_ws
 from ._common import expert_blocks
 
 _DECODE_SRC = r"""
@@ -308,14 +311,18 @@ def block_rows(P: int, E: int) -> int:
 def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt, fold=False):
     """C [P, N] out_dtype (rows with e = -1: 0) for a [P, K] e4m3 + a_s [P, K/128] (or their split form
     a_split [P, K] bf16), w [E, N, K/2] packed e2m1, w_s [E, N, K/32] (ue8m0 bytes or f32 powers of two).
-    fold: the folded FP8 form at 64- and 128-row blocks where `fold_ok(w_s)`, else the bf16 form (both exact
-    in the weights). build(key, make) compiles once per key (the backend's cache; None when the build failed)."""
+    fold: the folded FP8 form at 64- and 128-row blocks where `fold_ok(w_s)` (grouped_fp4_ws.py's warp-specialised
+    kernel where N % 128 == 0, else grouped_fp4_fold_kernel at 64-row weight tiles), else the bf16 form (both
+    exact in the weights). build(key, make) compiles once per key (the backend's cache; None when the build failed)."""
     P, K = a.shape
     E, N = w.size(0), w.size(1)
     BM = block_rows(P, E)
     stages = 3 if BM == 128 else 2
     fold = fold and BM >= 64 and fold_ok(w_s)
-    if fold:
+    fold_ws = fold and grouped_fp4_ws.takes(N, K, BM)
+    if fold_ws:
+        kern = build(("fp4-fold-ws", E, N, K, dt, BM), lambda: grouped_fp4_ws.compile_fold_ws(E, N, K, dt, BM))
+    elif fold:
         kern = build(("fp4-fold", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages, fold=True))
     else:
         kern = build(("fp4-bf16", E, N, K, dt, BM), lambda: compile_grouped(E, N, K, dt, BM, stages))
@@ -332,6 +339,10 @@ def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt, fold=False):
     ws = scale_bytes(w_s).contiguous().view(E * N, K // 32)
     wq = w.contiguous().view(torch.uint8).view(E * N, K // 2)
     FORMS_RUN["fold" if fold else "bf16"] += 1
+    if fold_ws:  # gathers A's rows itself
+        kern(a.contiguous(), a_s.float().contiguous(), wq, ws.view(torch.int32).view(E * N, K // 128),
+             rows.view(-1, BM), bexp, c)
+        return c
     if fold:
         a2 = a.contiguous().view(torch.uint8).index_select(0, src).view(torch.float8_e4m3fn)
         ast = a_s.float().t().index_select(1, src).contiguous()
