@@ -80,6 +80,37 @@ def test_fold_ws_gemm_decodes_while_its_mma_runs():
     assert not ws.takes(192, 384, 128) and not ws.takes(256, 512, 16) and not ws.takes(256, 320, 64)
 
 
+@pytest.mark.parametrize("K,out_dt,BM", [(640, "bfloat16", 128), (512, "float32", 128), (768, "bfloat16", 64),
+                                         (4096, "bfloat16", 128)])
+def test_fold_ws_gemm_wgmma_stays_async_at_any_k(K, out_dt, BM, tmp_path):
+    """ptxas keeps the consumers' wgmma asynchronous when K / 128 is not a multiple of the stage count (no GPU needed;
+    TileLang and nvcc are): a wgmma under a per-step branch is one it cannot prove uniform, and it then serialises it
+    (C7518) or waits for it before the decode (C7517). Nor may the registers spill."""
+    pytest.importorskip("tilelang")
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    import tilelang
+    import tvm
+
+    from deepinfer_kernels.tilelang import grouped_fp4_ws as ws
+
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    with tvm.transform.PassContext(opt_level=3, config=ws.PASS_CONFIGS), tvm.target.Target(target):
+        src = tilelang.lower(ws.grouped_fp4_fold_ws_kernel(8, 256, K, out_dt, BM), target=target).kernel_source
+    (tmp_path / "k.cu").write_text(src)
+    tl = pathlib.Path(tilelang.__file__).parent
+    r = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", f"-I{tl}/src", f"-I{tl}/3rdparty/cutlass/include",
+                        "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                       capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-2000:]
+    assert "C7517" not in log and "C7518" not in log, log[-2000:]
+    assert " 0 bytes spill stores" in log, log[-2000:]
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _tilelang():
     if not torch.cuda.is_available():

@@ -335,7 +335,6 @@ def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt, fold=False):
     c, rows, bexp = expert_blocks(e, P, N, E, BM, out_dtype)
     if rows is None:
         return c
-    src = rows.clamp(max=P - 1)  # pad rows repeat a real row: finite, and their outputs are never stored
     ws = scale_bytes(w_s).contiguous().view(E * N, K // 32)
     wq = w.contiguous().view(torch.uint8).view(E * N, K // 2)
     FORMS_RUN["fold" if fold else "bf16"] += 1
@@ -343,6 +342,7 @@ def run(a, a_s, e, w, w_s, out_dtype, a_split, build, dt, fold=False):
         kern(a.contiguous(), a_s.float().contiguous(), wq, ws.view(torch.int32).view(E * N, K // 128),
              rows.view(-1, BM), bexp, c)
         return c
+    src = rows.clamp(max=P - 1)  # pad rows repeat a real row: finite, and their outputs are never stored
     if fold:
         a2 = a.contiguous().view(torch.uint8).index_select(0, src).view(torch.float8_e4m3fn)
         ast = a_s.float().t().index_select(1, src).contiguous()

@@ -37,6 +37,7 @@ THREADS = 384
 PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True,
                 "tl.disable_safe_memory_legalize": True}
 SMEM_BYTES = 227 * 1024
+BAR_L, BAR_R = 8, 9  # the consumers' named barriers: above TileLang's (0 the block, 1-2 its reductions, 3.. its syncs)
 
 _CP_ASYNC_SRC = r"""
 #ifndef DI_CP_ASYNC_PREFETCH
@@ -131,24 +132,33 @@ def grouped_fp4_fold_ws_kernel(E: int, N: int, K: int, out_dt: str, BM: int, pre
         T.sync_threads(bar_id, 128)
 
     @T.macro
+    def step(px, half, j, k, par_next, wh, a_t, wq, wsw, wsc, asc, ld, free, blk, acc, src, dec, bar_id):
+        """Step k (stage j) for a consumer: its MMA issued, step k + 1's rows decoded (ld parity par_next) while it
+        runs, then the wait and the promotion; the stage is released after it."""
+        T.wgmma_gemm(wh[j], a_t[j], blk, transpose_B=True, clear_accum=True)
+        n = (j + 1) % NS
+        if k + 1 < KB:
+            decode(px, half, wq[n], wsw[n], wsc[n], wh[n], src, dec, ld[n], par_next, bar_id)
+        T.wait_wgmma(0)
+        for jj, ii in T.Parallel(64, BM):
+            acc[jj, ii] += blk[jj, ii] * (wsc[j][half * 64 + jj] * asc[j][ii])
+        T.barrier_arrive(free[j][0])
+
+    @T.macro
     def consumer(px, half, wh, a_t, wq, wsw, wsc, asc, ld, free, blk, acc, src, dec, bar_id):
-        """Half `half` of the weight rows: step k's MMA in flight while step k + 1's rows are decoded, then the
-        promotion; the stage is released after it."""
+        """Half `half` of the weight rows, step after step. The steps run as whole rounds of NS, then the last
+        KB % NS unrolled: a wgmma under a per-step `if` is one ptxas cannot prove uniform, and it then serialises
+        it and waits for it before the decode (warnings C7517 / C7518)."""
         decode(px, half, wq[0], wsw[0], wsc[0], wh[0], src, dec, ld[0], 0, bar_id)
         T.clear(acc)
-        for i in T.serial(NI):
+        for i in T.serial(KB // NS):
             for j in tuple(range(NS)):  # unrolled as the IR is built: j picks the stage
-                k = i * NS + j
-                if k < KB:
-                    T.wgmma_gemm(wh[j], a_t[j], blk, transpose_B=True, clear_accum=True)
-                    n = (j + 1) % NS
-                    if k + 1 < KB:
-                        decode(px, half, wq[n], wsw[n], wsc[n], wh[n], src, dec, ld[n], (i + (j + 1) // NS) & 1,
-                               bar_id)
-                    T.wait_wgmma(0)
-                    for jj, ii in T.Parallel(64, BM):
-                        acc[jj, ii] += blk[jj, ii] * (wsc[j][half * 64 + jj] * asc[j][ii])
-                    T.barrier_arrive(free[j][0])
+                step(px, half, j, i * NS + j, (i + (j + 1) // NS) & 1, wh, a_t, wq, wsw, wsc, asc, ld, free, blk,
+                     acc, src, dec, bar_id)
+        for j in tuple(range(KB % NS)):
+            k = KB // NS * NS + j
+            step(px, half, j, k, ((k + 1) // NS) & 1, wh, a_t, wq, wsw, wsc, asc, ld, free, blk, acc, src, dec,
+                 bar_id)
 
     @T.macro
     def store(acc, c_h, ROWS, C, bx, by, half):
@@ -197,10 +207,10 @@ def grouped_fp4_fold_ws_kernel(E: int, N: int, K: int, out_dt: str, BM: int, pre
                                     T.barrier_wait(free[j][0], (i - 1) & 1)
                                 issue(A, AS, W, WS, BEXP, bx, by, tx, ra, k, a_t[j], wq[j], wsw[j], asc[j], ld[j])
                 elif tx < 256:
-                    consumer(tx - 128, 0, wl, a_t, wq, wsw, wsc, asc, ld, free, blk_l, acc_l, src, dec, 1)
+                    consumer(tx - 128, 0, wl, a_t, wq, wsw, wsc, asc, ld, free, blk_l, acc_l, src, dec, BAR_L)
                     store(acc_l, c_l, ROWS, C, bx, by, 0)
                 else:
-                    consumer(tx - 256, 1, wr, a_t, wq, wsw, wsc, asc, ld, free, blk_r, acc_r, src, dec, 2)
+                    consumer(tx - 256, 1, wr, a_t, wq, wsw, wsc, asc, ld, free, blk_r, acc_r, src, dec, BAR_R)
                     store(acc_r, c_r, ROWS, C, bx, by, 1)
 
     return grouped_fp4_fold_ws
