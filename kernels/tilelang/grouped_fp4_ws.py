@@ -162,6 +162,7 @@ def grouped_fp4_fold_ws_kernel(E: int, N: int, K: int, out_dt: str, BM: int, pre
 
     @T.macro
     def store(acc, c_h, ROWS, C, bx, by, half):
+        """A consumer's transposed tile acc [64, BM] out to C's rows through c_h [BM, 64] (pad rows not stored)."""
         for j, i in T.Parallel(64, BM):
             c_h[i, j] = T.Cast(out_dt, acc[j, i])
         for i, j in T.Parallel(BM, 64):
