@@ -2,15 +2,8 @@
 
 import os
 
-# MKL's strict reproducibility mode, set before torch's first BLAS call: without it MKL computes a float32 GEMM of
-# fewer than 16 rows by another kernel (gemv) than the same rows inside a larger one on AVX-512 machines, a few ulp
-# apart, and official numerics' FP8 requantization turns such ulps into sporadic 1e-5..1e-3 differences between a
-# decode step and the full forward (seen on a 2-core Xeon with AMX, 2026-12-03). The tests that compare decode with
-# prefill, padded with unpadded batches and speculative with plain decode test the engine's caches, not MKL.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 os.environ.setdefault("DEEPINFER_BACKEND", "torch")  # tests pick backends explicitly
 # Triton reads TRITON_INTERPRET when it is imported: on a CPU machine every test that touches Triton runs

@@ -1,5 +1,6 @@
 """The reference engine on the tiny model: numerics modes, cache vs full forward, batching, sampling."""
 
+import pytest
 import torch
 
 from deepinfer.engine.generate import SamplingParams, generate
@@ -36,9 +37,15 @@ def test_official_vs_exact_close_but_not_equal(tiny_dir):
     assert 1e-2 < err < 0.5  # ~20 % measured: the QAT's error grows through 4 layers of an untrained model
 
 
-def test_decode_equals_full_forward_official_bf16():
-    """The cache (window ring, compressor carry-over, indexer keys) reproduces the full forward."""
-    lm = load_model(None, numerics="official", dtype="float32", progress=False)
+@pytest.mark.parametrize("numerics,tol", [("exact", 1e-5), ("official", 1e-2)])
+def test_decode_equals_full_forward(numerics, tol):
+    """The cache (window ring, compressor carry-over, indexer keys) reproduces the full forward: to 1e-5 in `exact`
+    numerics; in `official` (FP8 activations, the KV and indexer roundings) to 1e-2, because decode's GEMMs run
+    over one row and the full forward's over 40, which MKL computes by different kernels on some CPUs (gemv below
+    16 rows on an AVX-512 Xeon with AMX), and a last-bit difference can flip an FP8 rounding: on that host 35 of 38
+    steps agree to 3.5e-7 and the worst is 1.7e-3 (2026-12-03; 0 on the hosts tried before). A stale or misplaced
+    cache entry is off by the logits themselves."""
+    lm = load_model(None, numerics=numerics, dtype="float32", progress=False)
     ids = torch.randint(2, 129280, (1, 40), generator=torch.Generator().manual_seed(3))
     lm.model.allocate(1, 48)
     full = lm.model.prefill(ids, all_logits=True)[0][0]
@@ -48,7 +55,7 @@ def test_decode_equals_full_forward_official_bf16():
         steps.append(lm.model.decode(ids[:, t:t + 1], torch.tensor([t]))[0, -1])
     err = rel(torch.stack(steps), full[2:])
     print(f"decode vs full forward rel err {err:.2e}")
-    assert err < 1e-5
+    assert err < tol
 
 
 def test_batch_of_different_lengths_matches_single_runs():

@@ -43,6 +43,10 @@ def lm():
 # (`lm_exact`, EXACT_ATOL): there a leak of 1e-4 of another row's logits fails, which OFFICIAL_ATOL misses.
 EXACT_ATOL = 1e-5
 OFFICIAL_ATOL = 5e-2
+# Logits and cache values of a padded decode bucket against the unpadded step, `official` numerics: 3.5e-5 seen on
+# a 2-core Xeon with AMX (2026-12-03; 0 on the CPU hosts tried before), where MKL computes a float32 GEMM of fewer
+# than 16 rows by another kernel than the same rows in a larger one.
+PADDING_OFFICIAL_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -211,10 +215,15 @@ def _state(model):
             for t in model.cache_tensors()]
 
 
-def test_runner_padding_matches_unpadded_decode_and_spares_live_rows(lm):
+@pytest.mark.parametrize("numerics", ["exact", "official"])
+def test_runner_padding_matches_unpadded_decode_and_spares_live_rows(lm, lm_exact, numerics):
     """Decode steps through bucket padding (n live rows in a bigger bucket, padding on the spare row)
-    give the same logits and the same live-row cache contents as the unpadded eager step."""
-    model = lm.model
+    give the same logits and the same live-row cache contents as the unpadded eager step: to 1e-5 in `exact`
+    numerics, where a padded row leaking into a live one fails; in `official` to PADDING_OFFICIAL_TOL, since a
+    bucket's GEMMs run over more rows than the unpadded step's and FP8 requantization amplifies their last-bit
+    differences (see the note above EXACT_ATOL)."""
+    model = (lm_exact if numerics == "exact" else lm).model
+    tol = 1e-5 if numerics == "exact" else PADDING_OFFICIAL_TOL
     slots = 6  # buckets 1, 2, 4, 6
     model.allocate(slots + 1, 48)
     eager = DecodeRunner(model, slots)
@@ -245,9 +254,9 @@ def test_runner_padding_matches_unpadded_decode_and_spares_live_rows(lm):
         live_state = [s[live].clone() for s in _state(model)]
         results[name] = (logits, live_state)
     for a, b in zip(results["eager"][0], results["padded"][0]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     for a, b in zip(results["eager"][1], results["padded"][1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="max_batch"):
         padded.decode(torch.zeros(7, 1, dtype=torch.long), torch.zeros(7, dtype=torch.long),
                       torch.zeros(7, dtype=torch.long))

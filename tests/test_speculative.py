@@ -34,8 +34,8 @@ PROMPTS = [
 ]
 # fp32: the verify's GEMMs and reductions run over B x S rows, decode's over B, by kernels that differ with the row
 # count (a few ulp a layer), through up to four layers: relative to the cache tensor's largest magnitude. Measured
-# 4e-6 absolute on one CPU; 3.0e-5 against a magnitude of 4.05 (7.4e-6 relative) on a Xeon with AMX (2026-12-03),
-# also with MKL's strict mode. A cache bug (a slot not written, a stale carry) is off by the values themselves.
+# 4e-6 absolute on one CPU; 3.0e-5 against a magnitude of 4.05 (7.4e-6 relative) on a 2-core Xeon with AMX
+# (2026-12-03). A cache bug (a slot not written, a stale carry) is off by the values themselves.
 CACHE_RTOL = 2e-5
 
 
