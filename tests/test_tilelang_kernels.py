@@ -57,12 +57,8 @@ def test_ws_attention_takes_only_shapes_its_copies_cover():
         a.sparse_attn_ws_kernel(64, 384, 640, "bfloat16", 0.05)
 
 
-def test_fold_ws_gemm_decodes_while_its_mma_runs():
-    """The warp-specialised folded FP4 GEMM, lowered for sm_90a (no GPU needed, TileLang and nvcc are): each consumer
-    issues its step's wgmma without waiting, decodes the next step's weights, then waits -- a synchronous gemm
-    (TileLang's `warpgroup_wait<0>` after the issue) would put decode and MMA back in turn. The packed weights are
-    copied with the L2 prefetch hint; the shape guard and the stage count follow the shared memory."""
-    pytest.importorskip("tilelang")
+def _lower_fold_ws(K: int, out_dt: str, BM: int) -> str:
+    """grouped_fp4_ws.py's kernel (E 8, N 256) lowered to CUDA source for sm_90a, without a GPU."""
     import tilelang
     import tvm
 
@@ -70,7 +66,18 @@ def test_fold_ws_gemm_decodes_while_its_mma_runs():
 
     target = {"kind": "cuda", "arch": "sm_90a"}
     with tvm.transform.PassContext(opt_level=3, config=ws.PASS_CONFIGS), tvm.target.Target(target):
-        src = tilelang.lower(ws.grouped_fp4_fold_ws_kernel(8, 256, 512, "bfloat16", 128), target=target).kernel_source
+        return tilelang.lower(ws.grouped_fp4_fold_ws_kernel(8, 256, K, out_dt, BM), target=target).kernel_source
+
+
+def test_fold_ws_gemm_decodes_while_its_mma_runs():
+    """The warp-specialised folded FP4 GEMM, lowered for sm_90a (no GPU needed, TileLang and nvcc are): each consumer
+    issues its step's wgmma without waiting, decodes the next step's weights, then waits -- a synchronous gemm
+    (TileLang's `warpgroup_wait<0>` after the issue) would put decode and MMA back in turn. The packed weights are
+    copied with the L2 prefetch hint; the shape guard and the stage count follow the shared memory."""
+    pytest.importorskip("tilelang")
+    from deepinfer_kernels.tilelang import grouped_fp4_ws as ws
+
+    src = _lower_fold_ws(512, "bfloat16", 128)
     assert "warpgroup_wait<0>" not in src
     mma = src.index("wgmma_ss")
     assert mma < src.index("di_fp4_group_e4m3(", mma) < src.index("wait_wgmma<0>", mma)
@@ -93,14 +100,8 @@ def test_fold_ws_gemm_wgmma_stays_async_at_any_k(K, out_dt, BM, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     import tilelang
-    import tvm
 
-    from deepinfer_kernels.tilelang import grouped_fp4_ws as ws
-
-    target = {"kind": "cuda", "arch": "sm_90a"}
-    with tvm.transform.PassContext(opt_level=3, config=ws.PASS_CONFIGS), tvm.target.Target(target):
-        src = tilelang.lower(ws.grouped_fp4_fold_ws_kernel(8, 256, K, out_dt, BM), target=target).kernel_source
-    (tmp_path / "k.cu").write_text(src)
+    (tmp_path / "k.cu").write_text(_lower_fold_ws(K, out_dt, BM))
     tl = pathlib.Path(tilelang.__file__).parent
     r = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", f"-I{tl}/src", f"-I{tl}/3rdparty/cutlass/include",
                         "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],

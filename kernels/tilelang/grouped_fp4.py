@@ -111,6 +111,18 @@ FOLD_SPREAD = 11  # a 128-K block's group scales within 2^11: each group's shift
 FORMS_RUN: Counter = Counter()  # calls per form ("fold", "bf16") in this process: which form a call took
 
 
+def scale_word_max(wrd):
+    """A 128-K block's scale word (its four ue8m0 bytes, group g in byte g) -> the bytes and their largest, bmax."""
+    b = (wrd & 0xFF, (wrd >> 8) & 0xFF, (wrd >> 16) & 0xFF, (wrd >> 24) & 0xFF)
+    return b, T.max(T.max(b[0], b[1]), T.max(b[2], b[3]))
+
+
+def folded_scale(bmax):
+    """The block's folded weight scale 2^(bmax - 133) as f32, from its bits: normal from bmax = 7, below that a
+    subnormal's single bit."""
+    return T.reinterpret("float32", T.if_then_else(bmax >= 7, (bmax - 6) << 23, T.shift_left(1, bmax + 16)))
+
+
 @T.macro
 def _load_step(W, A, BEXP, wq, a_t, bx, by, k, N, BN, BM, BK):
     """The K step's tiles: block by's expert's packed weight rows bx*BN.. (BK/2 bytes) and the block's BM activation
@@ -179,14 +191,8 @@ def grouped_fp4_fold_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
                     asb[kb, i] = AST[kb, by * BM + i]
                 for kb, j in T.Parallel(KB, BN):
                     wrd = WS[BEXP[by] * N + bx * BN + j, kb]
-                    b0 = wrd & 0xFF
-                    b1 = (wrd >> 8) & 0xFF
-                    b2 = (wrd >> 16) & 0xFF
-                    b3 = (wrd >> 24) & 0xFF
-                    bmax = T.max(T.max(b0, b1), T.max(b2, b3))
-                    # 2^(bmax - 133) as f32 bits: normal from bmax = 7, below that a subnormal's single bit
-                    wsb[kb, j] = T.reinterpret("float32", T.if_then_else(bmax >= 7, (bmax - 6) << 23,
-                                                                          T.shift_left(1, bmax + 16)))
+                    (b0, b1, b2, b3), bmax = scale_word_max(wrd)
+                    wsb[kb, j] = folded_scale(bmax)
                     dpk[kb, j] = ((b0 - bmax + 14) | ((b1 - bmax + 14) << 8) | ((b2 - bmax + 14) << 16)
                                   | ((b3 - bmax + 14) << 24))
                 T.clear(acc)

@@ -114,14 +114,9 @@ def grouped_fp4_fold_ws_kernel(E: int, N: int, K: int, out_dt: str, BM: int, pre
             r = c * 32 + px // 4  # row within the half
             g = px % 4
             wrd = wsw[half * 64 + r]
-            b0 = wrd & 0xFF
-            b1 = (wrd >> 8) & 0xFF
-            b2 = (wrd >> 16) & 0xFF
-            b3 = (wrd >> 24) & 0xFF
-            bmax = T.max(T.max(b0, b1), T.max(b2, b3))
-            if g == 0:  # 2^(bmax - 133) as f32 bits: normal from bmax = 7, below that a subnormal's single bit
-                wsc[half * 64 + r] = T.reinterpret("float32", T.if_then_else(bmax >= 7, (bmax - 6) << 23,
-                                                                            T.shift_left(1, bmax + 16)))
+            _, bmax = grouped_fp4.scale_word_max(wrd)
+            if g == 0:
+                wsc[half * 64 + r] = grouped_fp4.folded_scale(bmax)
             for v in T.vectorized(16):
                 src[v] = wq[half * 64 + r, g * 16 + v]
             T.call_extern("handle", "di_fp4_group_e4m3", T.address_of(src[0]),
