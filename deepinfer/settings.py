@@ -31,10 +31,9 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_DEBUG", "flag", "0", "tracebacks instead of one-line errors (--debug)"),
     Setting("DEEPINFER_BRANCHES", "flag", "1", "decode issues independent work on side streams (CUDA); 0: "
             "everything on one stream"),
-    Setting("DEEPINFER_KV_QAT", "flag", "0", "1: official numerics FP8-round the KV cache's no-RoPE dims and the "
-            "compressed entries per 64 and hold the cache in its FP8 layout -- the QAT the release's comments "
-            "describe; 0: keep them as computed in a bf16 cache, which is what the release's kernel.py computes "
-            "(its act_quant(inplace=True) returns the input unchanged: tools/official/README.md)"),
+    Setting("DEEPINFER_KV_QAT", "flag", "", "deprecated (one warning line): 1 / 0 set official numerics' KV form as "
+            "a SPEC's kv=fp8 / kv=bf16; unset, the release decides it (60d8d707: the no-RoPE dims and compressed "
+            "entries FP8-rounded per 64, an FP8 cache; efc85512: bf16; docs/numerics.md)"),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "
@@ -63,6 +62,11 @@ SETTINGS = {s.name: s for s in (
 def _raw(name: str) -> str:
     s = SETTINGS[name]
     return os.environ.get(name, s.default).strip()
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is in the environment at all (a deprecated alias acts only where it is)."""
+    return name in SETTINGS and name in os.environ
 
 
 def flag(name: str) -> bool:

@@ -10,6 +10,7 @@ from rich.table import Table
 from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, parse_metric
 from deepinfer.debug.margin import parse_spec, spec_str
 from deepinfer.engine.loader import resolve_device
+from deepinfer.model.numerics import Numerics
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
@@ -44,8 +45,9 @@ def bisect_cmd(
         if (rs.get(k) or None) != (ts.get(k) or None):
             raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "
                              "sites of one compute dtype and device; give both the same")
-    by_numerics = rs["numerics"] != ts["numerics"]
-    by_kv = (rs["kv"] or None) != (ts["kv"] or None)
+    rn, tn = (Numerics.parse(s["numerics"], kv_qat=None if s["kv"] is None else s["kv"] == "fp8") for s in (rs, ts))
+    by_numerics = (rn.mode, rn.release) != (tn.mode, tn.release)  # official against official@efc85512 too
+    by_kv = not by_numerics and rn.kv_qat != tn.kv_qat  # the forms compared, whether named or the release's
     axes = [n for n, d in (("numerics", by_numerics), ("kv", by_kv),
                            ("backend", (rs["backend"] or None) != (ts["backend"] or None) or rs["ops"] != ts["ops"]))
             if d]

@@ -21,7 +21,9 @@ STRICT = typer.Option(False, "--strict", help="Any op without a kernel in the ba
 OPS = typer.Option(None, "--op", help="Per-op backends, op=backend,... (e.g. grouped_gemm=tilelang,"
                    "sparse_attn_fp8=tilelang): those ops run there, the rest on --backend "
                    "(default: $DEEPINFER_OPS).")
-NUMERICS = typer.Option("official", "--numerics", help="official (FP8/FP4 QAT simulation) | exact (dequantised).")
+NUMERICS = typer.Option("official", "--numerics", help="official (DeepSeek's inference code, release 60d8d707: FP8/FP4 "
+                        "weights, FP8 activations and KV cache) | official@efc85512 (its initial release) | exact "
+                        "(transformers: dequantised, nothing simulated).")
 DTYPE = typer.Option("bfloat16", "--dtype", help="Compute dtype: bfloat16 | float32 | float16.")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available).")
 SEED = typer.Option(0, "--seed", help="Sampling seed: the same seed and inputs give the same tokens.")
@@ -62,7 +64,7 @@ def check_backend_runs(backend: str, dev, dtype: str, what: str = "--backend") -
 
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
           device: str | None, progress: bool = True, flaggems: str | None = None,
-          op_map: str | None = None) -> LoadedModel:
+          op_map: str | None = None, kv: str | None = None) -> LoadedModel:
     """Choose the backend and per-op map (before any compute, so --strict fails early), enable a FlagGems
     allow-list once the device is chosen, then load the model."""
     from deepinfer.engine.flaggems import enable_flaggems, parse_names
@@ -72,15 +74,12 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
     for b in ops.backends():
         check_backend_runs(b, dev, dtype, "--backend" if b == ops.backend else "--op backend")
     enable_flaggems(parse_names(flaggems), dev)
-    return load_model(model, numerics, dtype, str(dev), progress=progress)
+    return load_model(model, numerics, dtype, str(dev), progress=progress, kv=kv)
 
 
 def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedModel:
     """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
     from deepinfer.ops.registry import op_map_str
 
-    lm = setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
-               op_map=op_map_str(spec.get("ops") or {}) or None)
-    if spec.get("kv"):
-        lm.model.set_kv_qat(spec["kv"] == "fp8")
-    return lm
+    return setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
+                 op_map=op_map_str(spec.get("ops") or {}) or None, kv=spec.get("kv"))

@@ -21,10 +21,10 @@ from deepinfer_cli.errors import UserError, handle_errors
 
 
 def default_path(model: str, backend: str, numerics: str, dtype: str) -> str:
-    """dumps/<model>_<backend>_<numerics>-<dtype>_<UTC time>.h5"""
+    """dumps/<model>_<backend>_<numerics>-<dtype>_<UTC time>.h5 (numerics by its name, e.g. official-60d8d707)"""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", model) or "model"
-    return os.path.join("dumps", f"{safe}_{backend}_{numerics}-{dtype}_{stamp}.h5")
+    safe, num = (re.sub(r"[^A-Za-z0-9_.-]+", "-", x) or "model" for x in (model, numerics))
+    return os.path.join("dumps", f"{safe}_{backend}_{num}-{dtype}_{stamp}.h5")
 
 
 def _save_or_rescue(run, path: str, attrs: dict, con: Console) -> str:
@@ -114,10 +114,11 @@ def dump_cmd(
     forced = _follow_tokens(follow, steps) if follow else None
     # forced[i] is what the reference fed to decode step i+1, i.e. its token i
     run = run_dump(lm.model, ids, steps, sel, force_tokens=forced)
-    path = out or default_path(lm.cfg.name, common.ops.backend, numerics, dtype)
+    path = out or default_path(lm.cfg.name, common.ops.backend, lm.model.numerics.name, dtype)
     if out is None:
         check_output(path, "--out", create_parents=True)
-    attrs = run_fingerprint(device=lm.model.device, backend=common.ops.backend, numerics=numerics, dtype=dtype,
+    attrs = run_fingerprint(device=lm.model.device, backend=common.ops.backend, numerics=lm.model.numerics.name,
+                            dtype=dtype,
                             model_path=lm.model_dir, model_name=lm.cfg.name,
                             config_fingerprint=lm.cfg.fingerprint(), prompt=text, seed=seed,
                             steps=steps, layers="all" if sel is None else ",".join(map(str, sel)),

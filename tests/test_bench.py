@@ -210,7 +210,7 @@ def test_bench_against_same_run_same_floors(tmp_path):
     assert "same run, same floors" in res.output and "torch:rms_norm=torch" in res.output
     rows = [ln for ln in doc.read_text().splitlines() if ln.startswith("| 20")]
     assert len(rows) == 2 and "--against torch:rms_norm=torch" in rows[0]
-    assert "torch:rms_norm=torch · official (same run as torch)" in rows[1] and "B=1:" in rows[1]
+    assert "torch:rms_norm=torch · official@60d8d707 (same run as torch)" in rows[1] and "B=1:" in rows[1]
 
 
 def test_cli_bad_options():

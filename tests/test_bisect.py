@@ -148,15 +148,15 @@ def test_bisect_reports_a_set_that_diverges_only_together(tiny):
 
 
 def test_bisect_kv_format_names_the_switched_layer(tiny):
-    """KV-format sites: official numerics whose layer 1 alone holds its cache with the FP8 QAT (`set_kv_qat`)
-    is named at ("kv_format", 1) and nowhere else."""
+    """KV-format sites: official numerics with a bf16 cache (kv=bf16, the initial release's form) whose layer 1
+    alone holds its cache with the FP8 QAT (the default's form) is named at ("kv_format", 1) and nowhere else."""
     from deepinfer.debug.bisect import bisect_numerics, hybrid
 
-    fp8 = load_model(None, "official", "float32", "cpu", progress=False).model
-    fp8.set_kv_qat(True)
-    assert all(a.fp8_kv for a in fp8.attentions()) and not any(a.fp8_kv for a in tiny.attentions())
-    test = hybrid(tiny, fp8, {1})
-    res = bisect_numerics(tiny, test, PROMPT, 4, "logits:1e-4", "bf16 kv", "fp8 kv at L1", "float32",
+    fp8 = tiny
+    bf16 = load_model(None, "official", "float32", "cpu", progress=False, kv="bf16").model
+    assert all(a.fp8_kv for a in fp8.attentions()) and not any(a.fp8_kv for a in bf16.attentions())
+    test = hybrid(bf16, fp8, {1})
+    res = bisect_numerics(bf16, test, PROMPT, 4, "logits:1e-4", "bf16 kv", "fp8 kv at L1", "float32",
                           site="kv_format")
     assert not res.agree and [(c.op, c.layer) for c in res.culprits] == [("kv_format", 1)], res.culprits
     exact = load_model(None, "exact", "float32", "cpu", progress=False).model
@@ -172,6 +172,6 @@ def test_cli_kv_sites(tiny_dir):
     assert d["sites"] == 4 and d["culprits"] and all(c["op"] == "kv_format" for c in d["culprits"])
     assert "kv=fp8" in d["test"]
     for bad, msg in ((["--test", "kv=fp16"], "kv=fp16"), (["--test", "kv=fp8,numerics=exact"], "official"),
-                     (["--test", "kv=fp8,backend=triton"], "one axis")):
+                     (["--test", "kv=bf16,backend=triton"], "one axis")):
         r = CliRunner().invoke(app, ["bisect", "北京是", *bad])
         assert r.exit_code == 2 and msg in r.output, r.output

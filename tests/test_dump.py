@@ -193,3 +193,16 @@ def test_save_writes_generated_ids(tmp_path, tiny):
     _, t = read_dump(tmp_path / "s.h5")
     assert t["generated_ids"].tolist() == run.tokens
     assert t["layers.0.attn.compressed_kv"].shape[0] == 0 if "layers.0.attn.compressed_kv" in t else True
+
+
+@pytest.mark.parametrize("numerics,name", [("official", "official@60d8d707"), (None, "official@60d8d707"),
+                                           ("official@efc85512", "official@efc85512")])
+def test_dump_fingerprint_names_the_release(tmp_path, tiny, numerics, name):
+    """The default numerics are release 60d8d707's, and the dump says so (a dump of the initial release's
+    numerics names that one): two dumps of different releases never pass for the same settings."""
+    out = tmp_path / "d.h5"
+    args = ["dump", "北京是", "--layers", "0", "--steps", "0", "--device", "cpu", "--out", str(out)]
+    r = CliRunner().invoke(app, args + (["--numerics", numerics] if numerics else []))
+    assert r.exit_code == 0, r.output
+    with DumpReader(out) as d:
+        assert d.attrs["numerics"] == name

@@ -1,4 +1,4 @@
-"""The FP8 KV cache layout in the model (official numerics with DEEPINFER_KV_QAT=1): what is stored where, and that attending
+"""The FP8 KV cache layout in the model (official numerics, release 60d8d707's KV QAT): what is stored where, and that attending
 from it gives exactly the logits of the float cache holding the same QAT values (tiny model, CPU).
 
 The prompt is long enough (45 tokens: 11 CSA entries against the tiny indexer's top-4) that the indexer's
@@ -15,9 +15,8 @@ from deepinfer.quant.kv_layout import kv_packed_width
 
 @pytest.fixture(scope="module")
 def lm():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DEEPINFER_KV_QAT", "1")  # the FP8 layout is the KV QAT's; read when the model is built
-        return load_model(None, numerics="official", dtype="float32", progress=False, device="cpu")
+    # official numerics (release 60d8d707): the KV QAT, the cache in its FP8 layout
+    return load_model(None, numerics="official", dtype="float32", progress=False, device="cpu")
 
 
 def _use_fp8_layout(model, on: bool) -> None:

@@ -1,5 +1,7 @@
 """`official` numerics round where DeepSeek's official inference code rounds (inference/model.py and
-kernel.py of DeepSeek-V4-Flash, release 60d8d707; public copy: Mockingjay1316/deepseek-v4-flash-spark).
+kernel.py of DeepSeek-V4-Flash, release 60d8d707: model.py sha256 ce962f1f...1d71, kernel.py 59b32508...c0c2;
+`official@efc85512` the initial release, model.py 6380e70f...e818, kernel.py c4dc859a...93e4; which public copies
+are which: docs/numerics.md).
 
 Each rounding point is pinned by a test that fails when it moves; the official line it follows is quoted.
 """
@@ -101,12 +103,12 @@ def test_indexer_fp4_blocks_of_32(monkeypatch, tiny_dir):
 
 
 def test_kv_nope_fp8_blocks_of_64(monkeypatch, tiny_dir):
-    """model.py, Attention.forward: `act_quant(kv[..., :-rd], 64, scale_fmt, scale_dtype, True)`: the
-    cache's no-RoPE dims FP8-simulated per 64 (the compressed entries too) -- as the release means it, which
-    DEEPINFER_KV_QAT=1 follows (by default its kernel's no-op is: `test_kv_qat_off_keeps_the_cache_as_computed`).
-    The QAT holds the cache in its FP8 layout, so the simulation is the packing (`kv_pack`: the codes and scales
-    of act_quant(kv_nope, 64)); decode packs inside `kv_store`."""
-    monkeypatch.setenv("DEEPINFER_KV_QAT", "1")
+    """60d8d707 model.py, Attention.forward (line 506): `act_quant(kv[..., :-rd], 64, scale_fmt, scale_dtype, True)`,
+    and Compressor.forward (line 372) on the compressed entries: the cache's no-RoPE dims rounded to FP8 per 64 --
+    in that release's kernel.py the inplace branch casts through FP8 (line 88, `T.Cast(compute_dtype, T.Cast(FP8,
+    T.clamp(`). Default official numerics hold the cache in its FP8 layout, so the rounding is the packing
+    (`kv_pack`: the codes and scales of act_quant(kv_nope, 64)); decode packs inside `kv_store`."""
+    monkeypatch.delenv("DEEPINFER_KV_QAT", raising=False)
     rope_dims = _record(monkeypatch, "kv_pack")
     assert rope_dims and set(rope_dims) == {64}, rope_dims
     kv = _q(4, (6, 512)).float()
@@ -150,40 +152,85 @@ def test_fp4_scale_is_a_power_of_two_over_6():
     assert float(y[0, 0]) == 6.0 and float(y[0, 1]) == 1.0
 
 
-def test_kv_qat_off_keeps_the_cache_as_computed(monkeypatch, tiny_dir):
-    """Official numerics by default (DEEPINFER_KV_QAT unset = 0) follow kernel.py's act_quant(inplace=True) as it
-    runs -- its inner `T.Cast(out_dtype, ...)` with `out_dtype = in_dtype` for inplace leaves x unchanged (H200:
-    0 of 28672 bf16 elements changed) -- so the window's kv and the compressed entries stay off the FP8 grid, in a
-    bf16 cache; DEEPINFER_KV_QAT=1 puts them on it (per 64, the QAT the release's comments describe), in the FP8
-    layout. Everything else is the same official numerics."""
+def _prefill_records(numerics, ids):
     from deepinfer.capture import capturing
     from deepinfer.engine.loader import load_model
 
-    ids = torch.tensor([[0] + list(range(300, 340))])
+    m = load_model(None, numerics, "bfloat16", "cpu", progress=False).model
+    m.allocate(1, 48)
+    with capturing() as cap:
+        logits, _ = m.prefill(ids)
+    return m, dict(cap.records), logits
 
-    def run():
-        m = load_model(None, "official", "bfloat16", "cpu", progress=False).model
-        m.allocate(1, 48)
-        with capturing() as cap:
-            logits, _ = m.prefill(ids)
-        return m, dict(cap.records), logits
 
+def test_kv_cache_follows_each_release(monkeypatch, tiny_dir):
+    """The one kernel.py hunk between the releases, act_quant_kernel's inplace branch: 60d8d707 (the default)
+    casts `T.Cast(compute_dtype, T.Cast(FP8, T.clamp(...)))`, so the window's kv and the compressed entries land
+    on the FP8 grid per 64 (our cache holds them in the FP8 layout); efc85512 cast `T.Cast(out_dtype, ...)` with
+    `out_dtype = in_dtype` (bf16) for inplace, a no-op (H200: 0 of 28 672 elements changed), so
+    `official@efc85512` keeps them as computed in a bf16 cache. Everything else of a CSA layer's first q is
+    the same."""
     monkeypatch.delenv("DEEPINFER_KV_QAT", raising=False)
-    m_off, rec_off, logits_off = run()
-    monkeypatch.setenv("DEEPINFER_KV_QAT", "1")
-    m_on, rec_on, logits_on = run()
-    a_on, a_off = m_on.attentions()[1], m_off.attentions()[1]  # a CSA layer: window kv and entries
-    assert a_on.kv_cache.dtype == torch.uint8 and a_off.kv_cache.dtype == torch.bfloat16
-    assert not a_off.kv_qat and not a_off.compressor.kv_qat
+    ids = torch.tensor([[0] + list(range(300, 340))])
+    m_cur, rec_cur, logits_cur = _prefill_records("official", ids)
+    m_ini, rec_ini, logits_ini = _prefill_records("official@efc85512", ids)
+    assert m_cur.numerics.name == "official@60d8d707" and m_ini.numerics.name == "official@efc85512"
+    a_cur, a_ini = m_cur.attentions()[1], m_ini.attentions()[1]  # a CSA layer: window kv and entries
+    assert a_cur.kv_cache.dtype == torch.uint8 and a_ini.kv_cache.dtype == torch.bfloat16
+    assert a_cur.kv_qat and a_cur.compressor.kv_qat and not a_ini.kv_qat and not a_ini.compressor.kv_qat
     for name in ("layers.1.attn.kv", "layers.1.attn.compressed_kv"):
-        off = rec_off[name].float()[..., :-64]
-        assert not torch.equal(fp8_fake_quant(off, 64), off), f"{name} is on the FP8 grid without the QAT"
-        on = rec_on[name].float()[..., :-64]
-        assert torch.equal(fp8_fake_quant(on, 64), on), f"{name} is off the FP8 grid with the QAT"
-    assert torch.equal(rec_on["layers.0.attn.q"], rec_off["layers.0.attn.q"])  # the first layer's q: untouched
-    assert not torch.equal(logits_on, logits_off)
+        ini = rec_ini[name].float()[..., :-64]
+        assert not torch.equal(fp8_fake_quant(ini, 64), ini), f"{name} is on the FP8 grid under efc85512"
+        cur = rec_cur[name].float()[..., :-64]
+        assert torch.equal(fp8_fake_quant(cur, 64), cur), f"{name} is off the FP8 grid under 60d8d707"
+        rope = rec_cur[name].float()[..., -64:]
+        assert not torch.equal(fp8_fake_quant(rope, 64), rope), f"{name}'s RoPE dims must stay bf16"
+    assert torch.equal(rec_cur["layers.0.attn.q"], rec_ini["layers.0.attn.q"])  # the first layer's q: untouched
+    assert not torch.equal(logits_cur, logits_ini)
     with pytest.raises(ValueError, match="KV QAT"):
-        m_off.set_kv_layout("fp8")
+        m_ini.set_kv_layout("fp8")
+
+
+@pytest.mark.parametrize("numerics,clamped", [("official", True), ("official@60d8d707", True),
+                                              ("official@efc85512", False), ("exact", True)])
+def test_shared_expert_clamp_per_release(tiny_dir, numerics, clamped):
+    """The one model.py hunk, MoE.__init__: 60d8d707 builds `Expert(args.dim, args.moe_inter_dim,
+    swiglu_limit=args.swiglu_limit)`, efc85512 `Expert(args.dim, args.moe_inter_dim)` after `# no swiglu_limit`
+    (Expert.forward clamps only where swiglu_limit > 0: `up` to +-limit, `gate` from above); transformers'
+    DeepseekV4MLP clamps it (exact). Checked on what the shared expert computes, with inputs large enough that
+    the clamp binds."""
+    from deepinfer.engine.loader import load_model
+    from deepinfer.ops.reference import swiglu
+
+    lm = load_model(None, numerics, "float32", "cpu", progress=False)
+    limit = lm.cfg.swiglu_limit
+    assert limit > 0
+    sh = lm.model.layers[0].ffn.shared
+    x = torch.randn(16, lm.cfg.dim, generator=torch.Generator().manual_seed(5)) * 40
+    h1, h3 = sh.w1(x), sh.w3(x)
+    assert float(h3.abs().max()) > limit, "the inputs must reach the clamp, or this test could not fail"
+    got = sh(x)
+    want = {c: sh.w2(swiglu(h1, h3, limit if c else 0.0, out_dtype=x.dtype)) for c in (True, False)}
+    assert torch.equal(got, want[clamped]) and not torch.equal(got, want[not clamped])
+
+
+def test_kv_qat_setting_is_a_deprecated_alias(monkeypatch, tiny_dir, capsys):
+    """DEEPINFER_KV_QAT, the former switch, still names the KV form (0: bf16, 1: fp8) with one warning line;
+    the model's numerics name the override (`+kv=bf16`), so a dump's fingerprint says what ran."""
+    from deepinfer.engine import loader
+
+    monkeypatch.setattr(loader, "_warned_kv_qat", False)
+    monkeypatch.setenv("DEEPINFER_KV_QAT", "0")
+    num = loader.resolve_numerics("official", "bfloat16")
+    assert not num.kv_qat and num.name == "official@60d8d707+kv=bf16"
+    assert loader.resolve_numerics("official", "bfloat16").name == num.name
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DEEPINFER_KV_QAT is deprecated" in err[0]
+    monkeypatch.setenv("DEEPINFER_KV_QAT", "1")
+    assert loader.resolve_numerics("official@efc85512", "bfloat16").name == "official@efc85512+kv=fp8"
+    assert loader.resolve_numerics("exact", "float32").name == "exact"  # exact has no KV QAT to switch
+    monkeypatch.delenv("DEEPINFER_KV_QAT")
+    assert loader.resolve_numerics("official", "bfloat16").kv_qat
 
 
 def test_indexer_scores_round_as_model_py(tiny_dir):

@@ -119,7 +119,7 @@ def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
         m = lm.model
     else:
         m = load_model(None, numerics="official", dtype="float32", device="cpu", progress=False).model
-        m.set_kv_qat(True)
+        assert m.numerics.kv_qat  # release 60d8d707's KV QAT: the FP8 cache layout
     spec, dec, off = _verify_commit_then_decode(m, "cpu", 1e-4)
     assert not off, off
     _assert_caches(spec, dec, "verify + commit vs decode")

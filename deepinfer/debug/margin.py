@@ -29,15 +29,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 SPEC_KEYS = ("backend", "numerics", "dtype", "device", "kv")
-KV_FORMATS = ("bf16", "fp8")  # the KV cache's form under official numerics (`Transformer.set_kv_qat`)
+KV_FORMATS = ("bf16", "fp8")  # the KV cache's form under official numerics (`Numerics.kv_qat`)
 DEFAULT_REF = "numerics=exact,dtype=float32"
 DEFAULT_TEST = "numerics=official,dtype=bfloat16"
 
 
 def parse_spec(spec: str, what: str = "--ref") -> dict:
     """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8,op.grouped_gemm=tilelang` -> dict
-    (missing keys: defaults; kv None: the build's default, DEEPINFER_KV_QAT; "ops": the per-op backend map of
+    (missing keys: defaults; numerics: official, official@REV or exact; kv None: the release's form; "ops": the per-op backend map of
     the `op.NAME=BACKEND` keys, as `--op` takes it, {} for none)."""
+    from deepinfer.model.numerics import parse_numerics
     from deepinfer.ops.registry import parse_op_map
 
     out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "ops": {}}
@@ -53,7 +54,11 @@ def parse_spec(spec: str, what: str = "--ref") -> dict:
         out[k] = v
     if out["kv"] is not None and out["kv"] not in KV_FORMATS:
         raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
-    if out["kv"] == "fp8" and out["numerics"] != "official":
+    try:
+        mode = parse_numerics(out["numerics"])[0]
+    except ValueError as e:
+        raise ValueError(f"{what} {spec!r}: numerics={e}") from None
+    if out["kv"] == "fp8" and mode != "official":
         raise ValueError(f"{what} {spec!r}: kv=fp8 is official numerics' KV QAT; {out['numerics']} keeps a float cache")
     return out
 

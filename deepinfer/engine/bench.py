@@ -370,7 +370,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     report = {
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
         "device_name": device_name(device), **_versions(), "backend": ops.backend,
-        "op_map": op_map_str(ops.op_map), "numerics": numerics.mode,
+        "op_map": op_map_str(ops.op_map), "numerics": numerics.name,
         "dtype": opts.dtype, "eager": not graphs, "cuda_graphs": graphs,
         "layers": cfg.n_layers, "attn_kinds": list(cfg.attn_kinds[:cfg.n_layers]),
         "weights_s": t_weights, "engine_weight_bytes": held_bytes(model),

@@ -6,16 +6,19 @@ through exactly the same path as a real checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from deepinfer import settings
 from deepinfer.checkpoint import load_state, mtp_layers_present, open_checkpoint
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.engine.schedule import Schedule
+from deepinfer.model.numerics import CURRENT_RELEASE, DTYPES, Numerics
 from deepinfer.model.transformer import Transformer
-from deepinfer.model.weights import DTYPES, NUMERICS, Numerics
 from deepinfer.tokenizer import V4Tokenizer
 
 
@@ -44,12 +47,40 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_numerics(numerics: str, dtype: str) -> Numerics:
-    if numerics not in NUMERICS:
-        raise OptionError(f"--numerics {numerics!r}: choose {' or '.join(NUMERICS)}")
+def resolve_numerics(numerics: str, dtype: str, kv: str | None = None) -> Numerics:
+    """`--numerics` (official, official@REV, exact) and `--dtype` -> Numerics; kv "fp8" | "bf16" | None (the
+    release's form) overrides the KV cache's form of official numerics (a SPEC's kv=)."""
     if dtype not in DTYPES:
         raise OptionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    return Numerics(numerics, DTYPES[dtype])
+    try:
+        num = Numerics.parse(numerics, DTYPES[dtype])
+    except ValueError as e:
+        raise OptionError(f"--numerics {e}") from None
+    if kv is None and num.official:
+        kv = _deprecated_kv_qat()
+    if kv is not None and num.official:
+        num = dataclasses.replace(num, kv_qat=kv == "fp8")
+    elif kv == "fp8":
+        raise OptionError(f"kv=fp8 is official numerics' KV QAT; {num.name} keeps a float cache")
+    return num
+
+
+_warned_kv_qat = False
+
+
+def _deprecated_kv_qat() -> str | None:
+    """DEEPINFER_KV_QAT, set: the KV form it names ("fp8" | "bf16"), with a one-line deprecation warning (once a
+    process); unset: None. The release now decides the form (`Numerics.kv_qat`)."""
+    global _warned_kv_qat
+    if not settings.is_set("DEEPINFER_KV_QAT"):
+        return None
+    kv = "fp8" if settings.flag("DEEPINFER_KV_QAT") else "bf16"
+    if not _warned_kv_qat:
+        _warned_kv_qat = True
+        print(f"deepinfer: DEEPINFER_KV_QAT is deprecated (official numerics follow release {CURRENT_RELEASE}, "
+              f"whose KV cache is FP8-rounded; --numerics official@efc85512 is the initial release's bf16 cache, a "
+              f"SPEC's kv= sets the form); taking it as kv={kv}", file=sys.stderr)
+    return kv
 
 
 def resolve_model_dir(model: str | None, progress: bool = True) -> str:
@@ -89,11 +120,12 @@ def build_model(cfg: ModelConfig, state: dict, numerics: Numerics, device,
 
 def load_model(model: str | None = None, numerics: str = "official", dtype: str = "bfloat16",
                device: str | None = None, progress: bool = True,
-               expert_range: tuple[int, int] | None = None) -> LoadedModel:
+               expert_range: tuple[int, int] | None = None, kv: str | None = None) -> LoadedModel:
     """Open, validate and load a checkpoint; build the model for `numerics`/`dtype` on `device`.
 
-    `expert_range` (lo, hi): hold (and read) only routed experts lo..hi-1 (expert parallelism)."""
-    num = resolve_numerics(numerics, dtype)
+    `expert_range` (lo, hi): hold (and read) only routed experts lo..hi-1 (expert parallelism); kv: the KV
+    cache's form where it differs from the release's (`resolve_numerics`)."""
+    num = resolve_numerics(numerics, dtype, kv)
     dev = resolve_device(device)
     cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range)
     net = build_model(cfg, state, num, dev, expert_range)

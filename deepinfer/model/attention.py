@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 
 from deepinfer.capture import is_active, tap
-from deepinfer import settings
 from deepinfer.config import ModelConfig
 from deepinfer.model.branch import Branch, Shared
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
-from deepinfer.model.weights import Linear, Numerics, WeightSource
+from deepinfer.model.numerics import Numerics
+from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 from deepinfer.quant.grouped import grouped_bmm
 from deepinfer.quant.kv_layout import kv_packed_width
@@ -181,12 +181,14 @@ class Attention:
         # the q head norm rounds where the implementation each numerics follows rounds (`head_norm`)
         self.q_norm_form = "official_q" if numerics.official else "transformers_q"
         self.kv_cache = None
-        # official numerics' QAT of the cache: its no-RoPE dims (and the compressed entries) on the FP8 grid
-        self.set_kv_qat(numerics.official and settings.flag("DEEPINFER_KV_QAT"))
+        # official numerics' QAT of the cache (the release's act_quant(inplace=True): `Numerics.kv_qat`): its
+        # no-RoPE dims and the compressed entries on the FP8 grid, the cache in its FP8 layout
+        self.set_kv_qat(numerics.kv_qat)
 
     def set_kv_qat(self, on: bool) -> None:
         """Official numerics' KV QAT on (no-RoPE dims and compressed entries FP8-rounded per 64, the cache in its
-        FP8 layout) or off (kept as computed, a float cache); before `allocate`."""
+        FP8 layout) or off (kept as computed, a float cache); before `allocate`. The model is built with its
+        numerics' choice; bisect's KV-format sites switch single layers."""
         if on and not self.numerics.official:
             raise ValueError("the KV QAT (kv=fp8) is official numerics'; exact numerics keep a float cache")
         self.kv_qat = on
@@ -202,8 +204,8 @@ class Attention:
         if layout not in ("fp8", "float"):
             raise ValueError(f"kv layout {layout!r}: fp8 | float")
         if layout == "fp8" and not self.kv_qat:
-            raise ValueError("the FP8 KV layout is official numerics' KV QAT; exact numerics and DEEPINFER_KV_QAT=0 "
-                             "keep float caches")
+            raise ValueError("the FP8 KV layout is official numerics' KV QAT; exact numerics and kv=bf16 keep "
+                             "float caches")
         self.fp8_kv = layout == "fp8"
         if self.compressor is not None:
             self.compressor.fp8_cache = self.fp8_kv

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.model.numerics import Numerics
+from deepinfer.model.weights import WeightSource
 from deepinfer.ops import ops
 
 

@@ -213,7 +213,9 @@ class MoE:
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_offset = lo
         self.experts = RoutedExperts(W, prefix, range(lo, hi), cfg.swiglu_limit)
-        self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit)
+        # the shared expert's clamp is a release choice: DeepSeek's initial release builds it without swiglu_limit
+        # (`Numerics.shared_clamp`; limit 0: no clamp)
+        self.shared = Expert(W, prefix + "shared_experts.", cfg.swiglu_limit if W.numerics.shared_clamp else 0.0)
         self.dispatch = self.dispatch_local
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:

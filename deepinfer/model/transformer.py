@@ -8,6 +8,8 @@ Tap names (see `dumps/README.md`) are stable across backends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +17,9 @@ from deepinfer.capture import tap
 from deepinfer.config import ModelConfig
 from deepinfer.model.attention import Attention, StepContext
 from deepinfer.model.moe import MoE
+from deepinfer.model.numerics import Numerics
 from deepinfer.model.rope import RopeTables
-from deepinfer.model.weights import Numerics, WeightSource
+from deepinfer.model.weights import WeightSource
 from deepinfer.ops import ops
 
 
@@ -150,10 +153,11 @@ class Transformer:
 
     def set_kv_qat(self, on: bool) -> None:
         """Official numerics: the KV QAT on (the no-RoPE dims and compressed entries FP8-rounded per 64, the cache
-        in its FP8 layout) or off (kept as computed, a float cache), whatever DEEPINFER_KV_QAT said at build;
+        in its FP8 layout) or off (kept as computed, a float cache), whatever the numerics chose at build;
         allocate after it. Exact numerics have no KV QAT (ValueError)."""
         for a in self.attentions():
             a.set_kv_qat(on)
+        self.numerics = dataclasses.replace(self.numerics, kv_qat=on)  # its name tells dumps the cache's form
 
     def set_kv_layout(self, layout: str) -> None:
         """Every attention cache's form, "fp8" | "float" (`Attention.set_kv_layout`); allocate after it."""

@@ -7,27 +7,12 @@ to the compute dtype and quantises nothing (what transformers computes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+# the numerics value has its own module; named here too, where it decides the weights' form
+from deepinfer.model.numerics import DTYPES, NUMERICS, Numerics  # noqa: F401
 from deepinfer.ops import ops
 from deepinfer.quant.formats import dequant_fp4, dequant_fp8_block
-
-NUMERICS = ("official", "exact")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Numerics:
-    """How a run computes: `mode` official|exact, `dtype` the activation/compute dtype."""
-
-    mode: str = "official"
-    dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def official(self) -> bool:
-        return self.mode == "official"
 
 
 class Linear:

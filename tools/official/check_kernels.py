@@ -1,8 +1,8 @@
-"""Each official kernel (kernel.py, release 60d8d707, TileLang) and each official torch step of model.py that
+"""Each official kernel (kernel.py of the release in OFFICIAL_DIR, default release/60d8d707; TileLang) and each official torch step of model.py that
 `official` numerics follow, against our op on the same fresh random inputs, per backend (torch, triton, and
 tilelang and flaggems where installed): relative error and the fraction of bit-identical outputs.
 
-Run on a GPU with the official files in tools/official/release/ (README):
+Run on a GPU with the official files in tools/official/release/<rev>/ (README):
     PYTHONPATH=/tmp/site:$PWD python tools/official/check_kernels.py
 """
 import os
@@ -11,11 +11,14 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.environ.get("OFFICIAL_DIR", os.path.join(HERE, "release")))
-sys.path.insert(1, HERE)
+from deepinfer.debug import official as off  # noqa: E402
+
+OFFICIAL_DIR = os.environ.get("OFFICIAL_DIR", os.path.join(HERE, "release", "60d8d707"))
+RELEASE, _ = off.identify(OFFICIAL_DIR)  # the release by its files' sha256
+off.hadamard_source()
 torch.set_default_dtype(torch.bfloat16)
-import kernel as ok  # noqa: E402  (official)
-import model as om  # noqa: E402
+om = off.load_official(OFFICIAL_DIR)  # noqa: E402  (official)
+ok = sys.modules["kernel"]
 
 from deepinfer.ops.registry import REGISTRY, backend_available  # noqa: E402
 from deepinfer.quant.formats import dequant_fp4  # noqa: E402,F401  (nibble order as the checkpoint's)

@@ -1,12 +1,9 @@
-"""Issue 22's check: DeepSeek's official inference modules (model.py + kernel.py, release 60d8d707, TileLang
-kernels) run on deepinfer-tiny, each on OUR inputs to it (dump taps), prefill then decode, layer by layer,
-against our outputs, for the torch and the Triton backends of `--numerics official`.
-
-Relative error ||ours - official|| / ||official|| (fp32) per layer: the attention sub-layer (attn.in ->
-attn.out), the MoE (ffn.in -> ffn.out), the whole block (hc_attn.in -> hc_ffn.out). Plus the torch backend with
-the previous sparse attention (fp32 P, max seeded with the sink) patched in, to show what that change moved, and
-both backends with DEEPINFER_KV_QAT=1 (the FP8 KV QAT the release means, which its act_quant(inplace=True) skips).
-Arguments pick configurations (`CONFIGS`); none runs them all.
+"""The module-by-module check behind `deepinfer verify --against official` (`deepinfer/debug/official.py`), with the
+extra columns that command leaves out: the official block's own sensitivity ("self": its attention output moved by
+one bf16 ulp in SENS_FRAC of its elements), the previous sparse attention patched into ours, and our KV form
+switched against the release's (kv_qat). Runs DeepSeek's model.py + kernel.py from OFFICIAL_DIR (default
+tools/official/release/60d8d707) on deepinfer-tiny, each module on OUR inputs to it (dump taps), prefill then
+decode, layer by layer. Arguments pick configurations (`CONFIGS`); none runs them all.
 """
 import json
 import os
@@ -14,13 +11,14 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.environ.get("OFFICIAL_DIR", os.path.join(HERE, "release")))  # model.py, kernel.py
-sys.path.insert(1, HERE)  # the fast_hadamard_transform stand-in
-torch.set_default_dtype(torch.bfloat16)
-import model as om  # noqa: E402  (official)
+from deepinfer.debug import official as off
 
-from deepinfer.checkpoint.reader import open_checkpoint  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+OFFICIAL_DIR = os.environ.get("OFFICIAL_DIR", os.path.join(HERE, "release", "60d8d707"))
+RELEASE, _ = off.identify(OFFICIAL_DIR)
+HADAMARD = off.hadamard_source()
+torch.set_default_dtype(torch.bfloat16)
+om = off.load_official(OFFICIAL_DIR)  # noqa: E402  (official)
 
 from deepinfer.debug.dumper import run_dump  # noqa: E402
 from deepinfer.engine.loader import load_model  # noqa: E402
@@ -35,36 +33,7 @@ S, STEPS = 70, 6
 
 
 def official_model():
-    rs = C["rope_scaling"]
-    args = om.ModelArgs(
-        max_batch_size=1, max_seq_len=256, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4",
-        vocab_size=C["vocab_size"], dim=C["hidden_size"], moe_inter_dim=C["moe_intermediate_size"],
-        n_layers=C["num_hidden_layers"], n_hash_layers=C["num_hash_layers"], n_mtp_layers=0,
-        n_heads=C["num_attention_heads"], n_routed_experts=C["n_routed_experts"],
-        n_shared_experts=C["n_shared_experts"], n_activated_experts=C["num_experts_per_tok"],
-        score_func=C["scoring_func"], route_scale=C["routed_scaling_factor"], swiglu_limit=C["swiglu_limit"],
-        q_lora_rank=C["q_lora_rank"], head_dim=C["head_dim"], rope_head_dim=C["qk_rope_head_dim"],
-        norm_eps=C["rms_norm_eps"], o_groups=C["o_groups"], o_lora_rank=C["o_lora_rank"],
-        window_size=C["sliding_window"], compress_ratios=tuple(C["compress_ratios"]),
-        compress_rope_theta=C["compress_rope_theta"], original_seq_len=rs["original_max_position_embeddings"],
-        rope_theta=C["rope_theta"], rope_factor=rs["factor"], beta_fast=int(rs["beta_fast"]),
-        beta_slow=int(rs["beta_slow"]), index_n_heads=C["index_n_heads"], index_head_dim=C["index_head_dim"],
-        index_topk=C["index_topk"], hc_mult=C["hc_mult"], hc_sinkhorn_iters=C["hc_sinkhorn_iters"],
-        hc_eps=C["hc_eps"])
-    with torch.device("cuda"):
-        m = om.Transformer(args)
-    ck = open_checkpoint(D)
-    for name, p in m.named_parameters():
-        t = ck.get(name, "cuda")
-        if name.endswith("wo_a.weight"):  # convert.py: wo_a dequantised to bf16 (128 x 128 blocks)
-            s = ck.get(name[:-6] + "scale", "cuda").float()
-            t = (t.float().unflatten(0, (-1, 128)).unflatten(-1, (-1, 128)) * s[:, None, :, None]).flatten(2, 3)
-            t = t.flatten(0, 1)
-        if p.dtype == torch.float4_e2m1fn_x2:
-            t = t.view(torch.float4_e2m1fn_x2)
-        assert t.shape == p.shape, (name, t.shape, p.shape)
-        p.data.copy_(t.to(p.dtype) if t.dtype != p.dtype else t)
-    return m
+    return off.official_model(om, D, 256)
 
 
 def rel(a, b):
@@ -87,15 +56,16 @@ def old_sparse_attn(q, kv, sink, idx, scale):
     return torch.einsum("bshk,bskd->bshd", p / den, g).to(q.dtype)
 
 
-def ours(backend, old_attn=False, kv_qat=False):
-    os.environ["DEEPINFER_KV_QAT"] = "1" if kv_qat else "0"  # read when the model is built
+def ours(backend, old_attn=False, kv_qat=None):
+    """kv_qat None: the release's KV form; True / False: the FP8-rounded or the bf16 cache whatever the release."""
     real = reference.sparse_attn
     if old_attn:
         reference.sparse_attn = old_sparse_attn
         REGISTRY["sparse_attn"].impls["torch"] = old_sparse_attn
     try:
         ops.configure(backend=backend)
-        lm = load_model(None, "official", "bfloat16", "cuda", progress=False)
+        lm = load_model(None, f"official@{RELEASE.short}", "bfloat16", "cuda", progress=False,
+                        kv=None if kv_qat is None else ("fp8" if kv_qat else "bf16"))
         g = torch.Generator().manual_seed(22)
         ids = torch.randint(2, C["vocab_size"], (S,), generator=g).tolist()
         run = run_dump(lm.model, ids, steps=STEPS)
@@ -105,7 +75,7 @@ def ours(backend, old_attn=False, kv_qat=False):
     return ids, run.tokens, dict(run.records)
 
 
-def check(label, backend, old_attn=False, kv_qat=False):
+def check(label, backend, old_attn=False, kv_qat=None):
     ids, toks, rec = ours(backend, old_attn, kv_qat)
     torch.set_default_dtype(torch.bfloat16)  # as generate.py: kernel.py allocates in the default dtype,
     torch.set_default_device("cuda")  # model.py's index helpers on the default device
@@ -148,7 +118,7 @@ def _check(label, ids, toks, rec):
         r["attn_decode"], r["moe_decode"], r["block_decode"] = max(da), max(dm), max(db)
         r["block_decode_steps"], r["sens_decode_steps"], r["sens_decode"] = db, ds, max(ds)
         rows.append(r)
-    print(f"\n== {label}: relative error against the official modules (decode: the worst of {STEPS} steps)")
+    print(f"\n== {label} (Hadamard: {HADAMARD}): relative error against the official modules (decode: the worst of {STEPS} steps)")
     print(f"{'layer':>5} {'attn pre':>9} {'attn dec':>9} {'moe pre':>9} {'moe dec':>9} {'block pre':>9} {'block dec':>9}"
           f" {'self pre':>9} {'self dec':>9}")
     for r in rows:
@@ -182,14 +152,14 @@ def _perturb_attention(block, frac, gen):
     block.attn.forward = forward
 
 
-CONFIGS = {  # key: (label, backend, old_attn, kv_qat)
-    "torch": ("torch backend", "torch", False, False),
-    "triton": ("triton backend", "triton", False, False),
-    "tilelang": ("tilelang backend", "tilelang", False, False),
-    "torch_old_attn": ("torch backend, the previous sparse attention", "torch", True, False),
-    # the KV cache's FP8 QAT the release means to apply (its act_quant(inplace=True) leaves the values in bf16)
-    "torch_kv_qat1": ("torch backend, DEEPINFER_KV_QAT=1", "torch", False, True),
-    "triton_kv_qat1": ("triton backend, DEEPINFER_KV_QAT=1", "triton", False, True),
+CONFIGS = {  # key: (label, backend, old_attn, kv_qat: None = the release's form)
+    "torch": ("torch backend", "torch", False, None),
+    "triton": ("triton backend", "triton", False, None),
+    "tilelang": ("tilelang backend", "tilelang", False, None),
+    "torch_old_attn": ("torch backend, the previous sparse attention", "torch", True, None),
+    # our KV form against the release's: what the act_quant(inplace=True) hunk between the releases moves
+    "torch_kv_bf16": ("torch backend, kv=bf16 (efc85512's form)", "torch", False, False),
+    "torch_kv_fp8": ("torch backend, kv=fp8 (60d8d707's form)", "torch", False, True),
 }
 
 if __name__ == "__main__":
@@ -201,6 +171,7 @@ if __name__ == "__main__":
     for k in keys:
         label, backend, old_attn, kv_qat = CONFIGS[k]
         env = os.environ.get("DEEPINFER_FP8_GEMM")
-        out[k] = check(label + (f", DEEPINFER_FP8_GEMM={env}" if env else ""), backend, old_attn=old_attn, kv_qat=kv_qat)
+        out[k] = check(f"release {RELEASE.short}, " + label + (f", DEEPINFER_FP8_GEMM={env}" if env else ""), backend,
+                       old_attn=old_attn, kv_qat=kv_qat)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "official22.json")
     json.dump(out, open(path, "w"), indent=1)

@@ -1,6 +1,6 @@
 """Where the official-vs-ours attention gap is born: prefill, step by step (q, kv for every layer; the sparse
-attention core and the output projections for the window-only layers). SUBSTEPS_KV_QAT=1 runs ours with the FP8
-KV QAT (DEEPINFER_KV_QAT=1); the official side always runs as released."""
+attention core and the output projections for the window-only layers). Ours in the release's KV form, or
+SUBSTEPS_KV=fp8 | bf16 to force one; the official side always runs as released (OFFICIAL_DIR, check_modules.py)."""
 import os, sys
 import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -10,7 +10,8 @@ om = o22.om
 
 
 def main():
-    kv_qat = os.environ.get("SUBSTEPS_KV_QAT", "0") == "1"
+    kv = os.environ.get("SUBSTEPS_KV")
+    kv_qat = None if not kv else kv == "fp8"
     for backend in ("torch", "triton"):
         ids, toks, rec = o22.ours(backend, kv_qat=kv_qat)
         torch.set_default_dtype(torch.bfloat16)
