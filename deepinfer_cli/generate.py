@@ -4,6 +4,7 @@ engine (or a kernel backend)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 
@@ -39,6 +40,8 @@ def generate_cmd(
     op_map: str = common.OPS,
     flaggems: str = common.FLAGGEMS,
     logprobs: int = typer.Option(0, "--logprobs", help="Report the top-N alternatives per generated token."),
+    keep_special_tokens: bool = typer.Option(False, "--keep-special-tokens", help="Keep special tokens (EOS, "
+                                             "BOS, ...) in the text; they are always in token_ids and the table."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text and a table "
                                  "(with --input-file: one JSON object per prompt per line)."),
     input_file: str = typer.Option(None, "--input-file", help="Prompts from a file: one per line, or JSONL "
@@ -106,29 +109,31 @@ def generate_cmd(
                  for t, m, p in items]
     ids = [tok.encode_prompt(text, m) for text, m, _ in items]
     graphs = not eager and lm.model.device.type == "cuda" and common.ops.backend != "torch"
+    # the completion's text leaves special tokens out (as transformers' and vLLM's do), stop strings included
+    decode = functools.partial(tok.decode, skip_special_tokens=not keep_special_tokens)
     stream = None
     if input_file is None and not as_json and sys.stdout.isatty():
-        stream = TextStream(items[0][0], tok.decode, base.stop)
+        stream = TextStream(items[0][0], decode, base.stop)
     try:
-        res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, tok.decode,
+        res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, decode,
                        max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk,
                        on_token=None if stream is None else stream.on_token, speculate=speculate or 0)
     except GraphCaptureError as e:
         raise fail(str(e)) from None
     if input_file is not None:
-        _print_many(lm, numerics, dtype, items, res, logprobs, as_json)
+        _print_many(lm, dtype, items, res, logprobs, as_json)
         return
     text = items[0][0]
     c = res.completions[0]
     if as_json:
-        print(json.dumps(_json_obj(lm, numerics, dtype, text, c, res, logprobs), ensure_ascii=False))
+        print(json.dumps(_json_obj(lm, dtype, text, c, res, logprobs), ensure_ascii=False))
         return
     con = console()
     if stream is not None:
         stream.finish(c.text)
     else:
         con.print(text + c.text, markup=False, highlight=False)
-    t = Table(title=f"{lm.cfg.name} · {common.ops.backend} · {numerics}/{dtype}", show_lines=False)
+    t = Table(title=f"{lm.cfg.name} · {common.ops.backend} · {lm.model.numerics.name}/{dtype}", show_lines=False)
     for col in ("#", "id", "text", "logprob", "margin"):
         t.add_column(col, justify="right" if col != "text" else "left")
     if logprobs:
@@ -191,9 +196,9 @@ class TextStream:
         sys.stdout.flush()
 
 
-def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
+def _json_obj(lm, dtype, text, c, res, logprobs) -> dict:
     out = {
-        "model": lm.cfg.name, "backend": common.ops.backend, "numerics": numerics, "dtype": dtype,
+        "model": lm.cfg.name, "backend": common.ops.backend, "numerics": lm.model.numerics.name, "dtype": dtype,
         "prompt": text, "input_ids": c.input_ids, "token_ids": c.token_ids, "text": c.text,
         "logprobs": c.logprobs, "margins": [_finite(m) for m in c.margins], "finish_reason": c.finish_reason,
         "tokens_per_s": res.tokens_per_s, "prefill_s": res.prefill_s,
@@ -208,10 +213,10 @@ def _json_obj(lm, numerics, dtype, text, c, res, logprobs) -> dict:
     return out
 
 
-def _print_many(lm, numerics, dtype, items, res, logprobs, as_json) -> None:
+def _print_many(lm, dtype, items, res, logprobs, as_json) -> None:
     if as_json:  # JSONL: one object per prompt, in input order
         for i, ((text, _, _), c) in enumerate(zip(items, res.completions)):
-            print(json.dumps({"index": i, **_json_obj(lm, numerics, dtype, text, c, res, logprobs)},
+            print(json.dumps({"index": i, **_json_obj(lm, dtype, text, c, res, logprobs)},
                              ensure_ascii=False))
         return
     con = console()

@@ -68,9 +68,10 @@ def stack_cmd(
         targets = find_deepinfer_pids()
         if not targets:
             raise UserError("no running deepinfer process found (pass PIDs explicitly)")
-    spy = shutil.which("py-spy")
+    # a dependency: installed beside this interpreter (a venv's bin/, on PATH or not)
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if not spy:
-        raise UserError("py-spy is not installed, so stacks cannot be dumped (pip install py-spy; "
+        raise UserError("py-spy is not installed, so stacks cannot be dumped (pip install -e . installs it; "
                         "it also needs ptrace permission: root or CAP_SYS_PTRACE)")
     failed = 0
     for pid, cmd in targets:

@@ -318,7 +318,9 @@ def test_cli_jsonl_mixed_rows(tmp_path, tiny_dir):
     out = [json.loads(ln) for ln in r.stdout.strip().splitlines()]
     assert [o["index"] for o in out] == list(range(5))
     eos = "<｜end▁of▁sentence｜>"
-    text = [o["text"].removesuffix(eos) for o in out]
+    text = [o["text"] for o in out]
+    assert not any(eos in t for t in text)  # special tokens are left out of the text, kept in token_ids
+    assert all(out[i]["token_ids"][-1] == 1 for i in (0, 2, 3, 4))
     jsonschema.validate(json.loads(text[0]), SCHEMA)
     jsonschema.validate(json.loads(text[4]), SCHEMA)
     assert re.fullmatch("[0-9]{3}", text[2]) and text[3] in ("cat", "dog")
@@ -446,3 +448,19 @@ def test_guided_with_cuda_graphs_gpu(tiny_dir):
             assert re.fullmatch("[a-c]{2,5}-[0-9]", _text(lm, c))
         if p.guide is not None:
             assert c.constraint["status"] == "complete", (_text(lm, c), c.constraint)
+
+
+def test_cli_text_leaves_special_tokens_out_unless_asked(tiny_dir):
+    """`generate "首都" --choice 北京,上海` ends at EOS: the text is the choice alone (as transformers and vLLM
+    decode by default), EOS stays in token_ids; --keep-special-tokens puts it back in the text."""
+    eos = "<｜end▁of▁sentence｜>"
+    r = runner.invoke(app, ["generate", "首都", "--choice", "北京,上海", "--json"])
+    assert r.exit_code == 0, r.output
+    o = json.loads(r.stdout.strip().splitlines()[-1])
+    assert o["text"] in ("北京", "上海") and o["token_ids"][-1] == 1, o
+    r = runner.invoke(app, ["generate", "首都", "--choice", "北京,上海"])
+    completion = [ln for ln in r.stdout.splitlines() if ln.strip()][0]
+    assert r.exit_code == 0 and completion.strip() == "首都" + o["text"], r.stdout  # the table keeps EOS
+    r = runner.invoke(app, ["generate", "首都", "--choice", "北京,上海", "--json", "--keep-special-tokens"])
+    k = json.loads(r.stdout.strip().splitlines()[-1])
+    assert k["text"] == o["text"] + eos and k["token_ids"] == o["token_ids"]

@@ -24,7 +24,7 @@ FORBIDDEN = {
 
 def _modules():
     for base, pkg in ((ROOT / "deepinfer", "deepinfer"), (ROOT / "deepinfer_cli", "deepinfer_cli"),
-                      (ROOT / "kernels", "deepinfer_kernels")):
+                      (ROOT / "deepinfer_kernels", "deepinfer_kernels")):
         for p in base.rglob("*.py"):
             rel = p.relative_to(base).with_suffix("")
             parts = [x for x in rel.parts if x != "__init__"]

@@ -39,7 +39,7 @@ def test_reference_only_refuses_what_it_cannot_mean(triton_lacks_swiglu):
 
 
 def test_tilelang_decides_every_op():
-    """Every op is either implemented in kernels/tilelang or on its reference-only list, never both: a new op
+    """Every op is either implemented in deepinfer_kernels/tilelang or on its reference-only list, never both: a new op
     fails here until the backend decides it."""
     impl, ref = _static_impls("tilelang"), _static_by_design("tilelang")
     assert not impl & set(ref), impl & set(ref)
@@ -56,7 +56,7 @@ def test_probe_kernels_shows_the_list_without_the_backend_installed():
 
 
 def test_flaggems_decides_every_op():
-    """Every op is either wrapped in kernels/flaggems or on its reference-only list with a reason, never both."""
+    """Every op is either wrapped in deepinfer_kernels/flaggems or on its reference-only list with a reason, never both."""
     impl, ref = _static_impls("flaggems"), _static_by_design("flaggems")
     assert not impl & set(ref), impl & set(ref)
     assert set(REGISTRY) - impl - set(ref) == set()

@@ -29,7 +29,7 @@ def test_no_deepinfer_variable_is_read_outside_settings():
     setting DEEPINFER_DEBUG for the process, are fine)."""
     read = re.compile(r"(environ\.get|environ\[|getenv)\(?\s*[\"'](DEEPINFER_[A-Z_]+)")
     found = []
-    for d in ("deepinfer", "deepinfer_cli", "kernels"):
+    for d in ("deepinfer", "deepinfer_cli", "deepinfer_kernels"):
         for p in (ROOT / d).rglob("*.py"):
             if p.name == "settings.py":
                 continue
@@ -39,7 +39,7 @@ def test_no_deepinfer_variable_is_read_outside_settings():
                     found.append(f"{p.relative_to(ROOT)}:{i}: {m[2]}")
     assert not found, found
     used = set()
-    for d in ("deepinfer", "deepinfer_cli", "kernels"):
+    for d in ("deepinfer", "deepinfer_cli", "deepinfer_kernels"):
         for p in (ROOT / d).rglob("*.py"):
             used |= set(re.findall(r"[\"'](DEEPINFER_[A-Z0-9_]+)[\"']", p.read_text(encoding="utf-8")))
     assert used <= set(settings.SETTINGS), f"unregistered: {used - set(settings.SETTINGS)}"

@@ -529,7 +529,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
 
     In bf16 this needs every kernel of the step to give a token the same bits whether it is alone (a decode
     step at batch 1), one of B rows, or one of B x (K + 1) verify tokens: up to 16 rows the Triton GEMMs keep one
-    tile shape, and the mHC mix one split (`kernels/triton/mhc.py`); here 3 x 4 = 12 rows at most."""
+    tile shape, and the mHC mix one split (`deepinfer_kernels/triton/mhc.py`); here 3 x 4 = 12 rows at most."""
     ops.configure("triton", strict=True)
     lm = load_model(None, numerics=numerics, dtype=dtype, device="cuda", progress=False)
     plist = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in [24] * 5]

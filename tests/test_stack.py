@@ -15,8 +15,19 @@ def _err_lines(r):
     return [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
 
 
+def test_py_spy_comes_with_the_install():
+    """A dependency (pyproject), so `stack` works after the README's set-up: found beside this interpreter."""
+    import shutil
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    assert spy, "py-spy is not installed beside " + sys.executable
+    p = subprocess.run([spy, "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("py-spy"), (p.stdout, p.stderr)
+
+
 def test_stack_without_py_spy(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no py-spy anywhere
+    monkeypatch.setenv("PATH", str(tmp_path))  # no py-spy anywhere: not on PATH, not beside the interpreter
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     r = runner.invoke(app, ["stack", str(os.getpid())])
     assert r.exit_code == 2
     lines = _err_lines(r)

@@ -14,8 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _common_module():
-    """kernels/tilelang/_common.py on its own (the package's __init__ imports TileLang)."""
-    spec = importlib.util.spec_from_file_location("tilelang_common", ROOT / "kernels/tilelang/_common.py")
+    """deepinfer_kernels/tilelang/_common.py on its own (the package's __init__ imports TileLang)."""
+    spec = importlib.util.spec_from_file_location("tilelang_common", ROOT / "deepinfer_kernels/tilelang/_common.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -5,8 +5,7 @@ tests' (tests/test_tilelang_kernels.py).
 Needs TileLang importable (and nvcc, which compiles the extern decode of grouped_fp4.py), e.g. the H200 site of ../shared/device/make-site.sh (built for Python 3.12) with a
 Python 3.12 that has torch:
     mkdir -p /tmp/site && tar -xJf .device/site.tar.xz -C /tmp/site
-    mkdir -p /tmp/tlpkg && ln -sfn "$PWD/kernels" /tmp/tlpkg/deepinfer_kernels
-    PYTHONPATH=/tmp/tlpkg:$PWD:/tmp/site python3.12 tools/tilelang_lower.py
+    PYTHONPATH=$PWD:/tmp/site python3.12 tools/tilelang_lower.py
 """
 import sys
 

@@ -52,7 +52,7 @@ _IMPL_RX = re.compile(r"""implement\(\s*["'](\w+)["']\s*,\s*["'](\w+)["']""")
 
 def _static_impls(backend: str) -> set[str]:
     """Op names a backend's sources register (`@implement("op", "backend")`), found without importing."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels", backend)
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepinfer_kernels", backend)
     found = set()
     if not os.path.isdir(root):
         return found
@@ -68,9 +68,9 @@ def _static_impls(backend: str) -> set[str]:
 
 
 def _static_by_design(backend: str) -> dict[str, str]:
-    """A backend's reference-only list (`kernels/<backend>/reference_only.py`, plain data), read without
+    """A backend's reference-only list (`deepinfer_kernels/<backend>/reference_only.py`, plain data), read without
     importing the backend: what `probe kernels` shows where the backend's package is not installed."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels",
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepinfer_kernels",
                         backend, "reference_only.py")
     if not os.path.isfile(path):
         return {}

@@ -8,7 +8,7 @@ lacks one, to the reference -- recorded, announced once on stderr, and an error 
 A per-op map (`--op grouped_gemm=tilelang,...`, `DEEPINFER_OPS`) sends single ops to other backends:
 the one mechanism every per-op choice goes through (`Dispatcher.backend_of`).
 
-Backends are imported only when chosen (`kernels/triton` as `deepinfer_kernels.triton`, ...), so
+Backends are imported only when chosen (`deepinfer_kernels/triton` as `deepinfer_kernels.triton`, ...), so
 importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
 """
 

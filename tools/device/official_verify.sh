@@ -9,7 +9,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/site "$OUT"
 for t in .device/tilelang.tar.xz .device/extras.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done
-ln -sfn "$PWD/kernels" /tmp/site/deepinfer_kernels
 export PYTHONPATH=/tmp/site:$PWD DEEPINFER_HOME=/tmp/dh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c "import torch, triton, tilelang; print('torch', torch.__version__, 'triton', triton.__version__, 'tilelang', tilelang.__version__)" | tee -a "$OUT/gpu.txt"
