@@ -98,8 +98,10 @@ def sylvester_hadamard(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 def hadamard_source() -> str:
     """Install what model.py's `from fast_hadamard_transform import hadamard_transform` gets; say which."""
     try:
-        import fast_hadamard_transform  # noqa: F401
+        import fast_hadamard_transform
 
+        if getattr(fast_hadamard_transform, "hadamard_transform", None) is sylvester_hadamard:
+            raise ImportError("ours, from an earlier call")
         from importlib.metadata import PackageNotFoundError, version
         try:
             v = version("fast_hadamard_transform")
@@ -121,9 +123,13 @@ def _load(name: str, path: str):
     return mod
 
 
-def load_official(official_dir: str):
-    """Import the release's kernel.py (as `kernel`, the name model.py imports it by) and model.py."""
-    _load("kernel", os.path.join(official_dir, "kernel.py"))
+def load_official(official_dir: str, kernel=None):
+    """Import the release's kernel.py (as `kernel`, the name model.py imports it by) and model.py. kernel: a module
+    to stand in for kernel.py (the tests' plain-PyTorch one, to run model.py's own code on a CPU)."""
+    if kernel is None:
+        _load("kernel", os.path.join(official_dir, "kernel.py"))
+    else:
+        sys.modules["kernel"] = kernel
     return _load("deepseek_v4_official_model", os.path.join(official_dir, "model.py"))
 
 
@@ -147,23 +153,23 @@ def official_args(om, cfg: dict, max_seq_len: int):
         hc_eps=cfg["hc_eps"])
 
 
-def official_model(om, model_dir: str, max_seq_len: int):
-    """The official Transformer on CUDA with the checkpoint's tensors (official layout), wo_a dequantised to bf16
-    per 128 x 128 block as convert.py does."""
+def official_model(om, model_dir: str, max_seq_len: int, device: str = "cuda"):
+    """The official Transformer on `device` with the checkpoint's tensors (official layout), wo_a dequantised to
+    bf16 per 128 x 128 block as convert.py does."""
     from deepinfer.checkpoint.reader import open_checkpoint
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    with torch.device("cuda"):
+    with torch.device(device):
         m = om.Transformer(official_args(om, cfg, max_seq_len))
     ck = open_checkpoint(model_dir)
     if ck.layout != "official":
         raise ValueError(f"--model {model_dir}: verify --against official reads an official-layout checkpoint "
                          f"(this one is {ck.layout})")
     for name, p in m.named_parameters():
-        t = ck.get(name, "cuda")
+        t = ck.get(name, device)
         if name.endswith("wo_a.weight"):
-            s = ck.get(name[:-6] + "scale", "cuda").float()
+            s = ck.get(name[:-6] + "scale", device).float()
             t = (t.float().unflatten(0, (-1, 128)).unflatten(-1, (-1, 128)) * s[:, None, :, None]).flatten(2, 3)
             t = t.flatten(0, 1)
         if p.dtype == torch.float4_e2m1fn_x2:
@@ -215,33 +221,34 @@ class OfficialResult:
         return {**self.__dict__, "passed": self.passed, "limits": LIMITS}
 
 
-def compare_modules(om, model_dir: str, cfg, ids: list[int], tokens: list[int], rec: dict, steps: int) -> tuple:
+def compare_modules(om, model_dir: str, cfg, ids: list[int], tokens: list[int], rec: dict, steps: int,
+                    device: str = "cuda") -> tuple:
     """Each official module on our recorded inputs -> (rows, logits errors). Runs with model.py's defaults:
-    bf16 tensors on CUDA (kernel.py allocates in the default dtype, model.py's index helpers on the default
-    device)."""
+    bf16 tensors on the device (kernel.py allocates in the default dtype, model.py's index helpers on the
+    default device)."""
     S = len(ids)
     max_seq_len = max(256, -(-(S + steps + 1) // 128) * 128)
     torch.set_default_dtype(torch.bfloat16)
-    torch.set_default_device("cuda")
+    torch.set_default_device(device)
     try:
         with torch.inference_mode():
-            return _compare(om, model_dir, cfg, ids, tokens, rec, steps, max_seq_len)
+            return _compare(om, model_dir, cfg, ids, tokens, rec, steps, max_seq_len, device)
     finally:
         torch.set_default_dtype(torch.float32)
         torch.set_default_device("cpu")
 
 
-def _compare(om, model_dir, cfg, ids, tokens, rec, steps, max_seq_len):
+def _compare(om, model_dir, cfg, ids, tokens, rec, steps, max_seq_len, dev):
     S = len(ids)
-    ids_t = torch.tensor([ids], device="cuda")
-    m_mod, m_blk = official_model(om, model_dir, max_seq_len), official_model(om, model_dir, max_seq_len)
+    ids_t = torch.tensor([ids], device=dev)
+    m_mod, m_blk = (official_model(om, model_dir, max_seq_len, dev) for _ in range(2))
     rows = []
     for L in range(cfg.n_layers):
         a, b = m_mod.layers[L], m_blk.layers[L]
         kind, ratio, win = cfg.attn_kinds[L], cfg.compress_ratios[L], cfg.window_size
         p = f"layers.{L}."
         r = {"layer": L, "kind": kind}
-        r["attn_prefill"] = rel(rec[p + "attn.out"][None], a.attn(rec[p + "attn.in"][None].cuda().clone(), 0))
+        r["attn_prefill"] = rel(rec[p + "attn.out"][None], a.attn(rec[p + "attn.in"][None].to(dev).clone(), 0))
         pos = torch.arange(max(0, S - win), S)  # the window's slots after prefill: position p at p % win
         r["kv_prefill"] = rel(rec[p + "attn.kv"][pos][None], a.attn.kv_cache[:1, pos % win])
         if ratio:
@@ -251,25 +258,25 @@ def _compare(om, model_dir, cfg, ids, tokens, rec, steps, max_seq_len):
                 if kind == "csa":
                     r["index_keys_prefill"] = rel(rec[p + "attn.indexer.kv"][:n][None],
                                                   a.attn.indexer.kv_cache[:1, :n])
-        r["moe_prefill"] = rel(rec[p + "ffn.out"][None], a.ffn(rec[p + "ffn.in"][None].cuda(), ids_t))
-        r["block_prefill"] = rel(rec[p + "hc_ffn.out"][None], b(rec[p + "hc_attn.in"][None].cuda().clone(), 0, ids_t))
+        r["moe_prefill"] = rel(rec[p + "ffn.out"][None], a.ffn(rec[p + "ffn.in"][None].to(dev), ids_t))
+        r["block_prefill"] = rel(rec[p + "hc_ffn.out"][None], b(rec[p + "hc_attn.in"][None].to(dev).clone(), 0, ids_t))
         da, dk, dm, db = [], [], [], []
         for k in range(1, steps + 1):
             q = f"step{k}.{p}"
-            tok = torch.tensor([[tokens[k - 1]]], device="cuda")
+            tok = torch.tensor([[tokens[k - 1]]], device=dev)
             at = S + k - 1
-            da.append(rel(rec[q + "attn.out"][None], a.attn(rec[q + "attn.in"][None].cuda().clone(), at)))
+            da.append(rel(rec[q + "attn.out"][None], a.attn(rec[q + "attn.in"][None].to(dev).clone(), at)))
             dk.append(rel(rec[q + "attn.kv"][None], a.attn.kv_cache[:1, at % win][:, None]))
-            dm.append(rel(rec[q + "ffn.out"][None], a.ffn(rec[q + "ffn.in"][None].cuda(), tok)))
-            db.append(rel(rec[q + "hc_ffn.out"][None], b(rec[q + "hc_attn.in"][None].cuda().clone(), at, tok)))
+            dm.append(rel(rec[q + "ffn.out"][None], a.ffn(rec[q + "ffn.in"][None].to(dev), tok)))
+            db.append(rel(rec[q + "hc_ffn.out"][None], b(rec[q + "hc_attn.in"][None].to(dev).clone(), at, tok)))
         if steps:
             r["attn_decode"], r["kv_decode"], r["moe_decode"], r["block_decode"] = max(da), max(dk), max(dm), max(db)
         rows.append(r)
     last = f"layers.{cfg.n_layers - 1}.hc_ffn.out"
     head = lambda x: m_mod.head(x, m_mod.hc_head_fn, m_mod.hc_head_scale, m_mod.hc_head_base, m_mod.norm)  # noqa: E731
-    logits = {"prefill": rel(rec["logits"][-1:], head(rec[last][None].cuda()))}
+    logits = {"prefill": rel(rec["logits"][-1:], head(rec[last][None].to(dev)))}
     if steps:
-        logits["decode"] = max(rel(rec[f"step{k}.logits"][-1:], head(rec[f"step{k}.{last}"][None].cuda()))
+        logits["decode"] = max(rel(rec[f"step{k}.logits"][-1:], head(rec[f"step{k}.{last}"][None].to(dev)))
                                for k in range(1, steps + 1))
     return rows, logits
 
@@ -287,9 +294,10 @@ def judge(res: OfficialResult) -> None:
             res.worst[what] = [v, f"{where} {phase}"]
 
 
-def verify_official(lm, official_dir: str, ids: list[int], steps: int, backend: str) -> OfficialResult:
-    """Our model `lm` (built in the release's official numerics, bf16, CUDA) against the official modules in
-    `official_dir` on the prompt `ids` and `steps` decode steps."""
+def verify_official(lm, official_dir: str, ids: list[int], steps: int, backend: str, kernel=None) -> OfficialResult:
+    """Our model `lm` (built in the release's official numerics, bf16) against the official modules in
+    `official_dir` on the prompt `ids` and `steps` decode steps, on the model's device. kernel: a stand-in for
+    kernel.py (`load_official`; the command never passes one)."""
     from deepinfer.debug.dumper import run_dump
 
     release, digests = identify(official_dir)
@@ -298,8 +306,8 @@ def verify_official(lm, official_dir: str, ids: list[int], steps: int, backend: 
     hadamard = hadamard_source()
     run = run_dump(lm.model, ids, steps)
     rec = dict(run.records)
-    om = load_official(official_dir)
-    rows, logits = compare_modules(om, lm.model_dir, lm.cfg, ids, run.tokens, rec, steps)
+    om = load_official(official_dir, kernel)
+    rows, logits = compare_modules(om, lm.model_dir, lm.cfg, ids, run.tokens, rec, steps, str(lm.model.device))
     res = OfficialResult(release.short, digests, backend, lm.cfg.name, len(ids), steps, hadamard, rows, logits)
     judge(res)
     return res
