@@ -85,8 +85,12 @@ def test_probe_flaggems_and_tilelang_json_exit_0_when_absent():
         if not d["installed"]:
             assert r.exit_code == 0, r.output
             assert d["rows"][0]["status"] == "skip" and "not installed" in d["rows"][0]["detail"]
+    # the table's exit code is the JSON's verdict: 0 where FlagGems is absent (a skip) or every check passes
+    d = json.loads(runner.invoke(app, ["probe", "flaggems", "--json"]).stdout)
+    want = 0 if not d["installed"] or all(row["status"] in ("pass", "skip") for row in d["rows"]) else 1
+    assert d["ok"] == (want == 0)
     r = runner.invoke(app, ["probe", "flaggems"])
-    assert r.exit_code in (0, 1) and "FlagGems" in r.stdout
+    assert r.exit_code == want and "FlagGems" in r.stdout, r.output
 
 
 def test_probe_tilelang_names_tile_kernels_and_the_extra():
