@@ -6,6 +6,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from deepinfer_cli.console import console
@@ -92,7 +93,7 @@ def _render_kernels(d: dict, con: Console) -> None:
             con.print(f"{b} leaves {len(why)} op(s) to the reference by design: "
                       + "; ".join(f"{op}: {w}" for op, w in why.items()), highlight=False)
     for b, info in d["backends"].items():
-        state = "importable" if info["importable"] else f"not importable: {info['reason']}"
+        state = "importable" if info["importable"] else f"not importable: {escape(info['reason'])}"
         n = len(info["registered"]) or len(info["in_source"])
         con.print(f"{b}: {state}; {n} op(s) implemented", highlight=False)
 

@@ -114,6 +114,7 @@ def test_sparse_attn(B, S, H, D, N, K):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.gpu_smoke
 def test_sparse_attn_fp8_reads_the_fp8_layout():
     impl = _fg()("sparse_attn_fp8")
     g = _g(31)

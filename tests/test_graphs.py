@@ -67,6 +67,7 @@ def test_capture_buckets_1_to_8():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("numerics,dtype", [("exact", "float32"), ("official", "bfloat16")])
 def test_greedy_with_graphs_equals_eager(numerics, dtype):
     lm = _triton_model(numerics, dtype)

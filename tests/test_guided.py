@@ -426,6 +426,7 @@ def test_bitmask_kernel_full_vocab_gpu_and_in_a_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 def test_guided_with_cuda_graphs_gpu(tiny_dir):
     """The Triton backend (bitmask, sample and logprobs kernels) with captured decode graphs: mixed constrained
     and unconstrained rows, 17 prompts through 8 slots; every constrained row complete and valid."""

@@ -112,3 +112,15 @@ def test_flaggems_name_resolution():
     ok, bad = resolve_op_names(["softmax", "add", "rmsnorm"], ["_softmax", "add", "rms_norm", "log_softmax"])
     assert ok == ["add"]
     assert bad["softmax"][0] == "_softmax" and "rms_norm" in bad["rmsnorm"]
+
+
+def test_probe_kernels_table_names_the_extra_to_install():
+    """The table prints each unimportable backend's reason as written: `pip install -e '.[tilelang]'`, not rich's
+    markup-eaten `pip install -e '.'` (the brackets read as a style tag)."""
+    import importlib.util
+
+    r = runner.invoke(app, ["probe", "kernels"])
+    assert r.exit_code == 0, r.output
+    for pkg, extra in (("tilelang", "tilelang"), ("flag_gems", "flaggems")):
+        if importlib.util.find_spec(pkg) is None:
+            assert f"pip install -e '.[{extra}]'" in r.output, r.output

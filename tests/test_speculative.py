@@ -126,6 +126,7 @@ def test_verify_commit_caches_equal_decode_of_kept_tokens(lm, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 def test_gpu_verify_commit_caches_equal_decode_bf16():
     """The same on the H200 in official numerics, bf16, the Triton backend: bit for bit (the Triton kernels give a
     row the same bits whatever the batch's row count), every cache tensor that differs named with its error."""

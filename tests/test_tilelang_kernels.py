@@ -11,6 +11,7 @@ from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, BackendError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.tilelang_gpu  # with `gpu`, the TileLang half of a split GPU run (README)
 
 
 def _common_module():
@@ -506,6 +507,7 @@ def test_moe_route_through_tile_kernels(hash_layer):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 def test_fp4_fake_quant_bit_exact_and_quant_compositions():
     impl = _tilelang()("fp4_fake_quant")
     g = _g(21)
@@ -521,6 +523,7 @@ def test_fp4_fake_quant_bit_exact_and_quant_compositions():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 def test_sparse_attn_fp8_reads_the_fp8_layout():
     impl = _tilelang()("sparse_attn_fp8")
     g = _g(31)

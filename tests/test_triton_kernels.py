@@ -1191,6 +1191,7 @@ def test_logprobs(seed, V, dtype):
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 @pytest.mark.skipif(not COMPILED, reason="V4-sized shapes: compiled on the GPU only")
 def test_v4_shapes_compiled():
     """DeepSeek-V4-like sizes, to catch what tiny shapes cannot (register limits, multi-round top-k)."""

@@ -124,6 +124,7 @@ def test_quirks_name_each_release():
 
 
 @pytest.mark.gpu
+@pytest.mark.tilelang_gpu
 @pytest.mark.parametrize("rev", ["60d8d707", "efc85512"])
 def test_gpu_verify_against_official(rev):
     """On a GPU with TileLang and DeepSeek's files in tools/official/release/<rev>/: the verdict passes on the

@@ -71,8 +71,9 @@ def verify(model_dir: str | None, prompt_ids: list[int], steps: int, out_dir: st
     check_output_dir(out_dir, "--out-dir")
     ops.configure("torch")
     dev = resolve_device(device)
-    cfg, state, _, _ = load_checkpoint(model_dir, dev, progress)  # read once: both engines hold its tensors
-    run = run_dump(build_model(cfg, state, resolve_numerics("exact", "float32"), dev), prompt_ids, steps)
+    num = resolve_numerics("exact", "float32")
+    cfg, state, _, _ = load_checkpoint(model_dir, dev, progress, numerics=num)  # read once: both engines hold it
+    run = run_dump(build_model(cfg, state, num, dev), prompt_ids, steps)
     ours = os.path.join(out_dir, "ours.h5")
     save(run, ours, {"engine": "deepinfer", "numerics": "exact", "dtype": "float32"})
     ours_logits = [t for n, t in run.records if n.endswith("logits")]

@@ -35,6 +35,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.engine.floor import floors, held_bytes, model_bytes
 from deepinfer.engine.loader import build_model
+from deepinfer.engine.memory import check_model_fits
 from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
@@ -86,13 +87,14 @@ def build(opts: BenchOptions, device: torch.device, numerics) -> tuple[ModelConf
     if opts.model:
         from deepinfer.engine.loader import load_checkpoint
 
-        cfg, state, model_dir, _ = load_checkpoint(opts.model, device, opts.progress)
+        cfg, state, model_dir, _ = load_checkpoint(opts.model, device, opts.progress, numerics=numerics)
         source = f"checkpoint {model_dir}"
     else:
         from deepinfer.engine.random_weights import random_state
         from deepinfer.presets import preset_config
 
         cfg = preset_config(opts.preset or "tiny")
+        check_model_fits(cfg, numerics, device, f"--preset {opts.preset or 'tiny'}")
         state = random_state(cfg, device, opts.seed)
         source = f"preset {opts.preset or 'tiny'} (random weights, seed {opts.seed})"
     sync(device)

@@ -16,6 +16,7 @@ import torch
 from deepinfer import settings
 from deepinfer.checkpoint import load_state, mtp_layers_present, open_checkpoint
 from deepinfer.config import ModelConfig, load_config
+from deepinfer.engine.memory import check_model_fits
 from deepinfer.engine.schedule import Schedule
 from deepinfer.model.numerics import CURRENT_RELEASE, DTYPES, Numerics
 from deepinfer.model.transformer import Transformer
@@ -94,10 +95,12 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> str:
 
 
 def load_checkpoint(model: str | None, device: torch.device, progress: bool = True,
-                    expert_range: tuple[int, int] | None = None) -> tuple[ModelConfig, dict, str, str]:
+                    expert_range: tuple[int, int] | None = None,
+                    numerics: Numerics | None = None) -> tuple[ModelConfig, dict, str, str]:
     """Open and validate a checkpoint (None: deepinfer-tiny) and read its tensors onto `device` ->
     (cfg, official-format state, model directory, layout). A transformers-layout checkpoint without the
-    MTP block gets a config without it (transformers drops MTP)."""
+    MTP block gets a config without it (transformers drops MTP). numerics: the model about to be built, whose
+    memory is checked against the device's before anything is read (`check_model_fits`)."""
     model_dir = resolve_model_dir(model, progress)
     ckpt = open_checkpoint(model_dir)
     cfg = load_config(model_dir)
@@ -106,6 +109,8 @@ def load_checkpoint(model: str | None, device: torch.device, progress: bool = Tr
                           compress_ratios=cfg.compress_ratios[:cfg.n_layers])
     if model in (None, "", "deepinfer-tiny"):
         cfg = cfg.replace(name="deepinfer-tiny")
+    if numerics is not None and expert_range is None:
+        check_model_fits(cfg, numerics, device, f"--model {model_dir}")
     state = load_state(ckpt, cfg, device, progress=progress, expert_range=expert_range)
     return cfg, state, model_dir, ckpt.layout
 
@@ -127,7 +132,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
     cache's form where it differs from the release's (`resolve_numerics`)."""
     num = resolve_numerics(numerics, dtype, kv)
     dev = resolve_device(device)
-    cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range)
+    cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range, num)
     net = build_model(cfg, state, num, dev, expert_range)
     del state
     return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, layout)

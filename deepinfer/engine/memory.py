@@ -11,6 +11,8 @@ The estimates are upper bounds in the reference's float32 working precision; ker
 
 from __future__ import annotations
 
+import math
+import re
 
 import torch
 
@@ -77,6 +79,51 @@ def _vm_size() -> int:
     except OSError:
         pass
     return 0
+
+
+_ROUTED = re.compile(r".*\.experts\.\d+\.w[123]\.weight")
+
+
+def model_build_bytes(cfg: ModelConfig, official: bool, dtype: torch.dtype) -> tuple[int, int]:
+    """(weights as loaded, the model's own copies) in bytes, for building `cfg` from a checkpoint or random weights.
+
+    Loaded (`load_state`, `random_state`): FP8 weights 1 byte, FP4 half a byte, their scales decoded to float32,
+    floats as the release stores them (bf16, fp32 for sinks, ape, hc_*, the router bias), int tables int64; the
+    caller keeps them while the model is built. The model's copies: official numerics restack the routed experts
+    (w1|w3 and w2, scales back to raw ue8m0 bytes); exact numerics dequantise every FP8 / FP4 weight to `dtype`.
+    An upper bound up to the small stacked projections, checked against a build's peak RSS (docs/perf-log.md)."""
+    from deepinfer.checkpoint.schema import expected_tensors, fp32_in_release
+
+    el = torch.empty((), dtype=dtype).element_size()
+    loaded = own = 0
+    for name, spec in expected_tensors(cfg).items():
+        n = math.prod(spec.shape)
+        ss = spec.scale_shape()
+        ns = math.prod(ss) if ss else 0
+        if spec.kind in ("fp8", "fp4"):
+            loaded += (n if spec.kind == "fp8" else n // 2) + 4 * ns
+            if not official:
+                own += n * el
+            elif _ROUTED.fullmatch(name):
+                own += n // 2 + ns if spec.kind == "fp4" else n + 4 * ns
+        elif spec.kind == "int":
+            loaded += 8 * n
+        else:
+            loaded += n * (4 if fp32_in_release(name) else 2)
+    return loaded, own
+
+
+def check_model_fits(cfg: ModelConfig, numerics, device, what: str) -> None:
+    """Refuse (MemoryRefused, with the numbers) building a model that cannot fit in the memory `device` has free,
+    before any weight is read or generated: a CPU run is refused, not killed by the kernel. `what` names the model
+    (a preset, a checkpoint)."""
+    loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype)
+    have = available_bytes(device)
+    if loaded + own > 0.9 * have:
+        raise MemoryRefused(
+            f"{what} in {numerics.name} numerics needs about {fmt_bytes(loaded + own)} on {device} to build "
+            f"({fmt_bytes(loaded)} of weights as loaded, {fmt_bytes(own)} of the model's own copies), but "
+            f"{fmt_bytes(have)} is available; use a smaller model or preset, or a device with more memory")
 
 
 def cache_bytes(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool) -> int:
