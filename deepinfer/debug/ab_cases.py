@@ -119,7 +119,8 @@ def _abs_gemm(*operands: int):
     return lambda args: tuple(_abs_operand(a) if i in operands else a for i, a in enumerate(args))
 
 
-# DeepSeek-V3 §3.3.2: ~2 % error at K 4096 without promotion -> ~2^-10.6 per 128-K block; H200: 2^-10.9
+# DeepSeek-V3 §3.3.2: ~2 % error at K 4096 without promotion -> ~2^-10.6 per 128-K block; measured on sm_90:
+# 2^-10.9 (docs/perf-log.md)
 TC_REL = 2.0 ** -9
 
 # Two float32 sums of the same K terms in different orders differ by at most 2·γ_K·Σ|terms| (γ_K ≈ K·u,
@@ -505,7 +506,7 @@ def build_moe_route(d: Dims, phase: str, g, device):
     T = B * S
     # the router reads the ffn_norm output: RMS 1 per row, outlier blocks kept. Unnormed rows with 1e2
     # blocks give gate logits of hundreds, where softplus underflows and a row's weights can be 0/0 on one
-    # side (a pro-shape hash case on the H200 gave one such NaN row)
+    # side (a pro-shape hash case on a GPU gave one such NaN row)
     x = _act(g, (T, d.dim), device).float()
     x = (x * torch.rsqrt(x.square().mean(-1, keepdim=True))).bfloat16()
     gate = _w(g, (d.n_experts, d.dim), device, 0.05, torch.bfloat16)

@@ -327,7 +327,7 @@ def _fg_cases():
         "topk": (r(32, 512), lambda x: torch.topk(x, 8, -1).values),
         "sort": (r(32, 512), lambda x: torch.sort(x, -1).values),
         "layer_norm": (r(32, 512), lambda x: F.layer_norm(x, (512,))),
-        # FlagGems' rms_norm(x, normalized_shape, weight, eps) requires the weight (the H200 probe's TypeError)
+        # FlagGems' rms_norm(x, normalized_shape, weight, eps) requires the weight (a GPU probe's TypeError)
         "rms_norm": (r2(32, 512), lambda x, w: F.rms_norm(x, (512,), w[0], 1e-6)),
         "embedding": (lambda d: (torch.randint(0, 100, (64,), device=d), torch.randn(100, 32).to(d, torch.float16)),
                       F.embedding),

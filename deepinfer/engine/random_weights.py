@@ -1,7 +1,7 @@
 """Random weights directly in the official storage formats, generated on the target device.
 
 For benchmarks of shapes we have no checkpoint for (`deepinfer bench --preset flash-slice:4`): no
-float-weight-then-quantise pass, so a 20 GB slice is generated on an H200 in seconds. The output is
+float-weight-then-quantise pass, so a 20 GB slice is generated on a GPU in seconds. The output is
 exactly what `load_state` returns for a real checkpoint: {official name: tensor} with
 
 * fp8 linears: float8_e4m3fn [N, K] + `.scale` float32 [ceil(N/128), ceil(K/128)] (powers of two),

@@ -38,10 +38,10 @@ CAPTURE_PRIORITY = -1
 """CUDA priority of the stream the decode graphs are captured on (lower is higher; 0, the default, is the
 lowest). PyTorch instantiates graphs with the per-node priorities of their capture, so the main chain's kernels
 run at this priority and the branch streams' (`deepinfer.model.branch`, priority 0) below it: when both have
-blocks waiting for an SM, the main chain's go first. At one priority, an H200 profile at batch 1 has the
-routing logits waiting behind the shared expert's GEMM (20.7 us against 8.4 when issued ahead of it) and the
-routed w1|w3 running 6-9 us longer beside it (docs/perf-log.md, "The batch-1 critical path: norm launches,
-routing, stream priority")."""
+blocks waiting for an SM, the main chain's go first. At one priority, a batch-1 profile has the routing
+logits waiting behind the shared expert's GEMM (more than twice as long as when issued ahead of it) and the
+routed w1|w3 running longer beside it (docs/perf-log.md, "The batch-1 critical path: norm launches, routing,
+stream priority")."""
 
 
 class GraphCaptureError(RuntimeError):

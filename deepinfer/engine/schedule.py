@@ -9,8 +9,9 @@ Per block, for attention then the MoE:
   * attention, decode (`attention`): beside the q path (project -> q_lora -> q_heads) on the side stream:
     HCA's entry compressor; CSA's indexer keys and head weights, then the indexer's top-k; SWA / HCA's kv
     norm, cache write and window slots. CSA's kv write and entry compressor stay on the main stream: with
-    the entry compressor on the branch too, the branch was the step's critical path (~80 us against ~37 of
-    main chain, H200, flash shapes). Everything is joined before the sparse attention.
+    the entry compressor on the branch too, the branch was the step's critical path, about twice the main
+    chain at flash shapes (docs/perf-log.md, "Decode on two streams"). Everything is joined before the sparse
+    attention.
   * MoE (`moe`): the shared expert on the side stream (decode) beside the routing and the routed experts;
     the float32 sum of routed and shared rows fused with the post-mix (`ops.moe_combine_post`, the bits of
     `moe_combine` then `hc_post`), prefill and decode.

@@ -358,7 +358,8 @@ class Attention:
         (cos, sin) [B, S, rd/2] (the FP8 layout's decode op does it in its combine launch). FP8 layout: decode
         reads it in place (each query gathers its own ~K rows once); prefill decodes the N rows once to q's dtype
         first, since reading in place would dequantise every gathered row once per query token and head block
-        (S·K·H/BH row decodes instead of N: 36 ms against 12 ms per flash prefill of 4096, H200)."""
+        (S·K·H/BH row decodes instead of N: several times slower at a flash prefill; docs/perf-log.md, "FP8 KV
+        layout, TMA FP8 GEMM, FP4 -> FP8 prefill experts")."""
         if self.fp8_kv and decode:
             return ops.sparse_attn_fp8(q, kv, self.sink, idx, self.scale, self.rd, out_rope=out_rope)
         if self.fp8_kv:

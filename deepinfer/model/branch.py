@@ -9,9 +9,8 @@ the current stream; `br.join(*outs)` makes the current stream wait for the branc
 graph this is a fork / join of graph nodes, so a replay runs both chains concurrently. Which sub-steps of
 the model fork, and onto which lane, is the engine's plan (`deepinfer/engine/schedule.py`).
 
-H200 (flash-slice:4, `deepinfer bench`, graphs, fresh processes on one machine): batch 1 1.047 ms per step
-without branches, 0.973-0.974 with them; batch 64 6.102 against 5.971 (docs/perf-log.md, "Decode on two
-streams").
+With branches a flash-slice:4 decode step (graphs) is faster at batch 1 and at batch 64 than one chain
+(docs/perf-log.md, "Decode on two streams").
 
 The results do not depend on it: the same kernels read the same inputs. The Triton backend's split-K
 tile counters are per stream (`_common.tile_counters`), so concurrent kernels never share them.
@@ -86,7 +85,7 @@ class Branch:
         (tensors, tuples, None) are recorded for it. Returns outs[0] if one, else outs. A branch never entered
         (an op that ignored its `side`, e.g. the reference) is not waited for: in a graph capture that
         stream never joined the capture, and waiting on it fails ("dependency created on uncaptured work in
-        another stream", H200 2026-11-30)."""
+        another stream")."""
         if self.stream is not None and self._entered:
             cur = torch.cuda.current_stream(self.stream.device)
             cur.wait_stream(self.stream)
@@ -97,11 +96,12 @@ class Branch:
 
 def lane_stream(lane: str) -> str:
     """The stream a lane's branches run on: two side streams, hc's comb (one program per token running ~20
-    Sinkhorn rounds, ~6-11 us of latency) on its own, every other lane on one side stream in issue order.
-    On one stream with the rest, the comb, issued first, held back the shared expert queued behind it (H200
-    profile, batch 1: the shared expert's w1|w3 began ~11 us after hc_pre, and that chain then set the end of
-    each MoE sub-layer). A stream per lane was slower: the main chain is latency-bound, and every kernel
-    running beside it slows it (docs/perf-log.md, "Decode on two streams")."""
+    Sinkhorn rounds, a long serial chain) on its own, every other lane on one side stream in issue order.
+    On one stream with the rest, the comb, issued first, held back the shared expert queued behind it (a
+    batch-1 profile: the shared expert's w1|w3 began only after the comb, and that chain then set the end of
+    each MoE sub-layer; docs/perf-log.md, "The batch-1 critical path: norm launches, routing, stream
+    priority"). A stream per lane was slower: the main chain is latency-bound, and every kernel running beside
+    it slows it (docs/perf-log.md, "Decode on two streams")."""
     return "hc" if lane == "hc" else "side"
 
 

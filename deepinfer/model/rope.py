@@ -62,7 +62,8 @@ def rope_tail_(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, i
 
     x must be a fresh activation (not a view of a weight or cache). In place because the concatenation
     form (`cat([x[..., :-rd], rope(x[..., -rd:])])`) copied the whole tensor: at prefill the [T, 64, 512]
-    query and attention output, ~1.5 ms of a 1024-token flash-slice:4 prefill on the H200."""
+    query and attention output, a visible share of a flash prefill (docs/perf-log.md, "Transposed FP4 expert
+    GEMM, prefill mHC and RoPE, short-context top-k")."""
     tail = x[..., -rd:]
     ops.rope(tail, cos, sin, inverse=inverse, out=tail)  # backends rotate it where it lies (no copies)
     return x

@@ -179,8 +179,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     official compressor's x.float() @ W.float() without either copy in the kernels."""
     dt = out_dtype or x.dtype
     if w.dtype != dt and w.device.type == "cpu" and w.numel() >= 1 << 22:
-        # the LM head on a CPU: its kept fp32 copy transposed ([K, N] contiguous) runs ~1.5x faster in
-        # MKL's sgemm at a few rows than F.linear's [N, K] (same products, fp32 accumulation)
+        # the LM head on a CPU: its kept fp32 copy transposed ([K, N] contiguous) runs faster in MKL's
+        # sgemm at a few rows than F.linear's [N, K] (same products, fp32 accumulation)
         wt = _keep(w, f"_deepinfer_{str(dt)[6:]}_t", lambda: w.to(dt).t().contiguous())
         return torch.matmul(x.to(dt), wt)
     return F.linear(x.to(dt), _working_copy(w, dt))
@@ -188,7 +188,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 
 # On a CPU the reference keeps the float32 working copy of a stored weight (the bf16 LM head read as fp32,
 # an FP8 / FP4 weight dequantised) on the weight tensor itself, so it lives exactly as long as the weight
-# (weights never change in place). Recomputing them every decode step was ~75 % of deepinfer-tiny's CPU
+# (weights never change in place). Recomputing them every decode step was most of deepinfer-tiny's CPU
 # step time. The values are the ones the conversion computes each call; a cap bounds the extra memory.
 WORKING_CAP = 2 << 30
 _working_bytes = 0
@@ -593,7 +593,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 # ---------------------------------------------------------------------------------------------- MoE
 # Scores come from K = hidden (4096-7168) long fp32 dot products: two correct summation orders differ by
-# up to ~K·2^-24·Σ|x·w| per element, which with cancellation reaches 1e-4 of the score (H200, flash shapes).
+# up to ~K·2^-24·Σ|x·w| per element, which with cancellation reaches 1e-4 of the score (flash shapes, on a GPU).
 @defop("moe_route", tol={"float32": (1e-4, 1e-5)})
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
               input_ids: torch.Tensor, topk: int, score_func: str, route_scale: float

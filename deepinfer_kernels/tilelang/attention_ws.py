@@ -20,8 +20,8 @@ the tensor core take turns. Here three warpgroups of one program (one query toke
 The scorer holds no output, so the tensor core runs one block's Q Kᵀ while the accumulators run the previous
 block's P V. With half the output in the scorer and a separate producer warpgroup (the split of FlashMLA's sparse
 prefill and TileLang's V3.2 sparse MLA, this kernel's first form) Q Kᵀ, softmax and P V sat on one warpgroup's
-path block after block: 276 TFLOP/s against 340 for this split before the block list (H200, prefill 4096, K 640,
-every block holding a valid slot). A fourth warpgroup does not fit:
+path block after block, clearly slower than this split at prefill (docs/perf-log.md, "The sparse attention's
+scorer and accumulators"). A fourth warpgroup does not fit:
 512 threads leave 128 registers a thread, and ptxas needs 154 for the accumulators' 64 x 256 wgmma. A stage half
 needs no release barrier: the scorer read it before it published p (`p_ready`), and only its own accumulator
 writes it. Numerics are the plain kernel's and the reference's (`sparse_attn`): blocks of 64 slots in idx order,

@@ -245,7 +245,7 @@ def grouped_fp4_bf16_kernel(E: int, N: int, K: int, out_dt: str, BM: int, BN: in
             T.import_source(_DECODE_SRC)
             tx = T.get_thread_binding()
             # the expert is read where it is used, not kept in a local: TileLang 0.1.15's warp specialisation
-            # moved a local's assignment below its first use (the staged form of 2026-12-02 wrote zeros)
+            # moved a local's assignment below its first use (an earlier staged form wrote zeros)
             if BEXP[by] >= 0:
                 for i in T.Parallel(BM):
                     rows[i] = ROWS[by, i]
@@ -307,8 +307,8 @@ def gather_split_kernel(K: int, BM: int):
 
 def block_rows(P: int, E: int) -> int:
     """Rows per block (the MMA's N side): 16 at decode sizes; at prefill 128 where the experts average >= 64 rows,
-    else 64 (H200, flash w1|w3 / w2, 2026-12-03: at 96 rows per expert 128-row blocks take 2.50 ms against 3.89
-    for 64; at 48 rows, 1.02 against 1.39)."""
+    else 64: at flash w1|w3 / w2, 128-row blocks are much faster at ~96 rows per expert and slower at ~48
+    (docs/perf-log.md, "The TileLang grouped FP4 GEMM's bf16 form")."""
     if P <= 256:
         return 16
     return 128 if P >= 64 * E else 64

@@ -17,11 +17,10 @@ of one expert, one block of BM sorted rows) split it:
   promote it, and release the stage (`free`, both consumers); the producer refills a stage only after `free`.
 
 The roles and barriers are written out: TileLang's own warp specialisation, TMA lowering and bounds guards are off
-(`PASS_CONFIGS`). Measured on the H200 (2026-12-03, flash w1|w3 at 4096 tokens, 24 576 rows): 2.39-2.42 ms against
-the first fold kernel's 2.44-2.45, 5-7 % faster for w2 and for w1 at 2048 tokens; the decode overlap did not buy
-what the MMA's share of a step promised (see the perf-log, *The folded FP4 GEMM's hand-written pipeline*). A first
-schedule with the decode in the producer warpgroup alone was 10-13 % slower than the first kernel: one warpgroup's
-decode is slower than two.
+(`PASS_CONFIGS`). It is a few percent faster than the first fold kernel at the flash expert shapes; the decode
+overlap did not buy what the MMA's share of a step promised (see the perf-log, *The folded FP4 GEMM's hand-written
+pipeline*). A first schedule with the decode in the producer warpgroup alone was slower than the first kernel: one
+warpgroup's decode is slower than two.
 
 No `from __future__ import annotations`: TileLang evaluates the prim_func's annotations.
 """

@@ -52,16 +52,14 @@ def pdl() -> dict:
     `pdl_wait()` before anything else, so no read or write moves ahead of the previous kernel's
     (tests/test_pdl.py checks both sides).
 
-    H200, torch 2.11 / Triton 3.6 (docs/perf-log.md, "Programmatic dependent launch, rank top-k"):
-    * chains of 100-200 dependent kernels in a CUDA graph: 0.3-0.4 us less per kernel boundary
-      (1.09-1.19 -> 0.68-0.77 us per 4-block kernel, 3.24-3.28 -> 2.96-2.99 per 8 MB GEMV);
-    * flash-slice:4 decode (graphs), PDL off / on for captured launches only / on for every launch:
-      batch 1 1.261 / 1.254 / 1.165 ms per step, batch 8 2.326 / 2.327 / 2.322 (`deepinfer bench`). Only
-      the every-launch form pays at batch 1, so every launch takes it; eager prefill TTFT shows no change
-      beyond its run-to-run spread.
+    Why (docs/perf-log.md, "Programmatic dependent launch, rank top-k" has the measurements):
+    * in chains of dependent kernels in a CUDA graph it shortens every kernel boundary;
+    * at flash-slice:4 decode (graphs) it pays at batch 1 only when every launch takes it (PDL for captured
+      launches alone gains nothing), so every launch takes it; larger batches and eager prefill TTFT show no
+      change beyond their run-to-run spread.
     * No kernel triggers its successor early (`gdc_launch_dependents`): the successor's waiting programs
-      hold SM slots. Triggered after the wait, decode batch 1 takes 1.212 ms against 1.165 and multi-block
-      GEMV chains up to 1.3x longer; triggered before it, the whole chain launches at once (up to 1.9x)."""
+      hold SM slots. Triggered after the wait, batch-1 decode and multi-block GEMV chains are slower;
+      triggered before it, the whole chain launches at once and is slower still."""
     if _PDL_ON and _PDL_TRITON and not INTERPRET and sm90_nvidia():
         return _PDL_LAUNCH
     return _PLAIN_LAUNCH

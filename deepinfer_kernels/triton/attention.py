@@ -11,11 +11,10 @@ grows inside a 64-slot block the two round p against different maxima (a bf16 ul
 Tiling (`_tiles`): BH = 64 heads and BK = 32 kv rows for D = 512 at 8 warps (more heads for smaller D),
 2 pipeline stages for prefill-sized calls (>= 256 query tokens), 3 for decode. 64 heads make the Q Kᵀ and
 P V dots warpgroup MMAs (M = 64 per warpgroup) and dequantise each gathered kv tile once per token
-instead of once per head block. H200, flash shapes (64 heads x 512, FP8 layout, 640 slots; us, in
-parentheses 32-head / BK 16 / 3-stage tiles): prefill 4096 tokens 3496 (16988); decode batch 1 27.5
-(38.4), batch 32 64.4 (193), batch 64 115 (311), CUDA graphs (docs/perf-log.md, "Prefill: pre-converted
-expert input, 64-head attention tiles, the non-GEMM kernels"). 16 warps and 4 warps are slower; a
-160-slot decode call loses 3 us to BK 32 (21.4 against 18.6 at BK 16).
+instead of once per head block. At flash shapes they are several times faster than 32-head / BK 16 / 3-stage
+tiles at prefill and at decode batch 32-64, and faster at batch 1 (docs/perf-log.md, "Prefill: pre-converted
+expert input, 64-head attention tiles, the non-GEMM kernels"). 16 warps and 4 warps are slower; a decode call
+over few slots (~160) is a little slower at BK 32 than at BK 16.
   * prefill (many query tokens): one program per (token, head block) over all K slots; the sink is
     added last, l += exp(sink - m) (a token whose slots are all -1 gets exactly 0: m = -inf is read as
     0 wherever it would make a NaN).
@@ -121,8 +120,8 @@ def _sparse_attn_combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, BS, H, D, SPLI
                                 R0, HALF, BH: tl.constexpr, BD: tl.constexpr, BSP: tl.constexpr,
                                 ROPE: tl.constexpr = False):
     """Merge the splits' (m, l, acc) of token bs, heads h, BSP splits per load: the few splits of a decode
-    call arrive in one round of loads instead of one dependent round per split (the loop form took
-    ~5.8 us per call at batch 1 on the H200). Masked splits load m = -inf, weight 0.
+    call arrive in one round of loads instead of one dependent round per split (the loop form's chain of
+    dependent rounds was a visible part of a batch-1 call). Masked splits load m = -inf, weight 0.
     ROPE (`out_rope`): the output's pairs R0 .. R0 + HALF - 1 (its last 2 HALF dims) de-rotated by the token's
     cos / sin rows (stride CS / SS) -- from the output rounded to its dtype, with `_rope_kernel`'s FMAs, so
     the bits of the rope launch it replaces; the other pairs pass through (cos 1, sin 0: exact)."""
@@ -176,7 +175,7 @@ def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int
     """(BH heads, BK kv rows, num_warps, num_stages) per program for H heads of padded dim BD and
     `tokens` query tokens (module docstring). fp32_dots (fp32 operands -- `exact` numerics -- on a GPU):
     the fp32 Q and kv tiles staged for the dots need smaller tiles, 32 heads x 16 rows at D 512 (133 KB of
-    shared memory in the FP8 layout, offline sm_90 compile; 64 x 32 needs 271 KB, over the H200's 227).
+    shared memory in the FP8 layout, offline sm_90 compile; 64 x 32 needs 271 KB, over sm_90's 227).
     The interpreter has no such limit and runs the bf16 tiles, so the CPU tests cover their shape."""
     if fp32_dots:
         BH = max(16, min(p2(H), 64, 16384 // BD))
@@ -193,19 +192,18 @@ LATENCY_TOKENS = 16
 """Query tokens (x 64-head blocks) below which decode runs the latency tiles ..."""
 LATENCY_MAX_SLOTS = 256
 """... over at most this many slots: past it the [splits, tokens, H, D] fp32 partials that one-tile splits
-write outweigh the parallelism (H200, flash shapes, FP8 layout, batch 1 / 8, 640 slots: 27.5 / 27.7 us
-with the 64-head tiles against 30.2 / 35.6 with the latency tiles)."""
+write outweigh the parallelism: at 640 slots the 64-head tiles are faster at batch 1 and 8 (docs/perf-log.md,
+"Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
 def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
     """(BH, BK, num_warps, num_stages, splits, slots per split) for `tokens` query tokens of H heads over
     KSEL slots. Few tokens (decode at small batch): 64-head tiles would leave a handful of programs, each
-    walking its slots serially (batch 1: 2 programs, 18.5 us per call on the H200), so the latency tiles
-    take fewer heads and the slots split down to one kv tile per program. H200 (flash shapes 64 x 512, FP8
-    layout, graph-timed, us, 64-head tiles -> latency tiles 16 x 32): batch 1, 128 slots (SWA and HCA layers
-    at a short context) 20.8 -> 14.0, 170 slots (CSA) 22.0 -> 16.6; batch 8 20.7 -> 14.2, 21.9 -> 18.6.
-    16 x 16 tiles: 15.5 / 18.6 at batch 1; 32 x 16: 25.5 / 29.4 (docs/perf-log.md, "Decode latency tiles,
-    bf16 compressor weights, 64-row FP8 prefill tiles")."""
+    walking its slots serially (batch 1: 2 programs), so the latency tiles take fewer heads and the slots split
+    down to one kv tile per program. At flash shapes the 16 x 32 latency tiles are faster than the 64-head
+    tiles at batch 1 and 8 over the SWA / HCA (128) and CSA (170) slot counts of a short context, and faster
+    than 16 x 16 or 32 x 16 tiles (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8
+    prefill tiles")."""
     BH, BK, nw, ns = _tiles(H, BD, tokens, fp32_dots)
     min_tiles = 2
     if tokens * triton.cdiv(H, 64) < LATENCY_TOKENS and KSEL <= LATENCY_MAX_SLOTS:

@@ -13,7 +13,7 @@ the per-32 power-of-two scales in (exact in bf16: e2m1 has 2 significant bits an
 exponent range), interleaves them back into natural K order (join + reshape), and feeds one bf16 dot
 with A pre-scaled by its per-128 power-of-two scale (fp8 x 2^e is exact in bf16). bf16 x bf16 products
 are exact in the fp32 accumulator, so the dot chains straight into the accumulator (no per-group
-partial dots: over 32-wide K steps those are issue-bound, at 23 GB/s). Under the
+partial dots: over 32-wide K steps those are issue-bound, far below the copy rate). Under the
 Triton interpreter (whose bf16 dot is broken) the same values go through an fp32 dot.
 
 Tiling (heuristics by shape, deterministic; no autotune):
@@ -36,13 +36,14 @@ bf16 scratch for cuBLAS's bmm.
 fp8_gemm at prefill (M > 64) on sm_90+ runs the TMA kernel (`_fp8_gemm_tma_kernel`, operands through TMA tensor
 descriptors, `TMA_TILES`). By default (DEEPINFER_FP8_GEMM=exact) it promotes the tensor core's partial to the fp32
 accumulator after every wgmma (max_num_imprecise_acc = 0): the official fp8_gemm's fp32 accumulation, its outputs to
-5e-6 relative at M 4096 (H200, tools/official/check_kernels.py), at ~290 TFLOP/s. DEEPINFER_FP8_GEMM=triton promotes
-once per 128-K block (max_num_imprecise_acc = 128, DeepGEMM's scheme, the DeepSeek-V3 report's promotion interval:
-680-750 TFLOP/s at the flash prefill shapes, L2 flushed; 865-930 at K 4096-8192 with the weights warm in L2), and
-=auto hands the shapes cuBLASLt takes to its block-scaled GEMM (`gemm_vendor`, same promotion, 69-87 % of the FP8
-rate). The price of both is the tensor core's accumulator precision within a block (about 2^-13 relative to the
-block's sum of |a w|): below the bf16 output's rounding, but 6.7 % of outputs one ulp off the official kernel's,
-which the next FP8 quantisation turns into 1-8 % per layer against the official modules.
+5e-6 relative at M 4096 (tools/official/check_kernels.py), but each wgmma waits for the previous promotion, so it
+runs at a fraction of the FP8 rate. DEEPINFER_FP8_GEMM=triton promotes once per 128-K block (max_num_imprecise_acc =
+128, DeepGEMM's scheme, the DeepSeek-V3 report's promotion interval: more than twice as fast), and =auto hands the
+shapes cuBLASLt takes to its block-scaled GEMM (`gemm_vendor`, same promotion, faster still; docs/perf-log.md,
+"Prefill FP8 GEMMs on cuBLASLt, fewer decode launches"). The price of both is the tensor core's accumulator precision
+within a block (about 2^-13 relative to the block's sum of |a w|): below the bf16 output's rounding, but 6.7 % of
+outputs one ulp off the official kernel's, which the next FP8 quantisation turns into 1-8 % per layer against the
+official modules.
 """
 
 from __future__ import annotations
@@ -157,12 +158,9 @@ TMA_TILES = (64, 128, 16, 4, 3)
 """(BM, BN, GROUP_M, num_warps, num_stages) of the prefill kernel: one warpgroup on 64 x 128 tiles, 3 stages
 (72 KB of shared memory: three programs per SM). Each 128-K block's wgmma must finish before its partial is
 scaled into the accumulator, so a program's tensor core idles during its own promotion; with three small
-programs per SM one's promotion overlaps another's MMAs. H200 (M 4096, do_bench with L2 flushed,
-TFLOP/s, flash shapes N x K), 128 x 128 / 8 warps / 4 stages -> these tiles: wq_a|wkv 1536 x 4096
-593 -> 751, wq_b 32768 x 1024 529 -> 708, wo_b 4096 x 8192 654 -> 694, shared w1|w3 4096 x 4096 613 ->
-728, w2 4096 x 2048 580 -> 726, indexer wq_b 8192 x 1024 507 -> 677 (torch._scaled_mm with tensor-wise
-scales: ~1450). 128 x 64 / 4 warps: 548-613; 64 x 128 with 2 stages: 567-634; GROUP_M 32: 619-759
-(docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
+programs per SM one's promotion overlaps another's MMAs. With L2 flushed these tiles beat 128 x 128 / 8 warps /
+4 stages at every flash prefill shape, and 128 x 64 / 4 warps and 64 x 128 with 2 stages; GROUP_M 32 gave no
+consistent gain (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
@@ -286,9 +284,9 @@ def _fp8w_group_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, R, 
 
     SWAP computes the tile transposed, acc[n, t] = W[n, :] · x[t, :] (as the FP4 expert GEMM): the converted
     weight tile is the MMA's M side, which Hopper's warpgroup MMA takes from registers, instead of going
-    back through shared memory as the B operand. H200 (flash wo_a, graph-timed, us, plain / swapped):
-    1 token 15.2 / 16.3, 8: 15.5 / 16.8, 32: 17.7 / 18.3, 64: 32.7 / 22.3 -- swapped from 64 rows on
-    (`fp8_grouped_linear`; docs/perf-log.md, "Fewer decode launches, FP8 `wo_a`, LM head tiles")."""
+    back through shared memory as the B operand. At flash wo_a the swapped form is slightly slower up to 32
+    tokens and clearly faster at 64, so it runs from 64 rows on (`fp8_grouped_linear`; docs/perf-log.md,
+    "Fewer decode launches, FP8 `wo_a`, LM head tiles")."""
     pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, 1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -347,7 +345,7 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, y_ptr, N, K, KS_W, BN: tl.constexpr, BK: 
 
 
 W8_SWAP_MIN_BM = 64
-"""`_fp8w_group_kernel` tiles of this many tokens and more run transposed (its docstring has the timings)."""
+"""`_fp8w_group_kernel` tiles of this many tokens and more run transposed (its docstring says why)."""
 
 W8_TILED_MAX_M = 256
 """Up to this many tokens `fp8_grouped_linear` runs `_fp8w_group_kernel` (decode: it streams the FP8 weight,

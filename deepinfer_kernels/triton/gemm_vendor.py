@@ -2,13 +2,14 @@
 
 C[M, N] = A Wᵀ with A e4m3 [M, K] and its per-row, per-128-K scales, W e4m3 [N, K] with its 128x128 block scales:
 the numerics of `fp8_gemm`. cuBLASLt (CUDA 12.9+) implements that scaling on Hopper (`VEC128_32F` for A,
-`BLK128x128_32F` for W), promoting the tensor-core partials to fp32 per 128-K block as DeepGEMM does. At M 4096 it
-runs at 965-1218 TFLOP/s, 69-87 % of the ~1400 TFLOP/s FP8 rate the bench measures (docs/perf-log.md). Its
-accumulation within a block is the tensor core's, not fp32: against DeepSeek's own fp8_gemm (TileLang, fp32
-accumulation) 6.9e-4 relative with 6.7 % of the bf16 outputs one ulp off (H200, M 4096, N 1536, K 4096,
-tools/official/check_kernels.py), where the exact Triton kernel is 5e-6 / 0.001 %; through the FP8 re-quantisation of
-the next layer that grows to 1-8 % per layer against the official modules. So it is opt-in (`DEEPINFER_FP8_GEMM=auto`
-or `cublas`; prefill 4096 ~10 % faster); the default `exact` keeps every shape on the Triton kernels.
+`BLK128x128_32F` for W), promoting the tensor-core partials to fp32 per 128-K block as DeepGEMM does. At prefill
+sizes it is faster than the Triton TMA kernel at every flash shape, near the FP8 rate the bench measures
+(docs/perf-log.md, "Prefill FP8 GEMMs on cuBLASLt, fewer decode launches"). Its accumulation within a block is the
+tensor core's, not fp32: against DeepSeek's own fp8_gemm (TileLang, fp32 accumulation) 6.9e-4 relative with 6.7 % of
+the bf16 outputs one ulp off (M 4096, N 1536, K 4096, tools/official/check_kernels.py), where the exact Triton kernel
+is 5e-6 / 0.001 %; through the FP8 re-quantisation of the next layer that grows to 1-8 % per layer against the
+official modules. So it is opt-in (`DEEPINFER_FP8_GEMM=auto` or `cublas`; a faster prefill); the default `exact`
+keeps every shape on the Triton kernels.
 
 When it is used is decided from facts, never by catching an error: `unavailable(device)` names why not (the env switch,
 no CUDA, a torch or CUDA without block-scaled `scaled_mm`, a GPU other than sm_90, where it was not measured) and

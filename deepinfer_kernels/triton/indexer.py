@@ -135,12 +135,11 @@ def _topk_rank_kernel(src_ptr, nv_ptr, out_ptr, T, k, BI: tl.constexpr, BJ: tl.c
 
 
 RANK_MAX_COMPARES = 1 << 24
-"""Rows x T x T (key comparisons) up to which `topk_indices` ranks instead of sorting. H200 (graph-timed,
-k 512, us, sort -> rank with 16 x 256 tiles): batch 1 at T 1024 10.9 -> 3.1, T 1030 (a flash cache
-sized for 4096 + a few tokens: the sort pads to 2048 keys) 32.7 -> 5.2, T 4096 42.6 -> 8.3; batch 8
-at T 1030 32.5 -> 7.6; batch 16 at T 1024 (2^24 compares) 11.4 -> 9.4; past it the sort wins (batch 64
-at T 1024 11.7 against 32; batch 1 at T 16384 both ~72). docs/perf-log.md, "Programmatic dependent
-launch, rank top-k"."""
+"""Rows x T x T (key comparisons) up to which `topk_indices` ranks instead of sorting. Ranking (16 x 256 tiles)
+is several times faster than the sort at decode sizes -- most where the sort pads T to the next power of two
+(T 1030, a flash cache sized for 4096 + a few tokens, sorts 2048 keys) -- and still ahead at 2^24 compares
+(batch 16 at T 1024); past it the sort wins, since ranking's work grows as T^2 (docs/perf-log.md,
+"Programmatic dependent launch, rank top-k")."""
 RANK_BI, RANK_BJ = 16, 256
 
 CHUNK = 2048  # keys sorted per program per round (tests lower it to exercise several rounds)
@@ -163,7 +162,8 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
     C = max(2 * KP, p2(CHUNK))
     if T <= C:
         # sort only the T entries, not k slots: at decode the context often has fewer compressed entries
-        # than the top-k (V4: k 512; 32 entries at 128 tokens): a 512-key sort was ~50 us on the H200
+        # than the top-k (V4: k 512; 32 entries at 128 tokens), where a 512-key sort was a visible part of
+        # each CSA layer's decode step
         Cf = max(p2(T), 16)
         _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP,
                                       **pdl())

@@ -8,9 +8,9 @@ y = x.to(out_dtype) @ w.to(out_dtype)ᵀ, out_dtype defaulting to x's dtype.
 Two paths, chosen from shapes only (CUDA-graph capturable, no host syncs):
 
 * M <= 16 (decode) with 16-bit x: the tiled path below with 16-row tiles (`_native`: a tensor-core dot in
-  x's dtype forms the exact products). The FMA GEMV takes the compressor projections 7-13 us each on the
-  H200, ~3x their bytes' floor (4 calls: 42.3 us against 29.3 tiled; docs/perf-log.md, "Fewer decode
-  launches, FP8 `wo_a`, LM head tiles").
+  x's dtype forms the exact products). The FMA GEMV ran the compressor projections at several times their
+  bytes' floor and slower than the tiled path (docs/perf-log.md, "Fewer decode launches, FP8 `wo_a`, LM head
+  tiles").
 * M <= 16 otherwise (fp32 x): split-K GEMV. Grid (cdiv(N, BN), nsplit); a program owns BN weight rows and one
   K chunk of `per` x BK columns and does fp32 FMA products reduced with tl.sum (exact fp32 products,
   no tensor cores, no TF32). The program tile is BM x BN x BK <= 8192 (BM = p2(M) >= 2, BK = 128 so one
@@ -79,10 +79,9 @@ def _linear_gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, KCH, BM: t
     """Partial over K split s: sum over its k of x[m, k] * w[n, k] (fp32 FMA), stored into y (DIRECT: one
     split) or through `splitk_store`. The products accumulate elementwise over the K steps and are reduced
     over BK once at the end: a reduction per step is a cross-thread shuffle tree every step (957 SASS
-    instructions per step, 324 of them shuffles, against 154 deferred; offline sm_90 compile). H200
-    (graph-timed, fp32 [N, 4096], per-step -> deferred): M 1 N 2048 25.7 -> 15.5 us, M 4 N 1024 23.6 ->
-    10.2, M 8 N 2048 85.1 -> 21.8 (M 1 N 512: 10.3 -> 11.4); docs/perf-log.md, "In-kernel split-K
-    reduction, fewer decode launches, deferred FMA reductions"."""
+    instructions per step, 324 of them shuffles, against 154 deferred; offline sm_90 compile). Deferring is
+    much faster at every decode shape but the smallest (M 1, N 512: about even); docs/perf-log.md, "In-kernel
+    split-K reduction, fewer decode launches, deferred FMA reductions"."""
     pdl_wait()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -151,10 +150,9 @@ def _linear_x3_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.con
 GEMV_MAX_M = 16
 GEMV_PROGRAMS_PER_SM = 4
 """K splits until N tiles x splits ~ this many programs per SM: each program's K loop waits on its loads
-(an FMA reduction, not a dot: nothing pipelines them), so bytes in flight come from programs. H200
-(fp32 [N, 4096] at M = 1, graph-timed, with a per-step reduction): N 2048 32.0 -> 25.6 us from 2 to 4 per
-SM, N 1024 and 512 within 1 us (14.2 -> 14.7, 9.2 -> 10.2); 8 to 32 per SM no better (docs/perf-log.md,
-"In-kernel split-K reduction, fewer decode launches, deferred FMA reductions")."""
+(an FMA reduction, not a dot: nothing pipelines them), so bytes in flight come from programs. 4 per SM beat 2
+on the largest fp32 weight at M = 1, were about even on the smaller ones, and 8 to 32 per SM were no better
+(docs/perf-log.md, "In-kernel split-K reduction, fewer decode launches, deferred FMA reductions")."""
 
 
 def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -179,10 +177,11 @@ def _native(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
 
 def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """BM x 64 tiles, K split over a third grid axis until ~2 programs per SM (the fp32 compressor
-    projections at batch 64 -- [64, 4096] x [1024, 4096] -- would be 16 programs streaming 1 MB each: ~100 us;
-    the same fixed-order partial reduction as the GEMV). Every M > 16, and decode-sized M when the dot runs
-    in x's 16-bit dtype (`_native`): there the tensor-core dot streams the weight like the FP8 decode GEMM,
-    where the FMA GEMV's per-step reduction bound it at ~3x the bytes' floor."""
+    projections at batch 64 -- [64, 4096] x [1024, 4096] -- would be 16 programs streaming 1 MB each, far
+    too few to fill the GPU; the same fixed-order partial reduction as the GEMV). Every M > 16, and
+    decode-sized M when the dot runs in x's 16-bit dtype (`_native`): there the tensor-core dot streams the
+    weight like the FP8 decode GEMM, where the FMA GEMV's per-step reduction bound it at several times the
+    bytes' floor."""
     M, K = x2.shape
     N = w.size(0)
     BM, BN, BK, nw, stages = _tile_config(M, N, K)
@@ -198,9 +197,9 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
 
 def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) of the tiled path. Prefill-sized M (>= 1024) takes 128-row
-    tiles: H200 (fp32 x [N, 4096], tf32x3, do_bench, 64 -> 128 rows) M 4096 N 2048 1040 -> 917 us, N 1024
-    532 -> 462, M 1024 N 2048 315 -> 241; 128 x 128 tiles, BK 64 or 8 warps are no better (docs/perf-log.md,
-    "Prefill: pre-converted expert input, 64-head attention tiles, the non-GEMM kernels")."""
+    tiles, faster than 64-row ones for the fp32 tf32x3 projections; 128 x 128 tiles, BK 64 or 8 warps are no
+    better (docs/perf-log.md, "Prefill: pre-converted expert input, 64-head attention tiles, the non-GEMM
+    kernels")."""
     if M >= 1024:
         return 128, 64, 32, 4, 3
     if M <= 16:  # decode: weight streaming, the FP8 decode GEMM's tile (BK 128: 256-byte bf16 row segments)
@@ -210,7 +209,7 @@ def _tile_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def _head_form(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
     """The LM head's kernel (`_linear_x3_kernel`): bf16 W into fp32 y, from fp32 x at every M (at M = 1 the
-    FMA GEMV streamed V4's 1 GB head at ~1 TB/s on the H200, 1.2 ms; the x3 kernel's 128-row tiles stream it
+    FMA GEMV streamed V4's 1 GB head at a fraction of the copy rate; the x3 kernel's 128-row tiles stream it
     at the copy rate), or from bf16 x (the head without an x.float() copy) once its 128-row tiles fill the
     GPU without a K split."""
     if w.dtype != torch.bfloat16 or y.dtype != torch.float32:
@@ -234,10 +233,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     if M and N:
         if _head_form(x2, w, y):
             BM = 16 if M <= 16 else (32 if M <= 32 else 64)
-            # bf16 x (the head as the model calls it): 128-deep K steps, 4 stages -- H200 (V4's 1.06 GB head,
-            # graph-timed, us, 64-deep / 3 stages -> these): M 1 266.9 -> 240.8, M 8 268.8 -> 244.3, M 64
-            # 274.8 -> 262.2 (4.4 TB/s at M 1; docs/perf-log.md, "Fewer decode launches, FP8 `wo_a`, LM head
-            # tiles"); fp32 x keeps 64-deep steps, 3 stages (its x tile is twice the bytes: at 64 rows
+            # bf16 x (the head as the model calls it): 128-deep K steps, 4 stages -- faster than 64-deep / 3
+            # stages at M 1-64, at the copy rate at M 1 (docs/perf-log.md, "Fewer decode launches, FP8 `wo_a`,
+            # LM head tiles"); fp32 x keeps 64-deep steps, 3 stages (its x tile is twice the bytes: at 64 rows
             # a 128-deep stage is 64 KB, so 4 stages exceed the 228 KB of shared memory -- not measured)
             BN, BK, ns = (128, 128, 4) if x2.dtype == torch.bfloat16 else (128, 64, 3)
             _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](

@@ -19,8 +19,9 @@ hc_post: one program per (token, D block); `moe_combine_post` the same with the 
 
 hc_pre(..., side=branch) (decode): the apply launch collapses y only, and a second apply launch of one
 program per token, issued under `side` (a second stream), computes post and comb: the 20 Sinkhorn rounds
-(~4 us of latency at batch 1 on the H200, the apply took ~6 us against ~2 for hc_head's, which has none)
-run beside the attention or MoE that reads y, and only hc_post waits for them.
+(a serial chain of dependent reductions, which made hc_pre's apply several times slower than hc_head's, which
+has none; docs/perf-log.md, "Decode on two streams") run beside the attention or MoE that reads y, and only
+hc_post waits for them.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def _hc_mix_tiles_kernel(x_ptr, fn_ptr, ws_ptr, T, R, KD, KCH, NS, BT: tl.conste
     """`_hc_mix_kernel` for BT tokens per program (prefill): the mixes as an fp32 dot [BT, BK] x [BK, BR], so
     fn is read once per BT tokens instead of once per token. The dot is fp32-accurate on tensor cores
     (`dot_f32`: two tf32 dots for bf16 x, else 3xTF32; ~2^-21 relative per product). The "ieee" form is
-    an FMA loop (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile): 650 us per call at 4096 tokens
-    on the H200 against 159 us for this one (prefill profiles, hc 4, D 4096; docs/perf-log.md, "Prefill:
-    pre-converted expert input, 64-head attention tiles, the non-GEMM kernels")."""
+    an FMA loop (524 FFMA + 103 LDS per 64-K step, offline sm_90 compile), several times slower at prefill
+    sizes (docs/perf-log.md, "Prefill: pre-converted expert input, 64-head attention tiles, the non-GEMM
+    kernels")."""
     pdl_wait()
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     mt = t < T
@@ -175,7 +176,7 @@ def _hc_apply_kernel(x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
 
 TILE_TOKENS = 64
 """From this many tokens (prefill) the mix runs token-tiled: per-token programs re-read the whole fn
-([24, 16384] fp32 = 1.5 MB for hc_pre) once per token (~0.2 ms per call at 1024 tokens on the H200)."""
+([24, 16384] fp32 = 1.5 MB for hc_pre) once per token, which dominates the call at prompt lengths."""
 
 
 APPLY_WARPS_DECODE = 1
@@ -188,13 +189,10 @@ MIX_TILE = 8192
 number of split-K partials (ns) each apply program sums (64 at batch 1, hc 4, D 4096)."""
 APPLY_PARTIALS = 16
 """Partials per thread in one load of the apply's [BS, BW] tile. All of a program's 4096 / BW partials at once
-(128 per thread in one warp) spill the tile to local memory (offline sm_90 compile). H200, hc_pre hc 4, D 4096,
-graph-timed, us at batch 1 / 8 / 64: 1 warp and 16 a thread 7.09 / 7.97 / 11.35; 1 warp and 32 12.0 /
-10.8 (the tile spills); 2 warps and 32 7.57 / 8.27 / 11.43; 4 warps 7.7 / 8.6 / 11.3 (docs/perf-log.md,
-"Fewer decode launches, FP8 `wo_a`, LM head tiles"). Before PDL, at batch 1 / 8 / 32: MIX_TILE 8192, 2
-warps, 32 a thread 8.3 / 8.8 / 13.8; MIX_TILE 4096 with 2 warps 9.1 / 9.3 / 16.2, with 1 warp and 128 a
-thread 9.5 / 12.0 / 14.9; bounding the tile alone (a loop of four loads) 18.5 at batch 1 (docs/perf-log.md,
-"Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
+(128 per thread in one warp) spill the tile to local memory (offline sm_90 compile); 32 a thread in one warp
+spills too, and bounding the tile by a loop of dependent loads is slower still. One warp with 16 a thread was
+the fastest of the 1-4 warp settings tried at decode sizes (docs/perf-log.md, "Fewer decode launches, FP8
+`wo_a`, LM head tiles" and "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
 def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
@@ -284,10 +282,10 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     At every size and with or without `side` the bits are those two kernels', so a decode step (side stream on
     CUDA), the same step in order, and a speculative verify of S tokens give a token the same y, q, s. A
     one-program-per-token fused form (sum, norm and quantisation of the row in registers) summed the mixes in
-    its own order: on the H200 58-71 % of its fp32 y differed in the last bits, a bf16 x flipped by one ulp
-    now and then, the compressors' fp32 projections of x moved, and speculative greedy decoding left plain
-    decoding (docs/perf-log.md, "Speculative decoding's bf16 greedy equality"). It was ~0.5 us faster per call
-    than this composition where no side stream runs (10.0 against 10.5 us, batch 1)."""
+    its own order: most of its fp32 y differed in the last bits, a bf16 x flipped by one ulp now and then,
+    the compressors' fp32 projections of x moved, and speculative greedy decoding left plain decoding
+    (docs/perf-log.md, "Speculative decoding's bf16 greedy equality"). It was only marginally faster per call
+    than this composition where no side stream runs."""
     y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters, side)
     return (*norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
 
@@ -367,7 +365,7 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
 @implement("moe_combine_post", "triton")
 def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                      comb: torch.Tensor) -> torch.Tensor:
-    """One launch where `moe_combine` and `hc_post` took two (decode: one ~2 us launch and its boundary fewer per
+    """One launch where `moe_combine` and `hc_post` took two (decode: one launch and its boundary fewer per
     MoE sub-layer on the batch-1 critical path); routed and shared read through their row strides."""
     B, S, HC, D = residual.shape
     T, K, _ = routed.shape

@@ -48,9 +48,9 @@ def _moe_logits_kernel(x_ptr, g_ptr, ws_ptr, T, E, D, DCH, cnt_ptr, bias_ptr, t2
                        HASH: tl.constexpr, BE2: tl.constexpr, BKT: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr):
     """ws[s, t, e] = sum over d in split s of x[t, d] * gate[e, d], fp32-accurate. The FMA form keeps the
     products elementwise over the D steps and reduces them over BD once at the end (a per-step reduction
-    is a cross-thread shuffle tree every step; H200, E 256, D 4096, graph-timed moe_route, per-step ->
-    deferred: 8 tokens 23.3 -> 17.2 us, 16 tokens 62.0 -> 43.2, 1 token unchanged at 10.2; docs/perf-log.md,
-    "In-kernel split-K reduction, fewer decode launches, deferred FMA reductions").
+    is a cross-thread shuffle tree every step; deferring makes moe_route markedly faster at 8-16 tokens and
+    leaves 1 token unchanged; docs/perf-log.md, "In-kernel split-K reduction, fewer decode launches, deferred
+    FMA reductions").
 
     SELECT (decode sizes): the last program of a token tile to store its partial -- the one whose increment of
     the tile's counter returns (E tiles x splits) - 1, after a barrier and a release/acquire atomic, as
@@ -172,9 +172,9 @@ def _moe_select_kernel(ws_ptr, bias_ptr, t2e_ptr, ids_ptr, w_ptr, i_ptr, s_ptr, 
 GEMV_MAX_T = 16
 ROUTE_ONE_TOKEN_BD, ROUTE_ONE_TOKEN_PER_SM = 256, 1
 """The GEMV launch (decode sizes, T <= GEMV_MAX_T): two-token tiles, 256-wide D steps and the split of one token
-tile at one program per SM, so the fused select sums 8 partials (E 256, D 4096). H200 at batch 1 (graph-timed
-chains, us per moe_route): BD 128 / 2 per SM 10.7; BD 256 / 1 per SM 8.0; BD 256 / 2 per SM 8.2; BD 256 / 0.5
-8.9; BD 512 / 1 8.1 (docs/perf-log.md, "The batch-1 critical path: norm launches, routing, stream priority").
+tile at one program per SM, so the fused select sums 8 partials (E 256, D 4096): at batch 1 the fastest of the
+128-512-wide steps and 0.5-2 programs per SM tried (docs/perf-log.md, "The batch-1 critical path: norm
+launches, routing, stream priority").
 The tile and the split do not change with T, so a token's logits, scores and weights are the same bits
 whether it is routed alone, in a batch of rows or in a speculative verify of S tokens (the general setting
 -- tiles of p2(T) tokens, 128-wide steps, splits by tile count -- summed them in another order at T > 2).

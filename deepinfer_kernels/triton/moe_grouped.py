@@ -23,29 +23,28 @@ Numerics per weight format (same as `gemm.py` / `linear.py`, whose references th
         `DEEPINFER_FP4_ASM=0`: the Triton-expression decode). The kernel is bound by these per-element
         instructions: against a byte-permute table lookup (~5 instructions per value) the per-step loop
         at decode tiles is 594 SASS instructions instead of 965 (offline sm_90 compile; unmasked loads
-        for whole tiles give 66 of that), and on the H200 (flash w1|w3; decode sizes graph-timed) batch 1
-        takes 36.0 us instead of 60.6, batch 64 824 instead of 1494, a 1024-token prefill 1478 instead of
-        2476 (docs/perf-log.md, "Bit-placement FP4 decode, fewer decode launches, parallel routing sort").
+        for whole tiles give 66 of that), and it runs markedly faster at every size from batch 1 to a
+        1024-token prefill (docs/perf-log.md, "Bit-placement FP4 decode, fewer decode launches, parallel
+        routing sort").
         When every group scale of the weight is <= 2 (trained weights; checked once per scale tensor,
         `_scales_fold`) the decode multiplies once, by scale x 2^126 (`_ASM_DECODE_FOLDED`): 594 -> 546
-        SASS per decode-tile step, but on the H200 only 2-4 % at batch 1-8 and 1 % at 1024 tokens, ~0 at
-        batch 32-64 -- the loop is bound by the integer pipe (LOP3 / SHF / PRMT / LEA, half the FP pipe's
-        rate), and the multiplies run on the FP pipe.
+        SASS per decode-tile step, but only a few percent faster at small batches and none at batch 32-64 --
+        the loop is bound by the integer pipe (LOP3 / SHF / PRMT / LEA, half the FP pipe's rate), and the
+        multiplies run on the FP pipe.
         Decode-sized blocks split K over a third grid axis (fp32 partials; the tile's last split
         sums them in split order, `splitk_store`).
         Why in-kernel FP4 -> bf16 and not the Hopper FP4 -> FP8 upcast (a per-row-per-128 power-of-two
         rescale, then FP8 MMA): the bf16 form is lossless for *every* scale pattern (e2m1 x 2^e has 2
         significant bits, bf16 the full fp32 exponent range), while the FP8 rescale stays exact only
         while a 128-K block's four group scales lie within 2^14 of each other and needs a second path
-        beyond; and it is slower. Upcast once per call into FP8 scratch for a TMA FP8 grouped GEMM, flash
-        w1|w3 [256 x 4096, 4096] takes 7.0 ms on the H200 at 4096 prompt tokens and 5.7 ms at 1024, against
-        4.85 and 2.2 ms for the bf16 form in the same sweep: the scratch round trip (write 1 B, read 1 B per weight
-        element after reading 0.5 B) costs more than the FP8 MMA saves at ~25-100 rows per expert. An FP8
-        MMA inside this kernel (nibbles -> e4m3 by bit placement, one k32 e4m3 dot per scale group,
-        promoted in fp32) is 1.2-1.3x slower at batch 1-64 (four dependent MMA + promotion rounds per
-        128-K step) and its sums inside the tensor core are not exact (docs/perf-log.md, "Transposed FP4
-        expert GEMM, prefill mHC and RoPE, short-context top-k" and "Prefill: pre-converted expert input,
-        64-head attention tiles, the non-GEMM kernels").
+        beyond; and it is slower. Upcast once per call into FP8 scratch for a TMA FP8 grouped GEMM, the
+        flash w1|w3 [256 x 4096, 4096] prefill is slower than the bf16 form at every prompt length measured:
+        the scratch round trip (write 1 B, read 1 B per weight element after reading 0.5 B) costs more than
+        the FP8 MMA saves at ~25-100 rows per expert. An FP8 MMA inside this kernel (nibbles -> e4m3 by bit
+        placement, one k32 e4m3 dot per scale group, promoted in fp32) is slower at every decode batch (four
+        dependent MMA + promotion rounds per 128-K step) and its sums inside the tensor core are not exact
+        (docs/perf-log.md, "Transposed FP4 expert GEMM, prefill mHC and RoPE, short-context top-k" and
+        "Prefill: pre-converted expert input, 64-head attention tiles, the non-GEMM kernels").
         A comes pre-converted (`a_bf16_split`, A_BF16 below) when K % 128 == 0, at prefill-sized blocks
         (BM >= 64) and, `A_BF16_DECODE`, at decode-sized ones -- or as its producer stored it (`a_split`:
         `swiglu_quant` / `rms_norm_quant` / `hc_pre_quant` with split=True, `_common.store_bf16_split`), with no
@@ -129,14 +128,13 @@ def _align_scatter_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, bexp_ptr, P, E, NB
 
 ALIGN_KERNEL_MAX_P = 65536
 """Up to this many rows `align` runs the two chunk-parallel kernels; above, the torch form (~35 launches).
-The two launches take 8.7-9.4 us from 48 to 768 rows on the H200, where one program walking the chunks in
-turn takes ~50 us at 384 rows and ~94 us at 768. They also run at prefill sizes: a 4096-token flash prefill
-(24576 rows) would issue the torch form's ~35 launches twice per layer, ~280 launches at ~40 us of host time
-each, and the prefill is host-bound (on the H200 issuing it takes 37-38 ms of host time with these kernels,
-39 with the torch form, against 36 ms of kernels; docs/perf-log.md, "Bit-placement FP4 decode, fewer decode
-launches, parallel routing sort" and "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill
-tiles"). Each scatter program reads every chunk's counts, O(chunks^2 x experts) in all: ~150 MB of L2 reads
-at 24576 rows, ~1 GB at the limit."""
+The two launches' time stays nearly flat with the row count, where one program walking the chunks in turn
+grows with it and is several times slower from a few hundred rows. They also run at prefill sizes: a
+4096-token flash prefill (24576 rows) would issue the torch form's ~35 launches twice per layer, ~280 in all,
+and the prefill is host-bound, so every launch saved shortens it (docs/perf-log.md, "Bit-placement FP4 decode,
+fewer decode launches, parallel routing sort" and "Decode latency tiles, bf16 compressor weights, 64-row FP8
+prefill tiles"). Each scatter program reads every chunk's counts, O(chunks^2 x experts) in all: ~150 MB of L2
+reads at 24576 rows, ~1 GB at the limit."""
 
 
 def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +160,7 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
 
 IDENT_MAX_P = 8
 """Up to this many (row, expert) pairs the FP4 GEMM runs one block per row, unsorted: a decode step at
-batch 1 (top-6) saves the align launch (~10 us on the H200, serial); a repeated expert among so few rows
+batch 1 (top-6) saves the align launches (serial, on the critical path); a repeated expert among so few rows
 costs at most one extra read of its weights."""
 
 
@@ -280,8 +278,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
     # (the old form) a 16-row block ran the small-M MMA and staged every decoded weight tile through
-    # shared memory; transposed it is 1.3x faster at decode sizes and 1.45-4.4x at prefill sizes on the
-    # H200 (module docstring).
+    # shared memory; transposed it is faster at every size measured, most at prefill sizes
+    # (docs/perf-log.md, "Transposed FP4 expert GEMM, prefill mHC and RoPE, short-context top-k").
     # Each 128-K step loads 64 packed bytes per weight row (one contiguous 64 B segment; byte i = element
     # 2i low nibble, 2i+1 high nibble) and decodes the low and the high nibbles as two [BN, 64] tiles with
     # the 4 per-32 power-of-two scales multiplied in. A's [BM, 128] step is loaded whole and split into
@@ -405,20 +403,19 @@ def _asm_ok(device: torch.device) -> bool:
 
 def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.device
                 ) -> tuple[int, int, int, int, int]:
-    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (H200 sweeps:
-    decode sizes timed as CUDA graphs, prefill sizes with do_bench; fastest within ~5 %; docs/perf-log.md,
+    """(BN, splits, K blocks per split, num_warps, num_stages) for the grouped FP4 GEMM (from sweeps:
+    decode sizes timed as CUDA graphs, prefill sizes with do_bench; fastest within a few %; docs/perf-log.md,
     "Bit-placement FP4 decode, fewer decode launches, parallel routing sort" and "Prefill: pre-converted
     expert input, 64-head attention tiles, the non-GEMM kernels"):
 
     BM <= 32 (decode, short prompts): 128 weight rows x BM tokens, 4 warps, 3 stages, the 128-K steps split
     over a third grid axis until there are ~2 programs per SM (batch 1: 6 blocks x 32 N tiles -> 2
-    splits). Targets of 2, 4 and 8 programs per SM were within 5 %; 8 warps 10 % slower.
+    splits). Targets of 2, 4 and 8 programs per SM were about equal; 8 warps slower.
     n_fast (prefill-sized blocks, BM >= 64, A pre-converted): 64 weight rows x BM tokens, 4 warps, 2 stages.
     Each MMA waits for its result (the decoded weight tile is a register operand), so the weight decode of one program
     overlaps the MMAs of others only: small programs with small shared-memory footprints, several per
-    SM, won. Flash w1|w3 [256 x 4096, 4096] at 4096 prompt tokens (BM 128): 2869 us against 3878 for
-    128 x 128 / 8 warps / 3 stages and 5118 for 64 x 64 with 4 stages; w2: 1583 against 2110; at 2048
-    tokens (BM 64) 2098 against 2066 for 128 x 128 / 8 warps / 3 stages (within 2 %).
+    SM, won: clearly faster than 128 x 128 / 8 warps / 3 stages or 64 x 64 with 4 stages at 4096 prompt
+    tokens (BM 128), and level with 128 x 128 / 8 warps at 2048 (BM 64).
     Otherwise (K not a multiple of 128) BM 64: 64 x 64 tiles, 4 warps; BM 128: 128 x 128, 8 warps.
     """
     nkb = triton.cdiv(K, 128)
@@ -436,10 +433,8 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.de
 A_BF16_DECODE = True
 """Decode-sized blocks (BM <= 32, K % 128 == 0) take A pre-converted too: one more small launch instead of
 converting the A tile (fp8 -> fp32 x scale -> bf16, split) in each of its 32-64 (N tile, K split)
-programs. Bitwise the same. H200 (flash experts, graph-timed, us, in-kernel -> pre-converted): w1|w3
-batch 1 / 8 / 32 / 64 29.4 / 207 / 570 / 852 -> 28.6 / 202 / 555 / 850; w2 16.1 / 103 / 269 / 403 ->
-16.2 / 101 / 259 / 391 (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8
-prefill tiles")."""
+programs. Bitwise the same, and slightly faster from batch 8 on, level at batch 1 (docs/perf-log.md, "Decode
+latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 A_BF16_MIN_BM = 64
 """Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
 pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every
@@ -494,7 +489,8 @@ def _zero_rows_kernel(c_ptr, e_ptr, P, N, E, BR: tl.constexpr, BN: tl.constexpr)
 
 def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     """Zero the output rows with no local expert (expert parallelism, padding) without filling all of c:
-    at a 4096-token prefill a whole [P, N] zero fill costs 0.48 ms of memset per forward (8 calls, H200)."""
+    at prefill sizes a whole [P, N] zero fill is a memset of the full output per call (docs/perf-log.md,
+    "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
     P, N = c.shape
     BR = 32
     BN = max(16, min(256, triton.next_power_of_2(N)))

@@ -6,8 +6,9 @@ rows by pointer, loads the expert's W tiles through one TMA descriptor over the 
 the tensor-core partial to fp32 once per 128-K block (max_num_imprecise_acc = 128, DeepGEMM's scheme; see
 gemm.py) and multiplies in the A row scale and the 128x128 W block scale.
 
-FP4 experts do not come here: their in-kernel FP4 -> bf16 decode (`moe_grouped._gg_fp4_kernel`) measured
-faster on the H200 than an FP4 -> FP8 upcast into scratch followed by this GEMM (see moe_grouped).
+FP4 experts do not come here: their in-kernel FP4 -> bf16 decode (`moe_grouped._gg_fp4_kernel`) is exact for
+every scale pattern and measured faster than an FP4 -> FP8 upcast into scratch followed by this GEMM (see
+moe_grouped).
 """
 
 from __future__ import annotations

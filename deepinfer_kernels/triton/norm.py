@@ -70,8 +70,8 @@ def _rms_norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, o_ptr, N, XS, NB, 
     """One row: `_row_rsqrt` as `_rms_norm_kernel` (so the same y), then RB quantisation blocks of QB columns
     at a time as an [RB, QB] tile: y, its cast to y's dtype, and the act_quant of that cast value
     (`quant_e4m3_rows`, the act_quant kernel's rule). All of a 4096 row's 32 blocks in one pass: a loop
-    of one 128 block at a time is a chain of 32 dependent load-reduce-store rounds (17 us per row on
-    the H200 at batch 1, more than separate rms_norm and act_quant launches). SPLIT (QB 128): also q x s
+    of one 128 block at a time is a chain of 32 dependent load-reduce-store rounds, slower at batch 1 than
+    separate rms_norm and act_quant launches. SPLIT (QB 128): also q x s
     as the FP4 expert GEMM reads it (`store_bf16_split`)."""
     pdl_wait()
     row = tl.program_id(0).to(tl.int64)

@@ -10,8 +10,8 @@ program, reused over ITERS row blocks so the build is amortised), then one multi
 bf16/fp16 inputs go into the dot in their own dtype on the GPU (±1 is exact; fp32 accumulate; under
 the interpreter, whose bf16 dot is broken, as tf32-exact fp32); fp32 inputs are split into three
 tf32-exact pieces (3 dots), which keeps fp32 accuracy without the FMA-bound "ieee" dot. An ieee fp32
-dot with S_N rebuilt by every 32-row program is ALU-bound (3.65 ms for 2048 x 64 x 128); this one is a
-streaming copy (~67 MB at flash prefill).
+dot with S_N rebuilt by every 32-row program is ALU-bound, far from the copy rate; this one is a streaming
+copy (~67 MB at flash prefill).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ BLOCKS_PER_PROGRAM = 64
 """Quantisation blocks per program: the [rows, K] input is the contiguous [rows * K/block, block] list of its
 blocks, and a program takes 64 consecutive ones ([64, block] tile, one row per block). One program per block
 would be 786K programs of 128 elements for act_quant of the flash experts' input rows at 4096 prompt tokens
-([24576, 4096]): ~230 us per call on the H200 for ~60 us of bytes (docs/perf-log.md, "Prefill: pre-converted
-expert input, 64-head attention tiles, the non-GEMM kernels")."""
+([24576, 4096]), several times its bytes' time (docs/perf-log.md, "Prefill: pre-converted expert input,
+64-head attention tiles, the non-GEMM kernels")."""
 
 
 @triton.jit

@@ -30,9 +30,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, CS, SS, XB, XS, XH,
     if INVERSE:
         s = -s
     # each head's 2 x HALF rotated values as one contiguous [BH, 2 BR] tile (vector loads), pairs split in
-    # registers; two stride-2 loads of x0 and x1 would be 2-byte accesses, ~108 us per call for a
-    # 4096-token, 64-head q on the H200 (a prefill profile; docs/perf-log.md, "Prefill: pre-converted
-    # expert input, 64-head attention tiles, the non-GEMM kernels")
+    # registers; two stride-2 loads of x0 and x1 would be 2-byte accesses, several times slower at prefill
+    # sizes (docs/perf-log.md, "Prefill: pre-converted expert input, 64-head attention tiles, the non-GEMM
+    # kernels")
     j = tl.arange(0, 2 * BR)
     m = (h[:, None] < H) & (j[None, :] < 2 * HALF)
     xo = b * XB + sq * XS + h[:, None].to(tl.int64) * XH + j[None, :]
