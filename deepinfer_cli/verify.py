@@ -88,7 +88,8 @@ def _verify_official(prompt, official_dir, model, backend, op_map, steps, device
 
     if not official_dir:
         raise ValueError("--against official needs --official-dir DIR: DeepSeek's inference/model.py and kernel.py")
-    release, _ = identify(official_dir)  # before anything else: an unknown digest is refused here
+    found = identify(official_dir)  # before anything else: an unknown digest is refused here
+    release = found[0]
     dev = resolve_device(device or "cuda")
     if dev.type != "cuda":
         raise ValueError(f"--device {device}: DeepSeek's kernel.py runs TileLang kernels on CUDA only")
@@ -100,7 +101,7 @@ def _verify_official(prompt, official_dir, model, backend, op_map, steps, device
     lm = common.setup(model, backend, False, f"official@{release.short}", "bfloat16", str(dev),
                       progress=not as_json, op_map=op_map)
     ids = lm.tokenizer.encode_prompt(text, "raw")
-    res = verify_official(lm, official_dir, ids, steps, common.ops.backend)
+    res = verify_official(lm, official_dir, ids, steps, common.ops.backend, found=found)
     if as_json:
         print(json.dumps(res.to_dict(), ensure_ascii=False))
     else:

@@ -294,13 +294,15 @@ def judge(res: OfficialResult) -> None:
             res.worst[what] = [v, f"{where} {phase}"]
 
 
-def verify_official(lm, official_dir: str, ids: list[int], steps: int, backend: str, kernel=None) -> OfficialResult:
+def verify_official(lm, official_dir: str, ids: list[int], steps: int, backend: str, kernel=None,
+                    found: tuple[Release, dict] | None = None) -> OfficialResult:
     """Our model `lm` (built in the release's official numerics, bf16) against the official modules in
     `official_dir` on the prompt `ids` and `steps` decode steps, on the model's device. kernel: a stand-in for
-    kernel.py (`load_official`; the command never passes one)."""
+    kernel.py (`load_official`; the command never passes one); found: `identify(official_dir)`, where the
+    caller has it already."""
     from deepinfer.debug.dumper import run_dump
 
-    release, digests = identify(official_dir)
+    release, digests = found or identify(official_dir)
     if lm.model.numerics.release != release.short:
         raise ValueError(f"our model runs {lm.model.numerics.name}, the files are release {release.short}")
     hadamard = hadamard_source()

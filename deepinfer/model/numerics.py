@@ -103,12 +103,6 @@ def parse_numerics(text: str) -> tuple[str, str | None]:
     return mode, r.short
 
 
-def numerics_name(text: str) -> str:
-    """The canonical name of a `--numerics` value (`official` -> `official@60d8d707`); ValueError if bad."""
-    mode, rel = parse_numerics(text)
-    return f"{mode}@{rel}" if rel else mode
-
-
 @dataclass(frozen=True)
 class Numerics:
     """How a run computes: `mode` official|exact, `dtype` the activation / compute dtype, `release` the official
