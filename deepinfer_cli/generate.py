@@ -13,7 +13,7 @@ from rich.table import Table
 
 from deepinfer.engine import guided
 from deepinfer.engine.generate import SamplingParams, generate
-from deepinfer.engine.runner import GraphCaptureError
+from deepinfer.engine.graphs import GraphCaptureError
 from deepinfer.engine.speculative import check_speculate
 from deepinfer_cli import common
 from deepinfer_cli.console import console

@@ -45,7 +45,7 @@ def test_capture_buckets_1_to_8():
     r = DecodeRunner(lm.model, 8, graphs=True)
     assert r.mode == "graphs" and list(r.buckets) == [1, 2, 4, 8] and r.spare_row == 8
     r.capture()
-    assert r.captured and all(b.graph is not None and b.logits.shape == (b.size, lm.cfg.vocab_size)
+    assert r.captured and all(b.graph is not None and b.out.shape == (b.size, lm.cfg.vocab_size)
                               for b in r.buckets.values())
     # a replay of a padded bucket (3 live rows in bucket 4) equals the same padded step run eagerly, and
     # leaves the live rows' caches as the eager step does
@@ -97,7 +97,7 @@ def test_greedy_with_graphs_equals_eager(numerics, dtype):
 
 @pytest.mark.gpu
 def test_torch_reference_capture_fails_with_one_clear_error():
-    from deepinfer.engine.runner import GraphCaptureError
+    from deepinfer.engine.graphs import GraphCaptureError
 
     lm = load_model(None, numerics="exact", dtype="float32", device="cuda", progress=False)  # torch backend
     lm.model.allocate(3, 32)

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from deepinfer.engine import guided
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.loader import load_model
+from deepinfer.engine.steps import steps_of
 from deepinfer.ops.registry import REGISTRY, load_backend
 from deepinfer_cli.app import app
 
@@ -441,7 +442,7 @@ def test_guided_with_cuda_graphs_gpu(tiny_dir):
           for g in (gj, gr)] + [SamplingParams(max_new_tokens=8, temperature=1.0, seed=9)]
     prompts = (_ids(lm, PROMPTS) * 5)[:len(ps)]
     res = generate(lm.model, prompts, ps, EOS, max_batch=8, graphs=True).completions
-    assert lm.model.steps["decode"].mode == "graphs" and lm.model.steps["decode"].captured
+    assert steps_of(lm.model)["decode"].mode == "graphs" and steps_of(lm.model)["decode"].captured
     for c, p in zip(res, ps):
         if p.guide is gj:
             jsonschema.validate(json.loads(_text(lm, c)), SCHEMA)

@@ -11,7 +11,8 @@ import torch
 
 from deepinfer.engine.generate import Completion, SamplingParams, _record, generate
 from deepinfer.engine.loader import load_model
-from deepinfer.engine.runner import DecodeRunner, _describe_capture_failure, bucket_sizes
+from deepinfer.engine.graphs import bucket_sizes, describe_capture_failure
+from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.ops import ops
 
@@ -277,7 +278,7 @@ def test_capture_failure_names_the_op_or_function(lm, monkeypatch):
             except Exception:
                 raise RuntimeError("operation failed due to a previous error during capture")
         except RuntimeError as e:
-            return _describe_capture_failure(e, 4)
+            return describe_capture_failure(e, 4)
 
     msg = fail_in(lambda: ops.sample(torch.zeros(2, 5), torch.zeros(3), torch.zeros(2, dtype=torch.long),
                                      torch.ones(2), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)))
@@ -365,17 +366,28 @@ def test_model_prefill_in_chunks_equals_one_prefill(lm_exact):
 
 
 def test_generate_steps_are_freed_with_their_model():
-    """The decode runner and the speculative step (with their CUDA graphs) live in `model.steps`: a model that
-    generated is freed with them once nothing else refers to it (a module-level map keyed by the model kept
-    every model, its caches and graphs alive, since a runner refers to its model)."""
+    """The decode runner and the speculative step (with their CUDA graphs) are the engine's (`engine.steps`), not
+    the model's: the model holds none of them, and a model that generated is freed with them once nothing else
+    refers to it (a map keyed by the model would keep every model, its caches and graphs alive if a runner
+    referred to its model strongly)."""
     import gc
     import weakref
+
+    from deepinfer.engine.runner import DecodeRunner
+    from deepinfer.engine.speculative import SpecStep
+    from deepinfer.engine.steps import steps_of
 
     m = load_model(None, numerics="exact", dtype="float32", device="cpu", progress=False).model
     generate(m, PROMPTS[:2], SamplingParams(max_new_tokens=2), eos_id=1, max_batch=2)
     generate(m, PROMPTS[:1], SamplingParams(max_new_tokens=3), eos_id=1, max_batch=1, speculate=1)
-    assert set(m.steps) == {"decode", "speculative"}
+    held = steps_of(m)
+    assert isinstance(held["decode"], DecodeRunner) and isinstance(held["speculative"], SpecStep)
+    assert not any(isinstance(v, (DecodeRunner, SpecStep, dict)) for v in vars(m).values()), \
+        "the model holds engine state"
+    runner = held["decode"]
     gone = weakref.ref(m)
-    del m
+    del m, held
     gc.collect()
     assert gone() is None
+    with pytest.raises(RuntimeError, match="has been freed"):
+        runner.model

@@ -21,6 +21,7 @@ import torch
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
+from deepinfer.engine.steps import steps_of
 from deepinfer.model.verify import Snapshot
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY
@@ -541,7 +542,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
     for oracle in (False, True):
         if oracle:
             _oracle(monkeypatch, plain, PROMPTS)
-            lm.model.steps.pop("speculative", None)  # its graphs hold the drafter they were captured with
+            steps_of(lm.model).pop("speculative", None)  # its graphs hold the drafter they were captured with
         for slots in ((1, 3) if dtype == "bfloat16" else (3,)):
             g = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, graphs=True, speculate=k).completions
             e = generate(lm.model, PROMPTS, plist, eos_id=1, max_batch=slots, pad_to_buckets=True,
@@ -553,7 +554,7 @@ def test_gpu_speculate_with_graphs(numerics, dtype, k, monkeypatch):
             assert [c.token_ids for c in g] == [c.token_ids for c in plain], (oracle, k, slots)
             if oracle:
                 assert sum(c.spec_accepted for c in g) > 0
-            lm.model.steps.pop("speculative", None)
+            steps_of(lm.model).pop("speculative", None)
 
 
 @pytest.mark.gpu

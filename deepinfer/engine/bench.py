@@ -99,7 +99,7 @@ def build(opts: BenchOptions, device: torch.device, numerics) -> tuple[ModelConf
         source = f"preset {opts.preset or 'tiny'} (random weights, seed {opts.seed})"
     sync(device)
     t_weights = time.perf_counter() - t0
-    model = build_model(cfg, state, numerics, device)  # as the loader builds it: with the decode plan
+    model = build_model(cfg, state, numerics, device)  # as the loader builds it
     return cfg, model, state, source, t_weights
 
 
@@ -137,7 +137,8 @@ def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     graphs: replay the step as a captured CUDA graph (`DecodeRunner`); a capture failure is reported in
     the result (`graph_error`) and that row is timed eagerly instead -- never silently.
     """
-    from deepinfer.engine.runner import DecodeRunner, GraphCaptureError
+    from deepinfer.engine.graphs import GraphCaptureError
+    from deepinfer.engine.runner import DecodeRunner
 
     max_len = P + WARMUP_STEPS + K + 1
     model.allocate(B + 1, max_len)  # +1: the runner's spare row for bucket padding
@@ -192,7 +193,8 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     step while shorter than it), `json_accept_ms` the matchers' accept after the tokens are back (serial:
     on the step's critical path)."""
     from deepinfer.engine.guided import MaskBuffer
-    from deepinfer.engine.runner import DecodeRunner, GraphCaptureError
+    from deepinfer.engine.graphs import GraphCaptureError
+    from deepinfer.engine.runner import DecodeRunner
 
     V = cfg.vocab_size
     model.allocate(B + 1, P + WARMUP_STEPS + K + 1)
@@ -468,6 +470,8 @@ def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device,
     kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
     from torch.profiler import ProfilerActivity, profile
 
+    from deepinfer.engine.runner import DecodeRunner
+
     model.allocate(B, P + steps + 4)
     prompts = random_prompts(cfg, B, P, seed + 1).to(device)
     rows = torch.arange(B, device=device)
@@ -475,12 +479,13 @@ def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device,
         model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
     ids = random_prompts(cfg, (steps + 1) * B, 1, seed + 2).view(steps + 1, B, 1).to(device)
     pos = torch.full((B,), P, dtype=torch.long, device=device)
-    model.decode(ids[0], pos, rows)  # warm-up (compiles)
+    runner = DecodeRunner(model, B)  # eager, on the runner's side streams as the engine issues it
+    runner.decode(ids[0], pos, rows)  # warm-up (compiles)
     sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for s in range(1, steps + 1):
-            model.decode(ids[s], pos + s, rows)
+            runner.decode(ids[s], pos + s, rows)
         sync(device)
     key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]

@@ -18,6 +18,7 @@ from deepinfer.engine.memory import (CHUNK_BUDGET, MemoryRefused, auto_prefill_c
 from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
+from deepinfer.engine.steps import steps_of
 from deepinfer.model.transformer import Transformer
 
 
@@ -194,19 +195,20 @@ def plan_memory(model: Transformer, prompts: list[list[int]], rows: int, max_len
 
 def _runner(model: Transformer, slots: int, graphs: bool, pad_to_buckets: bool) -> DecodeRunner:
     """One runner per model, reused while the allocation, backend, slots and mode stay the same (graphs
-    are captured once, not per call). The model holds it (`model.steps`): a module-level map keyed by the
-    model kept every model alive with its caches and graphs, since a runner refers to its model."""
-    r = model.steps.get("decode")
+    are captured once, not per call); kept by the engine beside the model (`engine.steps`)."""
+    held = steps_of(model)
+    r = held.get("decode")
     if r is None or not r.valid_for(model, slots, graphs, pad_to_buckets):
-        r = model.steps["decode"] = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
+        r = held["decode"] = DecodeRunner(model, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
     return r
 
 
 def _spec_step(model: Transformer, k: int, slots: int, graphs: bool, pad_to_buckets: bool) -> SpecStep:
-    """One speculative step per model, reused and held as `_runner`'s (its graphs are captured once)."""
-    r = model.steps.get("speculative")
+    """One speculative step per model, reused and kept as `_runner`'s (its graphs are captured once)."""
+    held = steps_of(model)
+    r = held.get("speculative")
     if r is None or not r.valid_for(model, k, slots, graphs, pad_to_buckets):
-        r = model.steps["speculative"] = SpecStep(model, k, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
+        r = held["speculative"] = SpecStep(model, k, slots, graphs=graphs, pad_to_buckets=pad_to_buckets)
     return r
 
 

@@ -17,7 +17,6 @@ from deepinfer import settings
 from deepinfer.checkpoint import load_state, mtp_layers_present, open_checkpoint
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.engine.memory import check_model_fits
-from deepinfer.engine.schedule import Schedule
 from deepinfer.model.numerics import CURRENT_RELEASE, DTYPES, Numerics
 from deepinfer.model.transformer import Transformer
 from deepinfer.tokenizer import V4Tokenizer
@@ -117,10 +116,8 @@ def load_checkpoint(model: str | None, device: torch.device, progress: bool = Tr
 
 def build_model(cfg: ModelConfig, state: dict, numerics: Numerics, device,
                 expert_range: tuple[int, int] | None = None) -> Transformer:
-    """The model over `state` (its tensors are used, not copied), with the engine's decode plan."""
-    net = Transformer(cfg, state, numerics, device, expert_range=expert_range)
-    net.schedule = Schedule()
-    return net
+    """The model over `state` (its tensors are used, not copied)."""
+    return Transformer(cfg, state, numerics, device, expert_range=expert_range)
 
 
 def load_model(model: str | None = None, numerics: str = "official", dtype: str = "bfloat16",

@@ -34,7 +34,7 @@ def time_speculative(model, cfg, B: int, P: int, steps: int, k: int, device, see
                      graphs: bool = False) -> dict:
     """Prefill B rows of P tokens, then time `steps` speculative steps of K drafts (module docstring)."""
     from deepinfer.engine.bench import random_prompts
-    from deepinfer.engine.runner import GraphCaptureError
+    from deepinfer.engine.graphs import GraphCaptureError
     from deepinfer.engine.speculative import SpecStep
 
     max_len = P + (WARMUP_STEPS + steps) * (k + 1) + k + 1

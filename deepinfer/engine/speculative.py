@@ -31,8 +31,10 @@ import time
 
 import torch
 
-from deepinfer.engine.runner import CAPTURE_PRIORITY, GraphCaptureError, bucket_sizes
+from deepinfer.engine.graphs import StepGraphs
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.steps import model_ref
+from deepinfer.model.branch import Lanes
 from deepinfer.model.verify import Snapshot
 from deepinfer.ops import ops
 from deepinfer.ops.reference import DRAFT_SEED_SALT
@@ -56,21 +58,31 @@ class SpecStep:
     def __init__(self, model, k: int, max_batch: int, graphs: bool = False, pad_to_buckets: bool = False,
                  warmup_iters: int = 2):
         check_speculate(model, k)
-        self.model, self.k, self.max_batch = model, k, max_batch
+        self._model = model_ref(model)
+        self.k, self.max_batch = k, max_batch
         self.graphs = bool(graphs) and model.device.type == "cuda"
         self.bucketed = self.graphs or pad_to_buckets
-        self.warmup_iters = warmup_iters
         if model.rows < max_batch + 1:
             raise ValueError(f"speculative decoding needs {max_batch + 1} cache rows (max_batch + 1 spare); "
                              f"the model has {model.rows}")
         self.spare = model.rows - 1
         self._allocation = model.rope
         self._backend = ops.describe()
-        self.buckets: dict[int, dict] = {}
-        self.captured = False
-        if self.bucketed:
-            for b in bucket_sizes(max_batch):
-                self.buckets[b] = self._buffers(b)
+        self.lanes = Lanes(model.device)
+        self.steps = StepGraphs("speculative step", max_batch, self._inputs(), model.device, self.graphs,
+                                self.lanes, warmup_iters) if self.bucketed else None
+
+    @property
+    def model(self):
+        return self._model()
+
+    @property
+    def buckets(self) -> dict:
+        return self.steps.buckets if self.steps is not None else {}
+
+    @property
+    def captured(self) -> bool:
+        return self.steps is not None and self.steps.captured
 
     def valid_for(self, model, k: int, max_batch: int, graphs: bool, pad_to_buckets: bool = False) -> bool:
         want = bool(graphs) and model.device.type == "cuda"
@@ -122,86 +134,34 @@ class SpecStep:
         return q, ops.sample(logits, temp, top_k, top_p, seeds + DRAFT_SEED_SALT, pos)
 
     # ------------------------------------------------------------------------------------------
-    def _buffers(self, b: int) -> dict:
-        cfg, dev = self.model.cfg, self.model.device
-        f = dict(device=dev)
-        return {"size": b, "tokens": torch.zeros(b, dtype=torch.long, **f),
-                "positions": torch.zeros(b, dtype=torch.long, **f),
-                "rows": torch.full((b,), self.spare, dtype=torch.long, **f),
-                "mtp_logits": torch.zeros(b, cfg.vocab_size, dtype=torch.float32, **f),
-                "mtp_h": torch.zeros(b, cfg.hc_mult, cfg.dim, dtype=self.model.numerics.dtype, **f),
-                "temp": torch.zeros(b, dtype=torch.float32, **f), "top_k": torch.zeros(b, dtype=torch.long, **f),
-                "top_p": torch.ones(b, dtype=torch.float32, **f), "seeds": torch.zeros(b, dtype=torch.long, **f),
-                "graph": None, "out": None}
-
     _INPUTS = ("tokens", "positions", "rows", "mtp_logits", "mtp_h", "temp", "top_k", "top_p", "seeds")
 
-    def _load(self, bk: dict, args: tuple) -> None:
-        """Live rows first; padding after them: token 0 at position 0 of the spare row, greedy."""
-        n = args[0].size(0)
-        for name, t in zip(self._INPUTS, args):
-            bk[name][:n].copy_(t)
-        if n < bk["size"]:
-            for name in self._INPUTS:
-                buf = bk[name][n:]
-                buf.fill_(self.spare if name == "rows" else 1 if name == "top_p" else 0)
+    def _inputs(self) -> dict:
+        """The step's inputs for `StepGraphs`: name -> (tail shape, dtype, padding: token 0 at position 0 of
+        the spare row, greedy)."""
+        cfg, dt = self.model.cfg, self.model.numerics.dtype
+        return {"tokens": ((), torch.long, 0), "positions": ((), torch.long, 0), "rows": ((), torch.long, self.spare),
+                "mtp_logits": ((cfg.vocab_size,), torch.float32, 0), "mtp_h": ((cfg.hc_mult, cfg.dim), dt, 0),
+                "temp": ((), torch.float32, 0), "top_k": ((), torch.long, 0), "top_p": ((), torch.float32, 1),
+                "seeds": ((), torch.long, 0)}
 
     def bucket_for(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"a speculative step of {n} rows exceeds max_batch {self.max_batch}")
+        return self.steps.bucket_for(n)
 
-    @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket's step (largest first, one pool). No-op unless graphs."""
-        if not self.graphs or self.captured:
-            return
-        dev = self.model.device
-        torch.cuda.synchronize(dev)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=dev, priority=CAPTURE_PRIORITY)
-        for b in sorted(self.buckets, reverse=True):
-            bk = self.buckets[b]
-            args = [bk[name] for name in self._INPUTS]
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup_iters):
-                    self.forward(*args)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            main = torch.cuda.current_stream(dev)
-            try:
-                with torch.cuda.graph(g, pool=pool, stream=side):
-                    bk["out"] = self.forward(*args)
-            except Exception as e:  # noqa: BLE001 - one clear error
-                torch.cuda.set_stream(main)
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                raise GraphCaptureError(f"CUDA graph capture of the speculative step (batch bucket {b}) failed: "
-                                        f"{type(e).__name__}: {first}; run with --eager") from e
-            bk["graph"] = g
-        torch.cuda.synchronize(dev)
-        self.captured = True
+        if self.graphs:
+            self.steps.capture(self.forward)
 
     @torch.inference_mode()
     def __call__(self, *args) -> tuple:
         """`forward` on the live batch (args as `forward`'s, n rows): eager, bucketed, or a graph replay."""
-        n = args[0].size(0)
         if not self.bucketed:
-            return self.forward(*args)
+            with self.lanes.issuing():
+                return self.forward(*args)
         if self.model.rope is not self._allocation:
             raise RuntimeError("the model was re-allocated after this SpecStep was built: make a new one")
-        bk = self.buckets[self.bucket_for(n)]
-        self._load(bk, args)
-        if not self.graphs:
-            out = self.forward(*[bk[name] for name in self._INPUTS])
-        else:
-            if not self.captured:
-                self.capture()
-            bk["graph"].replay()
-            out = bk["out"]
-        return tuple(t[:n].clone() for t in out)
+        return self.steps.run(self.forward, dict(zip(self._INPUTS, args)))
 
 
 class SpecScheduler(Scheduler):

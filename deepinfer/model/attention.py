@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.capture import is_active, tap
 from deepinfer.config import ModelConfig
-from deepinfer.model.branch import Branch, Shared
+from deepinfer.model.branch import Branch, Shared, fork
 from deepinfer.model.compressor import Compressor
 from deepinfer.model.rope import rope_kind, rope_tail_
 from deepinfer.model.numerics import Numerics
@@ -227,33 +227,62 @@ class Attention:
     def __call__(self, x: torch.Tensor, ctx: StepContext, xq: tuple | None = None) -> torch.Tensor:
         """x [B, S, D] (after attn_norm; xq its act_quant when the caller fused it) -> [B, S, D].
 
-        The sub-steps in order on one stream. A decode step on CUDA issues the same sub-steps from
-        `deepinfer.engine.schedule` (which of them run beside each other on side streams); the values are
-        the same either way."""
+        The one order of the sub-steps. At decode, the work that reads only x (or only the positions) is
+        forked onto lanes (`deepinfer.model.branch.fork`): a lane runs beside the q path on a side stream when
+        the runner issuing the step supplies streams (`Lanes.issuing`, the engine's decode runner on CUDA), in
+        this order on one stream otherwise. The values are the same either way."""
         if ctx.pending is not None:  # speculative verify: reads the caches, writes none of them
             from deepinfer.model.verify import verify_attention
 
             return verify_attention(self, x, ctx, xq)
         cos, sin = ctx.rope_at_positions(self.rope_kind)
-        qa, kva = self.project(x, xq)
-        qr = self.q_lora(qa)
         if ctx.prefill:
+            qa, kva = self.project(x, xq)
+            qr = self.q_lora(qa)
             q = self.q_heads(qr, cos, sin)
             kv = self.kv_prefill(kva, ctx, cos, sin)
             self.tap_qkv(q, kv, ctx)
             o = (self._extend if ctx.start else self._prefill)(x, q, kv, qr, ctx, (cos, sin))
         else:
-            slots = self.select_decode(x, qr, ctx) if self.indexer is not None else None
-            q = self.q_heads(qr, cos, sin)
-            kv = self.kv_decode(kva, ctx, cos, sin)
-            if slots is None:
-                slots = self.window_slots(ctx)
-            self.tap_qkv(q, kv, ctx)
-            if self.compressor is not None:
-                self.compressor.decode(x, ctx)
-            o = self.attend_decode(q, ctx, slots, (cos, sin))
+            o = self._decode(x, ctx, xq, cos, sin)
         tap(self.name + ".core", o)
         return self.out(o)
+
+    def _decode(self, x: torch.Tensor, ctx: StepContext, xq: tuple | None, cos, sin) -> torch.Tensor:
+        """One token per row, x [B, 1, D] -> the attention's core output [B, 1, H, hd]. Beside the q path
+        (project -> q_lora -> q_heads), on lanes: HCA's entry compressor; CSA's indexer keys and head weights,
+        then the indexer's top-k; SWA / HCA's kv norm, cache write and window slots. CSA's kv write and entry
+        compressor stay on the q path: with the entry compressor on a lane too, the lanes were the step's
+        critical path, about twice the q path at flash shapes (docs/perf-log.md, "Decode on two streams").
+        Every lane is joined before the sparse attention reads the cache."""
+        csa, hca = self.indexer is not None, self.compressor is not None and self.indexer is None
+        b_entry = fork(x, on=hca, lane="compressor")
+        if hca:
+            with b_entry:
+                self.compressor.decode(x, ctx)
+        b_keys = fork(x, on=csa, lane="indexer_keys")
+        w_ix = None
+        if csa:
+            with b_keys:
+                w_ix = self.indexer.start_decode(x, ctx)
+        qa, kva = self.project(x, xq)
+        qr = self.q_lora(qa)
+        b_kv = fork(x, on=not csa, lane="kv")
+        if not csa:  # SWA / HCA: kv norm, cache write and window slots need kva and the positions only
+            with b_kv:
+                kv = self.kv_decode(kva, ctx, cos, sin)  # into the cache, where the attention reads it
+                slots = self.window_slots(ctx)
+        b_top = fork(x, on=csa, lane="indexer")
+        if csa:
+            with b_top:
+                slots = self.select_decode(x, qr, ctx, w=w_ix, early=b_keys)
+        q = self.q_heads(qr, cos, sin)
+        if csa:
+            kv = self.kv_decode(kva, ctx, cos, sin)
+            self.compressor.decode(x, ctx)
+        if is_active():  # debug capture: no lane is on a side stream, kv is ready
+            self.tap_qkv(q, kv, ctx)
+        return self.attend_decode(q, ctx, slots, (cos, sin), branches=(b_entry, b_keys, b_top, b_kv))
 
     # ---------------------------------------------------------------------------------- sub-steps
     def project(self, x: torch.Tensor, xq: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,14 +3,16 @@
 A batch-1 decode step is ~170 small kernels in a row, most of them latency-bound (a few us of ramp and
 drain each), so work that does not depend on its neighbours can run beside them: hc_pre's Sinkhorn comb
 beside the sub-layer (only hc_post reads it), the shared expert beside the routing and the routed
-experts, the compressors and the lightning indexer beside the q projections. `fork(x)` gives a `Branch`:
-inside `with br:` ops are issued on the branch stream, which first waits for everything issued so far on
-the current stream; `br.join(*outs)` makes the current stream wait for the branch. Captured into a CUDA
-graph this is a fork / join of graph nodes, so a replay runs both chains concurrently. Which sub-steps of
-the model fork, and onto which lane, is the engine's plan (`deepinfer/engine/schedule.py`).
+experts, the compressors and the lightning indexer beside the q projections.
 
-With branches a flash-slice:4 decode step (graphs) is faster at batch 1 and at batch 64 than one chain
-(docs/perf-log.md, "Decode on two streams").
+The model writes its order once and marks such work with `fork(x, lane=...)`, which gives a `Branch`:
+inside `with br:` ops are issued on the lane's stream, which first waits for everything issued so far on
+the current stream; `br.join(*outs)` makes the current stream wait for the branch. The streams belong to the
+runner that issues the step, not to the model (as nano-vllm's runner owns its graphs): a `Lanes` holds one
+device's side streams, and only inside `with lanes.issuing():` does a fork leave the current stream. Captured
+into a CUDA graph this is a fork / join of graph nodes, so a replay runs both chains concurrently.
+Outside a runner's `issuing` (a direct `model.decode`, the debug tools) every fork is a no-op and the model
+runs its order on one stream.
 
 The results do not depend on it: the same kernels read the same inputs. The Triton backend's split-K
 tile counters are per stream (`_common.tile_counters`), so concurrent kernels never share them.
@@ -26,29 +28,48 @@ order), or with DEEPINFER_BRANCHES=0 (read per fork: A/B in fresh processes, tes
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from deepinfer import settings
 from deepinfer.capture import is_active
 
 ENV = "DEEPINFER_BRANCHES"
-_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_issuing: "Lanes | None" = None  # the lanes of the step being issued (`Lanes.issuing`)
 _open: list["Branch"] = []  # branches whose `with` block is being issued (innermost last)
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Would `fork(x)` run on a second stream: x on CUDA, no debug capture, DEEPINFER_BRANCHES not 0."""
+    """Could a fork of x run on a second stream: x on CUDA, no debug capture, DEEPINFER_BRANCHES not 0 (whether
+    it does also needs a runner's `Lanes.issuing`)."""
     return x.is_cuda and not is_active() and settings.flag(ENV)
 
 
-def _stream(device: torch.device, lane: str) -> torch.cuda.Stream:
-    """The device's stream for `lane`: one per (device, lane) for the process, so a graph's warm-up and its
-    capture use the same ones (and the same split-K counters)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    s = _streams.get((index, lane))
-    if s is None:
-        s = _streams[(index, lane)] = torch.cuda.Stream(device=index)
-    return s
+class Lanes:
+    """The side streams a runner issues one device's steps on: one per `lane_stream` name, made on first use
+    and kept, so a graph's warm-up and its capture use the same streams (and the same split-K counters)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def stream(self, name: str) -> torch.cuda.Stream:
+        s = self._streams.get(name)
+        if s is None:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            s = self._streams[name] = torch.cuda.Stream(device=index)
+        return s
+
+    @contextlib.contextmanager
+    def issuing(self):
+        """Forks made inside run on these lanes' streams (those of a CUDA tensor on this device)."""
+        global _issuing
+        prev, _issuing = _issuing, self
+        try:
+            yield self
+        finally:
+            _issuing = prev
 
 
 class Branch:
@@ -106,11 +127,19 @@ def lane_stream(lane: str) -> str:
 
 
 def fork(x: torch.Tensor, on: bool = True, lane: str = "side") -> Branch:
-    """A branch for work on x's device: the stream of `lane` (`lane_stream`) when `on` and `enabled(x)`, else a
-    no-op branch."""
-    if not (on and enabled(x)):
+    """A branch for work on x's device: the stream of `lane` (`lane_stream`) of the lanes being issued when `on`,
+    `enabled(x)` and a runner is issuing the step on x's device (`Lanes.issuing`), else a no-op branch."""
+    lanes = _issuing
+    if not (on and lanes is not None and enabled(x) and _same_device(lanes.device, x.device)):
         return Branch(None)
-    return Branch(_stream(x.device, lane_stream(lane)))
+    return Branch(lanes.stream(lane_stream(lane)))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _record(obj, stream: torch.cuda.Stream) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.capture import tap
 from deepinfer.config import ModelConfig
+from deepinfer.model.branch import fork
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
 from deepinfer.quant.formats import float_to_e8m0
@@ -219,13 +220,22 @@ class MoE:
         self.dispatch = self.dispatch_local
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
-        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]: the shared
-        expert, the routing, the routed experts, their sum in float32. `deepinfer.engine.schedule` issues the
-        same sub-steps with the shared expert beside the routed ones and the sum fused into hc_post."""
-        xt = x.reshape(-1, x.size(-1))
-        shared = self.shared_expert(xt, xq)
-        routed = self.routed(xt, input_ids, xq)
+        """x [B, S, D], input_ids [B, S] (xq: x's act_quant, for the shared expert) -> [B, S, D]: `parts`, then
+        their sum in float32 (`Block` fuses the sum into the mHC post-mix instead)."""
+        routed, shared = self.parts(x, input_ids, xq)
         return ops.moe_combine(routed, shared, x.dtype).view(x.shape)
+
+    def parts(self, x: torch.Tensor, input_ids: torch.Tensor, xq: tuple | None = None, decode: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert, the routing, the routed experts: x [B, S, D] -> (routed [T, k, D] (or [T, 1, D],
+        expert parallelism), shared [T, D]), T = B * S. decode: the shared expert on a lane beside the routed
+        ones (`deepinfer.model.branch.fork`: a side stream when the runner supplies one)."""
+        xt = x.reshape(-1, x.size(-1))
+        br = fork(xt, on=decode, lane="shared_expert")
+        with br:
+            shared = self.shared_expert(xt, xq)
+        routed = self.routed(xt, input_ids, xq)
+        return routed, br.join(shared)
 
     def shared_expert(self, xt: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
         """xt [T, D] (xq: its act_quant) -> the shared expert's rows [T, D]."""

@@ -13,9 +13,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from deepinfer.capture import tap
+from deepinfer.capture import is_active, tap
 from deepinfer.config import ModelConfig
 from deepinfer.model.attention import Attention, StepContext
+from deepinfer.model.branch import fork
 from deepinfer.model.moe import MoE
 from deepinfer.model.numerics import Numerics
 from deepinfer.model.rope import RopeTables
@@ -48,14 +49,29 @@ class Block:
 
     def __call__(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
         """h [B, S, hc, D] streams -> [B, S, hc, D]: for attention then the MoE, the mHC pre-mix (collapse
-        to one stream, RMSNorm), the sub-layer, the mHC post-mix back into the streams. In order on one
-        stream; `deepinfer.engine.schedule` issues the same sub-steps with side streams and fusions."""
+        to one stream, RMSNorm), the sub-layer, the mHC post-mix back into the streams.
+
+        The one order of a block. At decode (not a speculative verify), the Sinkhorn rounds of post and comb
+        are forked onto the "hc" lane, joined at the post-mix, and the MoE forks its shared expert
+        (`MoE.parts`); a lane runs on a side stream only when the runner issuing the step supplies streams
+        (`deepinfer.model.branch.Lanes`). The MoE's float32 sum of routed and shared rows is fused with the
+        post-mix (`ops.moe_combine_post`, the bits of `moe_combine` then `hc_post`), except under a debug
+        capture, whose taps read the MoE's output."""
+        decode = not ctx.prefill and ctx.pending is None
         for sub in ("attn", "ffn"):
             tap(f"{self.name}.hc_{sub}.in", h)
-            x, xq, post, comb = self.mix_in(sub, h, ctx)
-            x = self.attn(x, ctx, xq) if sub == "attn" else self.ffn(x, input_ids, xq)
+            br = fork(h, on=decode, lane="hc")
+            x, xq, post, comb = self.mix_in(sub, h, ctx, side=br if br.active else None)
+            if sub == "attn":
+                x = self.attn(x, ctx, xq)
+            else:
+                routed, shared = self.ffn.parts(x, input_ids, xq, decode=decode)
+                if x.dtype == h.dtype and not is_active():  # the sum and the post-mix in one launch
+                    h = ops.moe_combine_post(routed, shared, h, *br.join(post, comb))
+                    continue
+                x = ops.moe_combine(routed, shared, x.dtype).view(x.shape)
             tap(f"{self.name}.{sub}.out", x)
-            h = ops.hc_post(x, h, post, comb)
+            h = ops.hc_post(x, h, *br.join(post, comb))
             tap(f"{self.name}.hc_{sub}.out", h)
         return h
 
@@ -141,12 +157,6 @@ class Transformer:
             raise ValueError(f"{len(unused)} checkpoint tensors were not used by the model: {sorted(unused)[:5]}")
         self.rope = None
         self.rows = self.max_seq_len = 0
-        # how the blocks' sub-steps are issued: None, in order on one stream; the engine sets its plan
-        # (`deepinfer.engine.schedule.Schedule`: side streams and fusions, the same values)
-        self.schedule = None
-        # the engine's steps built for this model and its allocation (decode runner, speculative step, with
-        # their CUDA graphs), held here so they are freed with the model (`deepinfer.engine.generate`)
-        self.steps: dict = {}
 
     def attentions(self):
         return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
@@ -207,7 +217,7 @@ class Transformer:
         h = torch.index_select(table, 0, input_ids.reshape(-1)).view(B, S, self.cfg.hc_mult, D)
         for i, layer in enumerate(self.layers):
             ops.layer = i  # the op sites of this block (`Dispatcher.override_sites`, `deepinfer bisect`)
-            h = layer(h, ctx, input_ids) if self.schedule is None else self.schedule.block(layer, h, ctx, input_ids)
+            h = layer(h, ctx, input_ids)
         ops.layer = None
         return h
 
