@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deepinfer.engine.bench import BenchOptions, run_bench
+from deepinfer.bench.run import BenchOptions, run_bench
 from deepinfer.engine.loader import OptionError
 from deepinfer.outpath import atomic_write, check_output
 from deepinfer_cli import common

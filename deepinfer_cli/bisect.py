@@ -11,6 +11,7 @@ from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, parse
 from deepinfer.debug.margin import parse_spec, spec_str
 from deepinfer.engine.loader import resolve_device
 from deepinfer.model.numerics import Numerics
+from deepinfer.ops.registry import check_runs_on
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import handle_errors
@@ -59,7 +60,7 @@ def bisect_cmd(
     layers = by_numerics or by_kv
     if not layers:  # before any load: the test's backends must run here
         for b in {test_backend, *ts["ops"].values()}:
-            common.check_backend_runs(b, resolve_device(rs["device"]), rs["dtype"], "--test backend")
+            check_runs_on(b, resolve_device(rs["device"]), rs["dtype"], "--test backend")
         impl = backend_impls(test_backend, ts["ops"])
     lm = common.setup_spec(model, rs, progress=not as_json)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")

@@ -6,7 +6,6 @@ import sys
 
 import typer
 
-from deepinfer import settings
 from deepinfer.engine.loader import LoadedModel, load_model, resolve_device
 from deepinfer.ops import ops
 from deepinfer_cli.errors import UserError
@@ -48,38 +47,21 @@ def check_prompt(text: str, mode: str = "raw", where: str = "PROMPT") -> None:
                         "to read it from stdin")
 
 
-def check_backend_runs(backend: str, dev, dtype: str, what: str = "--backend") -> None:
-    """Refuse a backend that cannot run (or would lie) on `dev` in `dtype`: a kernel backend needs CUDA, or
-    Triton's interpreter, which computes a bf16 tl.dot wrongly."""
-    interpreted = backend == "triton" and settings.triton_interpreted()
-    if backend != "torch" and dev.type != "cuda" and not interpreted:
-        from deepinfer.ops.registry import BackendError
-
-        raise BackendError(f"{what} {backend} needs a CUDA device (device is {dev}; on a CPU, TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
-    if interpreted and dev.type != "cuda" and dtype == "bfloat16":
-        raise UserError(f"{what} triton under TRITON_INTERPRET=1 with --dtype bfloat16: Triton's interpreter "
-                        "computes a bf16 tl.dot wrongly (logits off by 70-140 %), so this run would lie; use "
-                        "--dtype float32 or float16 here, or run bf16 on a GPU")
-
-
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
           device: str | None, progress: bool = True, flaggems: str | None = None,
-          op_map: str | None = None, kv: str | None = None) -> LoadedModel:
+          op_map: dict[str, str] | str | None = None, kv: str | None = None) -> LoadedModel:
     """Choose the backend and per-op map (before any compute, so --strict fails early), enable a FlagGems
     allow-list once the device is chosen, then load the model."""
-    from deepinfer.engine.flaggems import enable_flaggems, parse_names
+    from deepinfer.engine.flaggems_aten import enable_flaggems, parse_names
 
     dev = resolve_device(device)
     ops.configure(backend or None, strict if strict else None, op_map)
-    for b in ops.backends():
-        check_backend_runs(b, dev, dtype, "--backend" if b == ops.backend else "--op backend")
+    ops.check_device(dev, dtype)
     enable_flaggems(parse_names(flaggems), dev)
     return load_model(model, numerics, dtype, str(dev), progress=progress, kv=kv)
 
 
 def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedModel:
     """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
-    from deepinfer.ops.registry import op_map_str
-
     return setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
-                 op_map=op_map_str(spec.get("ops") or {}) or None, kv=spec.get("kv"))
+                 op_map=spec.get("ops") or None, kv=spec.get("kv"))

@@ -137,7 +137,7 @@ def _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dty
     """`dump --engine transformers`: the same prompt, steps and schema from transformers (exact numerics)."""
     from deepinfer.debug.hf_dump import MISSING_TAPS, run_hf_dump
     from deepinfer.engine.loader import load_checkpoint, resolve_device
-    from deepinfer.engine.peer import build_hf_peer, require_transformers
+    from deepinfer.hf.model import build_hf_peer, require_transformers
     from deepinfer.model.weights import DTYPES
     from deepinfer.tokenizer import V4Tokenizer
 

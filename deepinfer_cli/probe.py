@@ -166,7 +166,7 @@ def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-sepa
     """FlagGems: resolve op names, enable only those, check each registered op against PyTorch; --screen: the
     allow-list from the model's own ATen calls."""
     if screen:
-        from deepinfer.debug.fg_screen import run_screen
+        from deepinfer.debug.flaggems_screen import run_screen
 
         err = Console(stderr=True)
         d = run_screen(model, backend, device, steps=steps, budget=budget, out=out, per_op=per_op,

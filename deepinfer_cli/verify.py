@@ -54,7 +54,7 @@ def verify_cmd(
         return _verify_official(prompt, official_dir, model, backend, op_map, steps, device, as_json)
     if official_dir is not None:
         raise ValueError("--official-dir is for --against official")
-    from deepinfer.engine.peer import require_transformers
+    from deepinfer.hf.model import require_transformers
 
     require_transformers()
     text = common.read_prompt(prompt)

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from deepinfer.checkpoint.reader import expected_storage
 from deepinfer.config import ConfigError, tiny_config
-from deepinfer.engine.bench import BenchOptions, run_bench
-from deepinfer.engine.floor import expected_distinct, floors, model_bytes
-from deepinfer.engine.peer import hf_name
+from deepinfer.bench.run import BenchOptions, run_bench
+from deepinfer.bench.floor import expected_distinct, floors, model_bytes
+from deepinfer.hf.model import hf_name
 from deepinfer.engine.random_weights import random_state
 from deepinfer.model.transformer import Transformer
 from deepinfer.model.weights import Numerics
@@ -228,7 +228,7 @@ def test_cli_bad_options():
 
 def test_op_flops_count_useful_work_only():
     """FLOPs per op call from its arguments: padding rows (e = -1) and empty index slots (-1) count 0."""
-    from deepinfer.engine.oprates import op_flops, op_shape
+    from deepinfer.bench.oprates import op_flops, op_shape
 
     a = torch.zeros(6, 256)
     assert op_flops("fp8_gemm", (a, None, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
@@ -246,7 +246,7 @@ def test_op_flops_count_useful_work_only():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_op_rates_time_a_real_gemm():
-    from deepinfer.engine.oprates import op_rates, summarize
+    from deepinfer.bench.oprates import op_rates, summarize
     from deepinfer.ops import ops
 
     ops.configure("torch")

@@ -70,9 +70,9 @@ def test_help_lists_commands_with_example():
 
 
 def _real_structure_table():
-    """FlagGems 5.0.2's _FULL_CONFIG rebuilt from the copy in deepinfer/debug/fg_table_data.py (flag_gems does not
+    """FlagGems 5.0.2's _FULL_CONFIG rebuilt from the copy in deepinfer/debug/flaggems_table.py (flag_gems does not
     import without a GPU): its real keys, each bound to a stand-in function with the real function's name."""
-    from deepinfer.debug.fg_table_data import FULL_CONFIG
+    from deepinfer.debug.flaggems_table import FULL_CONFIG
 
     def fn(name):
         f = lambda *a, **k: None  # noqa: E731
@@ -90,7 +90,7 @@ def test_flaggems_allow_list(monkeypatch):
 
     import pytest
 
-    from deepinfer.engine.flaggems import enable_flaggems
+    from deepinfer.engine.flaggems_aten import enable_flaggems
     from deepinfer.engine.loader import OptionError
 
     if "flag_gems" not in sys.modules:

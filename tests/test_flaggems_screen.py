@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from deepinfer.debug import fg_screen as S
+from deepinfer.debug import flaggems_screen as S
 from deepinfer_cli.app import app
 
 runner = CliRunner()
@@ -103,7 +103,7 @@ def test_table_copy_matches_flaggems_source():
         import flaggems_table
     finally:
         sys.path.pop(0)
-    from deepinfer.debug.fg_table_data import FULL_CONFIG, VERSION
+    from deepinfer.debug.flaggems_table import FULL_CONFIG, VERSION
 
     real = flaggems_table.read_table(FG_SRC)
     assert [(k, s, c) for k, s, c in FULL_CONFIG] == real
@@ -184,7 +184,7 @@ def test_a_slow_op_is_too_slow_and_a_fresh_worker_takes_the_rest(tmp_path):
 
 # ------------------------------------------------------------------------------------------ allow-list file
 def test_allow_list_file_round_trips_through_flaggems_yaml_form_and_the_option(tmp_path, monkeypatch):
-    from deepinfer.engine.flaggems import parse_names
+    from deepinfer.engine.flaggems_aten import parse_names
     from deepinfer.engine.loader import OptionError
     from deepinfer.outpath import atomic_write
 
@@ -233,7 +233,7 @@ class _FakeFlagGems(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        from deepinfer.debug.fg_table_data import FULL_CONFIG
+        from deepinfer.debug.flaggems_table import FULL_CONFIG
 
         self.imported_under.append(_current[0])
 
@@ -252,7 +252,7 @@ _current = [None]
 def test_flag_gems_is_imported_only_under_the_chosen_device(monkeypatch):
     """The field notes: `import flag_gems` creates a CUDA context, and 8 ranks landed on device 0. enable_flaggems
     refuses a non-CUDA device before importing, and imports under torch.cuda.device(<the chosen device>)."""
-    from deepinfer.engine.flaggems import enable_flaggems
+    from deepinfer.engine.flaggems_aten import enable_flaggems
     from deepinfer.engine.loader import OptionError
 
     finder = _FakeFlagGems()

@@ -11,7 +11,7 @@ the floor's helpers, so a miscounted format (an FP4 weight as 1 B, say) fails he
 
 import pytest
 
-from deepinfer.engine.floor import floors, model_bytes
+from deepinfer.bench.floor import floors, model_bytes
 from deepinfer.presets import preset_config
 
 BW, RATE = 1e12, 1e15  # any rates: only bytes are checked

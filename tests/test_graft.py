@@ -36,12 +36,14 @@ def test_identical_configuration_adds_nothing(ref_dump):
 def test_planted_divergence_is_named_at_its_layer(ref_dump):
     ops.configure("torch")
     model = load_model(None, "official", "float32", "cpu", progress=False).model
-    ref = REGISTRY["hc_post"].ref
 
-    def perturbed(*a, **k):
-        return ref(*a, **k) * 1.01
+    def perturbed(name):
+        ref = REGISTRY[name].ref
+        return lambda *a, **k: ref(*a, **k) * 1.01
 
-    ops.override_sites({("hc_post", 2): perturbed})
+    # both post-mixes of layer 2: the attention's (`hc_post`) and the MoE's, which the block fuses with the
+    # sum of routed and shared rows (`moe_combine_post`) as the engine runs it
+    ops.override_sites({("hc_post", 2): perturbed("hc_post"), ("moe_combine_post", 2): perturbed("moe_combine_post")})
     try:
         with DumpReader(ref_dump) as d:
             res = graft(model, d)

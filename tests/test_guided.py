@@ -394,7 +394,7 @@ def test_missing_xgrammar_is_one_line_naming_the_extra(monkeypatch):
 # ------------------------------------------------------------------------------------ bench
 def test_bench_guided_runs(lm, compiler):
     """`bench --guided`'s measurement at tiny shapes (the numbers mean something on the H200 only)."""
-    from deepinfer.engine.bench import time_guided
+    from deepinfer.bench.timing import time_guided
 
     out = time_guided(lm.model, lm.cfg, 2, 8, 2, lm.model.device, 0, compiler)
     for mode in ("off", "all_ones", "json"):

@@ -107,7 +107,7 @@ def test_probe_tilelang_names_tile_kernels_and_the_extra():
 
 
 def test_flaggems_name_resolution():
-    from deepinfer.engine.flaggems import resolve_op_names
+    from deepinfer.engine.flaggems_aten import resolve_op_names
 
     ok, bad = resolve_op_names(["softmax", "add", "rmsnorm"], ["_softmax", "add", "rms_norm", "log_softmax"])
     assert ok == ["add"]

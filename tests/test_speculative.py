@@ -22,7 +22,7 @@ from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
 from deepinfer.engine.steps import steps_of
-from deepinfer.model.verify import Snapshot
+from deepinfer.model.spec_verify import Snapshot
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY
 
@@ -663,7 +663,7 @@ def test_cli_bench_speculate():
 
     from typer.testing import CliRunner
 
-    from deepinfer.engine.spec_bench import expected_tokens
+    from deepinfer.bench.speculative import expected_tokens
     from deepinfer_cli.app import app
 
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0

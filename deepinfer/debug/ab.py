@@ -263,7 +263,7 @@ def ceilings(device: torch.device) -> dict:
     """The device's measured ceilings, once per process: copy bandwidth (B/s), bf16 and fp8 matmul
     FLOP/s (`deepinfer bench`'s measurements)."""
     if not _CEILINGS:
-        from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul
+        from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul
 
         _CEILINGS.update(bandwidth=measure_bandwidth(device), bf16=measure_matmul(device)[0],
                          fp8=measure_fp8_matmul(device))
@@ -274,7 +274,7 @@ def rate(cr: "CaseResult", args, kwargs, outs, ms: float) -> None:
     """Fill time, GB/s, TFLOP/s and the roofline fraction of a benched case: the achieved time against
     the larger of its bytes over the measured copy bandwidth and its FLOPs over the measured matmul
     rate of its MMA kind (FP8 for the FP8/FP4 GEMMs, bf16 otherwise)."""
-    from deepinfer.engine.oprates import FP8_CEILING_OPS, op_flops
+    from deepinfer.bench.oprates import FP8_CEILING_OPS, op_flops
 
     c = ceilings(torch.device("cuda"))
     nbytes = io_bytes(cr.op, args, kwargs, outs)

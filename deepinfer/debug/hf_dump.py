@@ -1,7 +1,7 @@
 """Dumps from transformers' `DeepseekV4ForCausalLM` under our tap names, so `compare` and `margin` work across
 engines (`deepinfer dump --engine transformers`, `deepinfer verify`).
 
-The model is built from the same checkpoint tensors (`deepinfer.engine.peer.build_hf_peer`, dequantised: what
+The model is built from the same checkpoint tensors (`deepinfer.hf.model.build_hf_peer`, dequantised: what
 our `exact` numerics compute) and run with its own cache: the prompt, then greedy decode steps. Forward hooks
 write, per layer L (decode steps under the `stepK.` prefix, as `deepinfer dump`):
 

@@ -20,13 +20,14 @@ import sys
 
 import torch
 
-from deepinfer.engine.flaggems import enable_only, resolve_op_names
+from deepinfer.engine.flaggems_aten import enable_only, resolve_op_names
 from deepinfer.ops.registry import (
     BACKENDS,
     BY_DESIGN,
     REGISTRY,
     _ensure_reference,
     backend_available,
+    backend_facts,
     default_backend,
 )
 
@@ -48,10 +49,12 @@ def _dist_version(*names: str) -> tuple[str | None, str | None]:
 
 # ------------------------------------------------------------------------------------------- kernels
 _IMPL_RX = re.compile(r"""implement\(\s*["'](\w+)["']\s*,\s*["'](\w+)["']""")
+_COMPOSE_RX = re.compile(r"""compose\(\s*["'](\w+)["']\s*,\s*[(\[]([^)\]]*)[)\]]""")  # registry.compose(backend, (ops))
 
 
 def _static_impls(backend: str) -> set[str]:
-    """Op names a backend's sources register (`@implement("op", "backend")`), found without importing."""
+    """Op names a backend's sources register (`@implement("op", "backend")`, and the fused ops it has the registry
+    compose, `registry.compose("backend", (...))`), found without importing."""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepinfer_kernels", backend)
     found = set()
     if not os.path.isdir(root):
@@ -64,6 +67,9 @@ def _static_impls(backend: str) -> set[str]:
                 except OSError:
                     continue
                 found |= {op for op, b in _IMPL_RX.findall(src) if b == backend}
+                for b, names in _COMPOSE_RX.findall(src):
+                    if b == backend:
+                        found |= set(re.findall(r"""["'](\w+)["']""", names))
     return found
 
 
@@ -206,19 +212,19 @@ def _subprocess_checks(what: str, device: str, interpret: bool, timeout: float =
 
 
 def _pdl_check(cuda: bool) -> dict:
-    """Whether the Triton kernels launch with programmatic dependent launch here (`deepinfer_kernels.triton.
-    _common.pdl`): needs grid dependency control in this Triton, an sm_90+ CUDA device, DEEPINFER_PDL != 0."""
+    """Whether the Triton kernels launch with programmatic dependent launch here (`registry.backend_facts`):
+    needs grid dependency control in this Triton, an sm_90+ CUDA device, DEEPINFER_PDL != 0."""
     row = {"check": "programmatic dependent launch", "mode": "in process", "value": False}
     try:
-        from deepinfer_kernels.triton import _common as kc
+        f = backend_facts("triton", torch.device("cuda") if cuda else torch.device("cpu"))
     except Exception as e:  # noqa: BLE001 - reported as the row's failure
         return {**row, "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"}
-    if not kc._PDL_TRITON:
+    if not f["pdl_triton"]:
         return {**row, "status": "skip",
                 "detail": "this Triton has no grid dependency control (gdc_wait / launch_pdl): kernels launch plainly"}
-    if not kc._PDL_ON:
-        return {**row, "status": "skip", "detail": f"supported, turned off by {kc.PDL_ENV}=0"}
-    if cuda and kc.pdl():
+    if not f["pdl_enabled"]:
+        return {**row, "status": "skip", "detail": f"supported, turned off by {f['pdl_env']}=0"}
+    if cuda and f["pdl"]:
         cap = "sm_%d%d" % torch.cuda.get_device_capability()
         return {**row, "status": "pass", "value": True, "detail": f"every kernel launch on this {cap} device uses it"}
     here = "no CUDA device"
@@ -229,18 +235,17 @@ def _pdl_check(cuda: bool) -> dict:
 
 
 def _vendor_gemm_check(cuda: bool) -> dict:
-    """Which GEMM the Triton backend's `fp8_gemm` runs at prefill-sized M here (`deepinfer_kernels.triton.
-    gemm_vendor`): cuBLASLt's block-scaled FP8 GEMM on sm_90, else the Triton TMA kernel, with the reason."""
+    """Which GEMM the Triton backend's `fp8_gemm` runs at prefill-sized M here (`registry.backend_facts`):
+    cuBLASLt's block-scaled FP8 GEMM on sm_90, else the Triton TMA kernel, with the reason."""
     row = {"check": "prefill FP8 GEMM", "mode": "in process", "value": None}
     try:
-        from deepinfer_kernels.triton import gemm_vendor as gv
-
-        used = gv.used_for(torch.device("cuda") if cuda else torch.device("cpu"))
+        f = backend_facts("triton", torch.device("cuda") if cuda else torch.device("cpu"))
+        used, min_m = f["fp8_prefill_gemm"], f["fp8_prefill_min_m"]
     except Exception as e:  # noqa: BLE001 - reported as the row's failure
         return {**row, "status": "fail", "detail": f"{type(e).__name__}: {_first_line(e)}"}
     if used == "cublaslt":
         return {**row, "status": "pass", "value": used,
-                "detail": "cuBLASLt block-scaled FP8 (1x128 / 128x128 scales) for M >= %d" % gv.MIN_M}
+                "detail": "cuBLASLt block-scaled FP8 (1x128 / 128x128 scales) for M >= %d" % min_m}
     why = used.split(': ', 1)[1]
     if not cuda:  # nothing was chosen or run here: which GEMM a GPU would take is not known on this machine
         return {**row, "status": "skip", "value": None, "detail": f"not run: {why}"}

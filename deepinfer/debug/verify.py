@@ -63,7 +63,7 @@ def verify(model_dir: str | None, prompt_ids: list[int], steps: int, out_dir: st
     from deepinfer.debug.hf_dump import run_hf_dump
     from deepinfer.debug.margin import measure
     from deepinfer.engine.loader import build_model, load_checkpoint, resolve_device, resolve_numerics
-    from deepinfer.engine.peer import build_hf_peer, require_transformers
+    from deepinfer.hf.model import build_hf_peer, require_transformers
     from deepinfer.ops import ops
     from deepinfer.outpath import check_output_dir
 

@@ -168,6 +168,42 @@ class StepGraphs:
         return _rows(bk.out, n, copy=True)
 
 
+class GraphedStep:
+    """What the decode runner and the speculative step share: a weak reference to their model (`engine.steps`),
+    the allocation and backend they were built for, the lanes they issue on, and their `StepGraphs` (`steps`,
+    None unless bucketed). Subclasses build `steps` and say which settings they serve (`valid_for`)."""
+
+    def __init__(self, model, max_batch: int, graphs: bool, pad_to_buckets: bool):
+        from deepinfer.engine.steps import model_ref
+
+        self._model = model_ref(model)
+        self.max_batch = max_batch
+        self.graphs = bool(graphs) and model.device.type == "cuda"
+        self.bucketed = self.graphs or pad_to_buckets
+        self.lanes = Lanes(model.device)
+        self._allocation = model.rope  # `allocate` builds new RopeTables (and new caches)
+        self._backend = ops.describe()  # the backend and the per-op map the graphs captured
+        self.steps: StepGraphs | None = None
+
+    @property
+    def model(self):
+        return self._model()
+
+    @property
+    def buckets(self) -> dict:
+        return self.steps.buckets if self.steps is not None else {}
+
+    @property
+    def captured(self) -> bool:
+        return self.steps is not None and self.steps.captured
+
+    def same_build(self, model, graphs: bool) -> bool:
+        """Built for this model's current allocation, the current backend and per-op map, and this mode."""
+        want_graphs = bool(graphs) and model.device.type == "cuda"
+        return (model is self.model and model.rope is self._allocation and ops.describe() == self._backend
+                and want_graphs == self.graphs)
+
+
 def _rows(out, n: int, copy: bool):
     if isinstance(out, tuple):
         return tuple(_rows(t, n, copy) for t in out)

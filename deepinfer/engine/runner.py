@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.graphs import StepGraphs
-from deepinfer.engine.steps import model_ref
-from deepinfer.model.branch import Lanes
-from deepinfer.ops import ops
+from deepinfer.engine.graphs import GraphedStep, StepGraphs
 
 
-class DecodeRunner:
+class DecodeRunner(GraphedStep):
     """Owns the decode step of one model allocation.
 
     model: a `Transformer` allocated with at least `max_batch + 1` rows (the last one is the spare row).
@@ -39,14 +36,7 @@ class DecodeRunner:
 
     def __init__(self, model, max_batch: int, graphs: bool = False, pad_to_buckets: bool = False,
                  warmup_iters: int = 2):
-        self._model = model_ref(model)
-        self.max_batch = max_batch
-        self.graphs = bool(graphs) and model.device.type == "cuda"
-        self.bucketed = self.graphs or pad_to_buckets
-        self.lanes = Lanes(model.device)
-        self._allocation = model.rope  # `allocate` builds new RopeTables (and new caches)
-        self._backend = ops.describe()  # the backend and the per-op map the graphs captured
-        self.steps = None
+        super().__init__(model, max_batch, graphs, pad_to_buckets)
         if self.bucketed:
             if model.rows < max_batch + 1:
                 raise ValueError(f"bucketed decode needs {max_batch + 1} cache rows (max_batch + 1 spare); "
@@ -58,27 +48,13 @@ class DecodeRunner:
                                     warmup_iters)
 
     @property
-    def model(self):
-        return self._model()
-
-    @property
-    def buckets(self) -> dict:
-        return self.steps.buckets if self.steps is not None else {}
-
-    @property
-    def captured(self) -> bool:
-        return self.steps is not None and self.steps.captured
-
-    @property
     def mode(self) -> str:
         return "graphs" if self.graphs else "eager-bucketed" if self.bucketed else "eager"
 
     def valid_for(self, model, max_batch: int, graphs: bool, pad_to_buckets: bool = False) -> bool:
         """Can this runner serve these settings (same allocation, backend and mode; graphs: up to the
         captured max_batch, so a smaller batch does not re-capture; otherwise the same max_batch)?"""
-        want_graphs = bool(graphs) and model.device.type == "cuda"
-        if not (model is self.model and model.rope is self._allocation and ops.describe() == self._backend
-                and want_graphs == self.graphs):
+        if not self.same_build(model, graphs):
             return False
         if self.graphs:
             return max_batch <= self.max_batch

@@ -31,11 +31,9 @@ import time
 
 import torch
 
-from deepinfer.engine.graphs import StepGraphs
+from deepinfer.engine.graphs import GraphedStep, StepGraphs
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.steps import model_ref
-from deepinfer.model.branch import Lanes
-from deepinfer.model.verify import Snapshot
+from deepinfer.model.spec_verify import Snapshot
 from deepinfer.ops import ops
 from deepinfer.ops.reference import DRAFT_SEED_SALT
 
@@ -51,43 +49,24 @@ def check_speculate(model, k: int) -> None:
                          "holds the K + 1 tokens a step verifies)")
 
 
-class SpecStep:
+class SpecStep(GraphedStep):
     """One speculative step of a batch (the module docstring's 1-5), eager or bucketed into CUDA graphs like
     `DecodeRunner` (the spare row, the model's last, takes the padding entries and the dropped tokens)."""
 
     def __init__(self, model, k: int, max_batch: int, graphs: bool = False, pad_to_buckets: bool = False,
                  warmup_iters: int = 2):
         check_speculate(model, k)
-        self._model = model_ref(model)
-        self.k, self.max_batch = k, max_batch
-        self.graphs = bool(graphs) and model.device.type == "cuda"
-        self.bucketed = self.graphs or pad_to_buckets
+        super().__init__(model, max_batch, graphs, pad_to_buckets)
+        self.k = k
         if model.rows < max_batch + 1:
             raise ValueError(f"speculative decoding needs {max_batch + 1} cache rows (max_batch + 1 spare); "
                              f"the model has {model.rows}")
         self.spare = model.rows - 1
-        self._allocation = model.rope
-        self._backend = ops.describe()
-        self.lanes = Lanes(model.device)
         self.steps = StepGraphs("speculative step", max_batch, self._inputs(), model.device, self.graphs,
                                 self.lanes, warmup_iters) if self.bucketed else None
 
-    @property
-    def model(self):
-        return self._model()
-
-    @property
-    def buckets(self) -> dict:
-        return self.steps.buckets if self.steps is not None else {}
-
-    @property
-    def captured(self) -> bool:
-        return self.steps is not None and self.steps.captured
-
     def valid_for(self, model, k: int, max_batch: int, graphs: bool, pad_to_buckets: bool = False) -> bool:
-        want = bool(graphs) and model.device.type == "cuda"
-        return (model is self.model and model.rope is self._allocation and ops.describe() == self._backend
-                and k == self.k and want == self.graphs and max_batch == self.max_batch
+        return (self.same_build(model, graphs) and k == self.k and max_batch == self.max_batch
                 and (self.graphs or pad_to_buckets == self.bucketed))
 
     # ------------------------------------------------------------------------------------------

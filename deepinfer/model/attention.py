@@ -44,7 +44,7 @@ class StepContext:
         self.rope = rope
         self.prefill = prefill
         self.start = start  # prefill: first position (> 0: a later chunk of one row's prompt)
-        # verify (speculative decoding, `deepinfer.model.verify`): a dict the attentions fill with what a
+        # verify (speculative decoding, `deepinfer.model.spec_verify`): a dict the attentions fill with what a
         # later `commit` writes -- the step itself writes no cache; None for prefill and decode
         self.pending: dict | None = None
         self._memo = {}
@@ -232,7 +232,7 @@ class Attention:
         the runner issuing the step supplies streams (`Lanes.issuing`, the engine's decode runner on CUDA), in
         this order on one stream otherwise. The values are the same either way."""
         if ctx.pending is not None:  # speculative verify: reads the caches, writes none of them
-            from deepinfer.model.verify import verify_attention
+            from deepinfer.model.spec_verify import verify_attention
 
             return verify_attention(self, x, ctx, xq)
         cos, sin = ctx.rope_at_positions(self.rope_kind)

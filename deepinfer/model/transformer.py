@@ -1,6 +1,6 @@
 """DeepSeek-V4 in plain PyTorch: embed -> hc_mult streams -> blocks (mHC around attention and MoE)
 -> hc head -> RMSNorm -> float32 LM head; plus the MTP block, and the verify / commit steps of speculative
-decoding (`deepinfer.model.verify`; the engine side is `deepinfer.engine.speculative`).
+decoding (`deepinfer.model.spec_verify`; the engine side is `deepinfer.engine.speculative`).
 
 Every numerically significant op goes through `deepinfer.ops.ops`, so a backend can replace it.
 Tap names (see `dumps/README.md`) are stable across backends.
@@ -56,7 +56,7 @@ class Block:
         (`MoE.parts`); a lane runs on a side stream only when the runner issuing the step supplies streams
         (`deepinfer.model.branch.Lanes`). The MoE's float32 sum of routed and shared rows is fused with the
         post-mix (`ops.moe_combine_post`, the bits of `moe_combine` then `hc_post`), except under a debug
-        capture, whose taps read the MoE's output."""
+        capture, whose taps read the MoE's output, and in a speculative verify (which runs in order)."""
         decode = not ctx.prefill and ctx.pending is None
         for sub in ("attn", "ffn"):
             tap(f"{self.name}.hc_{sub}.in", h)
@@ -66,7 +66,7 @@ class Block:
                 x = self.attn(x, ctx, xq)
             else:
                 routed, shared = self.ffn.parts(x, input_ids, xq, decode=decode)
-                if x.dtype == h.dtype and not is_active():  # the sum and the post-mix in one launch
+                if x.dtype == h.dtype and ctx.pending is None and not is_active():  # sum + post-mix, one launch
                     h = ops.moe_combine_post(routed, shared, h, *br.join(post, comb))
                     continue
                 x = ops.moe_combine(routed, shared, x.dtype).view(x.shape)
@@ -279,7 +279,7 @@ class Transformer:
                ) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """S tokens per row at positions start[b] .. start[b] + S - 1 (the caches hold every position
         before): input_ids [B, S], start [B], rows [B] -> (logits [B, S, V] f32, streams [B, S, hc, D],
-        the step's context for `commit`). Writes no cache (`deepinfer.model.verify`): the caches are as
+        the step's context for `commit`). Writes no cache (`deepinfer.model.spec_verify`): the caches are as
         before until `commit` keeps a prefix of each row's tokens."""
         B, S = input_ids.shape
         ctx = self._verify_ctx(B, S, start, rows)
@@ -303,7 +303,7 @@ class Transformer:
         that step's layers own, as decode steps over exactly those tokens would have written them; the rest
         leave no trace. spare_row (default the last row: the decode runner's padding row) takes the
         writes of the dropped tokens and must not be a live row."""
-        from deepinfer.model.verify import commit
+        from deepinfer.model.spec_verify import commit
 
         spare = self.rows - 1 if spare_row is None else spare_row
         keep = torch.arange(ctx.positions.size(1), device=self.device) < n_keep.to(self.device).view(-1, 1)

@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from deepinfer.ops.registry import defop
+from deepinfer.ops.registry import RefParts, composition, defop
 from deepinfer.quant.formats import dequant_fp4, dequant_fp8_block, fp4_round
 from deepinfer.quant.grouped import grouped_bmm
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset, kv_scale_bytes
@@ -31,6 +31,8 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- norms
+_REF = RefParts()  # the parts' references: what a composition's reference runs with
+
 @defop("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in float32; `weight=None` is the unweighted form (V4's q head norm)."""
@@ -87,8 +89,13 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, blo
     split form is q x s, so backends are compared on it through q and s (tests: bit for bit against
     `bf16_split` of their own q, s).
     """
-    y = rms_norm(x, weight, eps)
-    return (y, *_quant_outputs(*act_quant(y, block), block, split, "rms_norm_quant"))
+    return _rms_norm_quant(_REF, x, weight, eps, block, split)
+
+
+@composition("rms_norm_quant", ("rms_norm", "act_quant"))
+def _rms_norm_quant(p, x, weight, eps, block: int = 128, split: bool = False) -> tuple:
+    y = p["rms_norm"](x, weight, eps)
+    return (y, *_quant_outputs(*p["act_quant"](y, block), block, split, "rms_norm_quant"))
 
 
 @defop("fp8_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
@@ -97,9 +104,13 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
 
     The official code applies this to the KV cache's no-RoPE dims (block 64) to match its QAT.
     """
-    q, s = act_quant(x, block)
-    y = q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)
-    return y.flatten(-2).to(x.dtype)
+    return _fp8_fake_quant(_REF, x, block)
+
+
+@composition("fp8_fake_quant", ("act_quant",))
+def _fp8_fake_quant(p, x, block: int = 64) -> torch.Tensor:
+    q, s = p["act_quant"](x, block)  # q x s is exact: s is a power of two
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
 
 @defop("fp4_fake_quant", tol={"float32": (0.0, 0.0), "bfloat16": (0.0, 0.0)})
@@ -563,8 +574,13 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     backend's y and this one's: bf16 tolerance 2e-2 relative (two ulps just above a power of two are 1.6 %),
     q within one e4m3 step as `rms_norm_quant`.
     """
-    y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters)
-    return (*rms_norm_quant(y, weight, eps, split=split), post, comb)
+    return _hc_pre_quant(_REF, x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split)
+
+
+@composition("hc_pre_quant", ("hc_pre", "rms_norm_quant"))
+def _hc_pre_quant(p, x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side=None, split: bool = False) -> tuple:
+    y, post, comb = p["hc_pre"](x, fn, scale, base, norm_eps, hc_eps, iters)
+    return (*p["rms_norm_quant"](y, weight, eps, split=split), post, comb)
 
 
 @defop("hc_post")
@@ -651,7 +667,14 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: tor
     Tolerance: q within one e4m3 step (a last-bit difference in the activation may flip a rounding): 1/8
     relative for normal codes, 2^-9 absolute for the subnormal ones (the activation's many near-zero values
     in a block scaled for its largest); the split form, q x s, likewise."""
-    return _quant_outputs(*act_quant(swiglu(gate, up, limit, weight, out_dtype), block), block, split, "swiglu_quant")
+    return _swiglu_quant(_REF, gate, up, limit, weight, out_dtype, block, split)
+
+
+@composition("swiglu_quant", ("swiglu", "act_quant"))
+def _swiglu_quant(p, gate, up, limit, weight=None, out_dtype=torch.bfloat16, block: int = 128,
+                  split: bool = False) -> tuple:
+    return _quant_outputs(*p["act_quant"](p["swiglu"](gate, up, limit, weight, out_dtype), block), block, split,
+                          "swiglu_quant")
 
 
 @defop("moe_combine")
@@ -672,9 +695,13 @@ def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch
 
     routed [T, k, D], shared [T, D] (T = B·S), residual [B, S, hc, D], post [B, S, hc], comb [B, S, hc, hc] ->
     the new streams [B, S, hc, D] in residual's dtype."""
+    return _moe_combine_post(_REF, routed, shared, residual, post, comb)
+
+
+@composition("moe_combine_post", ("moe_combine", "hc_post"))
+def _moe_combine_post(p, routed, shared, residual, post, comb) -> torch.Tensor:
     B, S, _, D = residual.shape
-    x = moe_combine(routed, shared, residual.dtype).view(B, S, D)
-    return hc_post(x, residual, post, comb)
+    return p["hc_post"](p["moe_combine"](routed, shared, residual.dtype).view(B, S, D), residual, post, comb)
 
 
 # ------------------------------------------------------------------------------------------- caches

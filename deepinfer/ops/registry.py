@@ -6,7 +6,9 @@ more backend implementations (`torch`, `triton`, `tilelang`). The model calls `o
 active `Dispatcher` resolves each name to the chosen backend's implementation or, when that backend
 lacks one, to the reference -- recorded, announced once on stderr, and an error under `strict`.
 A per-op map (`--op grouped_gemm=tilelang,...`, `DEEPINFER_OPS`) sends single ops to other backends:
-the one mechanism every per-op choice goes through (`Dispatcher.backend_of`).
+the one mechanism every per-op choice goes through (`Dispatcher.backend_of`). A fused op the reference
+writes as a composition of other ops (`composition`) is composed for a backend from that backend's own parts
+(`compose`), so a backend never writes out the same composition again.
 
 Backends are imported only when chosen (`deepinfer_kernels/triton` as `deepinfer_kernels.triton`, ...), so
 importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
@@ -14,6 +16,7 @@ importing deepinfer never imports Triton, TileLang, FlagGems or DeepGEMM.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -81,6 +84,67 @@ def implement(name: str, backend: str):
     return wrap
 
 
+COMPOSITIONS: dict[str, tuple[tuple[str, ...], Callable]] = {}
+"""fused op -> (its parts, fn(p, *args, **kwargs)): how the op is computed from its parts, `p` mapping each part to
+an implementation. The reference of the op is this composition over the parts' references."""
+
+COMPOSED: dict[str, dict[str, tuple[str, ...]]] = {}
+"""backend -> {fused op: parts}: the ops `compose` built for the backend from its own parts."""
+
+
+def composition(name: str, parts: tuple[str, ...]):
+    """Register `fn(p, *args, **kwargs)` as how fused op `name` is computed from `parts` (`p`: {part: impl})."""
+
+    def wrap(fn):
+        COMPOSITIONS[name] = (tuple(parts), fn)
+        return fn
+
+    return wrap
+
+
+class RefParts(dict):
+    """{part: its reference}, looked up on use: the `p` a composition's reference runs with."""
+
+    def __missing__(self, part: str) -> Callable:
+        return REGISTRY[part].ref
+
+
+def compose(backend: str, names) -> None:
+    """Register `backend`'s implementation of each fused op in `names` as the op's composition (`COMPOSITIONS`)
+    over the backend's own parts: a part it implements runs its implementation (with whatever fallbacks that
+    one announces), a part it leaves to the reference on purpose (`reference_only`) runs the reference. A part
+    that is neither is an error at import: a composition never hides a fallback. Call after `reference_only`."""
+    _ensure_reference()
+    for name in names:
+        if name not in COMPOSITIONS:
+            raise ValueError(f"{backend} composes {name!r}, which has no registered composition")
+        if backend in REGISTRY[name].impls:
+            raise ValueError(f"{backend} both implements {name!r} and composes it")
+        parts, fn = COMPOSITIONS[name]
+        p, own = {}, set()
+        for part in parts:
+            impl = REGISTRY[part].impls.get(backend)
+            if impl is not None:
+                own.add(part)
+            else:
+                if by_design(backend, part) is None:
+                    raise ValueError(f"{backend} composes {name!r} from {part!r}, which it neither implements "
+                                     "nor lists as reference-only")
+                impl = REGISTRY[part].ref
+            p[part] = impl
+        if not own:
+            raise ValueError(f"{backend} composes {name!r} from no part of its own: list it as reference-only")
+
+        def composed(*args, _p=p, _fn=fn, **kwargs):
+            return _fn(_p, *args, **kwargs)
+
+        functools.update_wrapper(composed, fn)
+        composed.__doc__ = f"{name} composed from {backend}'s " + ", ".join(
+            part + ("" if part in own else " (reference)") for part in parts)
+        REGISTRY[name].impls[backend] = composed
+        COMPOSED.setdefault(backend, {})[name] = parts
+
+
 def reference_only(backend: str, reasons: dict[str, str]) -> None:
     """Declare that `backend` runs these ops as the torch reference on purpose, each with its reason (e.g. the
     stack it stands for runs that op in PyTorch). An op the backend also implements cannot be on the list."""
@@ -143,6 +207,24 @@ def backend_available(backend: str) -> tuple[bool, str]:
         return True, ""
     except BackendError as e:
         return False, str(e)
+
+
+def check_runs_on(backend: str, device, dtype: str | None = None, what: str = "--backend") -> None:
+    """The one rule for "can `backend` run on `device` in `dtype`", a BackendError naming `what` if not: the torch
+    reference runs anywhere; a kernel backend needs CUDA, except Triton under TRITON_INTERPRET=1 on a CPU, whose
+    interpreter computes a bf16 tl.dot wrongly (logits off by 70-140 %), so a bf16 run there would lie."""
+    from deepinfer import settings
+
+    dev_type = getattr(device, "type", str(device).split(":")[0])
+    if backend == "torch" or dev_type == "cuda":
+        return
+    if backend != "triton" or not settings.triton_interpreted():
+        raise BackendError(f"{what} {backend} needs a CUDA device (device is {device}; on a CPU, "
+                           "TRITON_INTERPRET=1 runs Triton kernels in the interpreter)")
+    if dtype in ("bfloat16", "bf16"):
+        raise BackendError(f"{what} triton under TRITON_INTERPRET=1 with --dtype bfloat16: Triton's interpreter "
+                           "computes a bf16 tl.dot wrongly (logits off by 70-140 %), so this run would lie; use "
+                           "--dtype float32 or float16 here, or run bf16 on a GPU")
 
 
 def parse_op_map(text: str | None, what: str = "--op") -> dict[str, str]:
@@ -238,6 +320,12 @@ class Dispatcher:
     def backends(self) -> list[str]:
         """Every backend this configuration runs ops on (the backend first)."""
         return [self.backend] + sorted(set(self.op_map.values()) - {self.backend})
+
+    def check_device(self, device, dtype: str | None = None, what: str | None = None) -> None:
+        """`check_runs_on` for every backend of this configuration (`what`: the option to name, default
+        `--backend` for the backend and `--op backend` for the per-op map's)."""
+        for b in self.backends():
+            check_runs_on(b, device, dtype, what or ("--backend" if b == self.backend else "--op backend"))
 
     def describe(self) -> str:
         """`triton` or `triton; grouped_gemm=tilelang,...`: what fingerprints and bench rows record."""

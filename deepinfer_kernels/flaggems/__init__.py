@@ -7,7 +7,7 @@ so flag_gems is imported on the first kernel call (`_common.fg`), under `torch.c
 device>)`: by then the device is chosen. Here we only check that the package is installed, so that a missing
 package is the registry's one line with the install hint.
 
-This backend is separate from `--flaggems op,...` (deepinfer/engine/flaggems.py), which swaps ATen ops under any
+This backend is separate from `--flaggems op,...` (deepinfer/engine/flaggems_aten.py), which swaps ATen ops under any
 backend; both stay.
 """
 
@@ -24,6 +24,8 @@ from . import attention, mhc, norm, quant  # noqa: F401,E402
 from .reference_only import REFERENCE_ONLY  # noqa: E402
 
 registry.reference_only("flaggems", REFERENCE_ONLY)
+# the fused ops the reference writes as compositions, from FlagGems' kernels (FlagGems has none of them fused)
+registry.compose("flaggems", ("rms_norm_quant", "hc_pre_quant", "moe_combine_post", "swiglu_quant"))
 
 
 def facts(device) -> dict:

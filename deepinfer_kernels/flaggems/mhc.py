@@ -10,7 +10,8 @@ outside our fp32 contract for the mixes (hc_pre's fp32 tolerance is 1e-5).
 hc_post: `mhc_post(x [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc])`: new stream k = post_k x +
 sum_j comb[j, k] residual_j in fp32, bf16 out: our contract for bf16 streams (no copy for contiguous ones; a
 strided residual is made contiguous first, since mhc_post writes its empty_like(residual) output as contiguous).
-hc_pre_quant / moe_combine_post: these, composed with the norm + act_quant (norm.py) / the PyTorch MoE sum.
+hc_pre_quant / moe_combine_post: composed by the registry from these and the norm + act_quant / the PyTorch MoE sum
+(`registry.compose` in this package's __init__).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch.nn.functional as F
 from deepinfer.ops.registry import REGISTRY, implement
 
 from ._common import cuda, fg, off_contract, run, why
-from .norm import rms_norm_quant
 
 _MOD = "flag_gems.fused.mhc"
 
@@ -56,14 +56,6 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return run("hc_pre", (hc, int(iters)), kernel, lambda: ref(x, fn, scale, base, norm_eps, hc_eps, iters))
 
 
-@implement("hc_pre_quant", "flaggems")
-def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None, split: bool = False
-                 ) -> tuple:
-    """`hc_pre` (FlagGems' Sinkhorn) then `rms_norm_quant` (FlagGems' rms_norm and act_quant): unfused."""
-    y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters)
-    return (*rms_norm_quant(y, weight, eps, split=split), post, comb)
-
 
 @implement("hc_post", "flaggems")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -85,12 +77,3 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     return run("hc_post", (hc, D), lambda: m.mhc_post(
         x.reshape(n, D).contiguous(), residual.reshape(n, hc, D).contiguous(), post.float().reshape(n, hc).contiguous(),
         comb.float().reshape(n, hc, hc).contiguous()).view(B, S, hc, D), lambda: ref(x, residual, post, comb))
-
-
-@implement("moe_combine_post", "flaggems")
-def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor) -> torch.Tensor:
-    """The MoE sum in PyTorch (the reference's), then FlagGems' mhc_post: two steps, unfused."""
-    B, S, _, D = residual.shape
-    x = REGISTRY["moe_combine"].ref(routed, shared, residual.dtype).view(B, S, D)
-    return hc_post(x, residual, post, comb)

@@ -1,18 +1,16 @@
 """RMSNorm through FlagGems' `rms_norm(x, normalized_shape, weight, eps)` (flag_gems.ops.rms_norm: fp32 statistics,
 y = x * rrms * w in fp32, stored in x's dtype; our contract). Its weight is required: V4's unweighted norm
 (weight=None) passes ones, allocated once per (size, dtype, device). rms_norm_quant is this norm then FlagGems'
-act_quant, unfused.
+act_quant, composed by the registry (`registry.compose`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.ops.reference import _quant_outputs
 from deepinfer.ops.registry import REGISTRY, implement
 
 from ._common import cuda, fg, off_contract, run, why
-from .quant import act_quant
 
 _ones: dict = {}
 
@@ -44,10 +42,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return run("rms_norm", (x.size(-1), str(x.dtype)), lambda: m.rms_norm(x.contiguous(), [x.size(-1)],
                                                                           _weight(weight, x), eps),
                lambda: ref(x, weight, eps))
-
-
-@implement("rms_norm_quant", "flaggems")
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int = 128,
-                   split: bool = False) -> tuple:
-    y = rms_norm(x, weight, eps)
-    return (y, *_quant_outputs(*act_quant(y, block), block, split, "rms_norm_quant"))

@@ -11,14 +11,13 @@ as cuBLASLt's block-scaled GEMM and our Triton prefill kernel do, so it is held 
 (`tests/tc_bounds.py`), not to the fp32-FMA bound of a kernel that promotes after every wgmma. Weight
 scales in ue8m0 (float8_e8m0fnu or uint8 bytes) are decoded to f32 per call (a small copy: N/128 x K/128 values).
 rms_norm_quant, swiglu_quant: the norm (FlagGems' rms_norm, `norm.py`) or the SwiGLU (PyTorch: FlagGems' swiglu
-computes no clamp) then FlagGems' act_quant: two steps, unfused.
+computes no clamp) then FlagGems' act_quant, composed by the registry (`registry.compose`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.ops.reference import _quant_outputs
 from deepinfer.ops.registry import REGISTRY, implement
 
 from ._common import cuda, fg, off_contract, run, why
@@ -91,11 +90,3 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
                lambda: g.w8a8_block_fp8_matmul(a.contiguous(), w.contiguous(), a_s.contiguous(), ws, [128, 128],
                                                out_dtype),
                lambda: ref(a, a_s, w, w_s, out_dtype))
-
-
-@implement("swiglu_quant", "flaggems")
-def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
-    """The clamped SwiGLU in PyTorch (as the reference), then FlagGems' act_quant."""
-    y = REGISTRY["swiglu"].ref(gate, up, limit, weight, out_dtype)
-    return _quant_outputs(*act_quant(y, block), block, split, "swiglu_quant")

@@ -19,6 +19,8 @@ from . import attention, gemm, indexer, mhc, moe, quant, routing  # noqa: F401
 from .reference_only import REFERENCE_ONLY
 
 registry.reference_only("tilelang", REFERENCE_ONLY)
+# the fused ops the reference writes as compositions, from this backend's kernels and model.py's PyTorch steps
+registry.compose("tilelang", ("hc_pre_quant", "moe_combine_post", "swiglu_quant", "fp8_fake_quant"))
 
 
 def facts(device) -> dict:

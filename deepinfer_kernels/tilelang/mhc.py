@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, implement
 
-from .quant import rms_norm_quant
 
 
 def _tile_kernels_mhc():
@@ -54,14 +53,6 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return y.view(B, S, D), post.view(B, S, hc), comb_out.view(B, S, hc, hc)
 
 
-@implement("hc_pre_quant", "tilelang")
-def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                 hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float, side=None, split: bool = False
-                 ) -> tuple:
-    """`hc_pre` (TileKernels) then the TileLang `rms_norm_quant`: the two kernels, unfused."""
-    y, post, comb = hc_pre(x, fn, scale, base, norm_eps, hc_eps, iters)
-    return (*rms_norm_quant(y, weight, eps, split=split), post, comb)
-
 
 @implement("hc_post", "tilelang")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -76,12 +67,3 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
         return ref(x, residual, post, comb)
     return mhc.mhc_post_fwd(x.contiguous(), residual.contiguous(), post.float().unsqueeze(-1).contiguous(),
                             comb.float().contiguous())
-
-
-@implement("moe_combine_post", "tilelang")
-def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor) -> torch.Tensor:
-    """The MoE sum (PyTorch, as model.py sums its experts) into TileKernels' `mhc_post_fwd`: two steps, unfused."""
-    B, S, _, D = residual.shape
-    x = REGISTRY["moe_combine"].ref(routed, shared, residual.dtype).view(B, S, D)
-    return hc_post(x, residual, post, comb)

@@ -188,18 +188,3 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     if kern is None:
         return REGISTRY["fp4_fake_quant"].ref(x, block)
     return kern(x2).view(x.shape)
-
-
-@implement("fp8_fake_quant", "tilelang")
-def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """The TileLang act_quant, dequantised in PyTorch (q x s is exact: s is a power of two)."""
-    q, s = act_quant(x, block)
-    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
-
-
-@implement("swiglu_quant", "tilelang")
-def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
-    """The clamped SwiGLU in PyTorch (as model.py's Expert computes it) into the TileLang act_quant: unfused."""
-    q, s = act_quant(REGISTRY["swiglu"].ref(gate, up, limit, weight, out_dtype), block)
-    return (q, s, bf16_split(q, s)) if split else (q, s)

@@ -17,10 +17,17 @@ REFERENCE_ONLY: dict[str, str] = {}
 
 def facts(device) -> dict:
     """What this backend chose for `device`, for reports (`registry.backend_facts`): "fp8_prefill_gemm", the
-    GEMM prefill-sized `fp8_gemm` calls (M >= "fp8_prefill_min_m") run -- "cublaslt", or "triton: <why not>"."""
-    from . import gemm_vendor
+    GEMM prefill-sized `fp8_gemm` calls (M >= "fp8_prefill_min_m") run -- "cublaslt", or "triton: <why not>";
+    "pdl_triton" (this Triton has grid dependency control), "pdl_env" / "pdl_enabled" (the switch and its
+    value) and "pdl" (launches on `device` use programmatic dependent launch)."""
+    import torch
 
-    return {"fp8_prefill_gemm": gemm_vendor.used_for(device), "fp8_prefill_min_m": gemm_vendor.MIN_M}
+    from . import _common, gemm_vendor
+
+    device = torch.device(device)
+    return {"fp8_prefill_gemm": gemm_vendor.used_for(device), "fp8_prefill_min_m": gemm_vendor.MIN_M,
+            "pdl_triton": _common._PDL_TRITON, "pdl_env": _common.PDL_ENV, "pdl_enabled": _common._PDL_ON,
+            "pdl": device.type == "cuda" and bool(_common.pdl())}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]

@@ -338,3 +338,16 @@ def split_buffers(c: torch.Tensor, splits: int, tiles: int) -> tuple[torch.Tenso
         return c, c
     part = torch.empty(splits, *c.shape, dtype=torch.float32, device=c.device)
     return part, tile_counters(c.device, tiles)
+
+
+@triton.jit
+def expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows and columns of one (expert block pid_m, N tile pid_n) program of a grouped GEMM over
+    `moe_align`'s layout: rows [BM] int64 (the block's sorted A rows; >= P is padding), their mask mr [BM],
+    the tile's columns rn [BN] int64 and mask mn [BN]. The caller loads the block's expert first and returns
+    on -1 (an unused block)."""
+    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    mr = rows < P
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    mn = rn < N
+    return rows, mr, rn, mn

@@ -67,7 +67,7 @@ from deepinfer.ops.registry import implement
 
 from . import moe_prefill
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
-from ._common import store_bf16_split, unit_last_stride, weight_scale_arg
+from ._common import expert_block_tile, store_bf16_split, unit_last_stride, weight_scale_arg
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (the row layout, shared)
@@ -181,10 +181,7 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if ex < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    mr = rows < P
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    mn = rn < N
+    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
     ws_base = ws_ptr + ex * NS_W * KS_W + ((pid_n * BN) // 128) * KS_W
@@ -450,10 +447,7 @@ def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if ex < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    mr = rows < P
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    mn = rn < N
+    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
     acc = tl.zeros([BM, BN], tl.float32)

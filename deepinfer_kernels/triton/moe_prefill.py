@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import pdl, pdl_wait, tma_ok
+from ._common import expert_block_tile, pdl, pdl_wait, tma_ok
 
 
 @triton.jit
@@ -33,10 +33,7 @@ def _gg_fp8_tma_kernel(a_ptr, as_ptr, w_desc, ws_ptr, c_ptr, rows_ptr, bexp_ptr,
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if ex < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    mr = rows < P
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    mn = rn < N
+    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
     rk = tl.arange(0, 128)
     wrow = ex * N + pid_n * BN
     acc = tl.zeros([BM, BN], tl.float32)

@@ -125,6 +125,24 @@ def _cut(cnt, mass, c0, m0, k_eff, top_p):
 
 
 @triton.jit
+def _argmax_row(l_ptr, row, V, BLOCK: tl.constexpr):
+    """The greedy token of logits row `row` [V]: one pass over the raw logits in BLOCK chunks, the first index
+    on ties (torch.argmax's rule); shared by `sample` and the speculative step's greedy rows."""
+    r = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    idx = tl.full([], 0, tl.int64)
+    for v0 in range(0, V, BLOCK):
+        v = v0 + r
+        raw = tl.load(l_ptr + row * V + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        bm = tl.max(raw, 0)
+        bi = tl.argmax(raw, 0).to(tl.int64) + v0
+        take = bm > best
+        idx = tl.where(take, bi, idx)
+        best = tl.where(take, bm, best)
+    return idx
+
+
+@triton.jit
 def _sample_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, ws_ptr, out_ptr, V,
                    BLOCK: tl.constexpr, HBLOCK: tl.constexpr, CB: tl.constexpr):
     pdl_wait()
@@ -236,18 +254,7 @@ def _sample_kernel(l_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, ws_pt
         take = (cb > best) | ((cb == best) & (cbi < b_idx))
         result = tl.where(take, cbi, b_idx)
     else:
-        # greedy: one argmax pass over the raw logits, first index on ties
-        g_best = tl.full([], float("-inf"), tl.float32)
-        g_idx = tl.full([], 0, tl.int64)
-        for v0 in range(0, V, BLOCK):
-            v = v0 + r
-            raw = tl.load(l_ptr + row * V + v, mask=v < V, other=float("-inf")).to(tl.float32)
-            bm = tl.max(raw, 0)
-            bi = tl.argmax(raw, 0).to(tl.int64) + v0
-            take = bm > g_best
-            g_idx = tl.where(take, bi, g_idx)
-            g_best = tl.where(take, bm, g_best)
-        result = g_idx
+        result = _argmax_row(l_ptr, row, V, BLOCK)  # greedy: first index on ties
     tl.store(out_ptr + row, result)
 
 

@@ -26,25 +26,9 @@ from deepinfer.ops.reference import ACCEPT_SALT
 from deepinfer.ops.registry import implement
 
 from ._common import p2, pdl, pdl_wait, sort_key
-from .sampling import _gumbel, _hash32, _scaled
+from .sampling import _argmax_row, _gumbel, _hash32, _scaled
 
 _BLOCK = 2048
-
-
-@triton.jit
-def _argmax_row(l_ptr, row, V, BLOCK: tl.constexpr):
-    r = tl.arange(0, BLOCK)
-    best = tl.full([], float("-inf"), tl.float32)
-    idx = tl.full([], 0, tl.int64)
-    for v0 in range(0, V, BLOCK):
-        v = v0 + r
-        raw = tl.load(l_ptr + row * V + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        bm = tl.max(raw, 0)
-        bi = tl.argmax(raw, 0).to(tl.int64) + v0
-        take = bm > best
-        idx = tl.where(take, bi, idx)
-        best = tl.where(take, bm, best)
-    return idx
 
 
 @triton.jit

@@ -14,11 +14,11 @@ What is measured (on the chosen device, in this process):
 * peers in the same run (`--against triton`, `--against triton:sparse_attn_fp8=tilelang,...`): the same
   model, prompts, floors and batch sizes timed again with each other backend (and per-op map), TTFT and
   decode rows with their ratio to the main configuration's.
-* the device: copy bandwidth and dense matmul rate (`deepinfer.engine.rates`). Floors use these measured
+* the device: copy bandwidth and dense matmul rate (`deepinfer.bench.rates`). Floors use these measured
   numbers, not specs.
 
-Each row is held against its floor (`deepinfer.engine.floor`: bytes / bandwidth and FLOPs / matmul rate);
-`--peer transformers` times transformers on the same weights and prompts (`deepinfer.engine.peer`).
+Each row is held against its floor (`deepinfer.bench.floor`: bytes / bandwidth and FLOPs / matmul rate);
+`--peer transformers` times transformers on the same weights and prompts (`deepinfer.bench.peer`).
 This module runs the measurements and assembles the JSON-able report.
 """
 
@@ -26,23 +26,22 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.bench.floor import floors, held_bytes, model_bytes
+from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
+from deepinfer.bench.timing import GUIDED_MODES, profile_decode, time_decode, time_guided, time_prefill
 from deepinfer.config import ModelConfig
-from deepinfer.engine.floor import floors, held_bytes, model_bytes
 from deepinfer.engine.loader import build_model
 from deepinfer.engine.memory import check_model_fits
-from deepinfer.engine.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
 from deepinfer.ops.registry import backend_facts, op_map_str
 from deepinfer.quant.kv_layout import kv_packed_width
 
-WARMUP_STEPS = 2
 
 
 @dataclass
@@ -103,155 +102,6 @@ def build(opts: BenchOptions, device: torch.device, numerics) -> tuple[ModelConf
     return cfg, model, state, source, t_weights
 
 
-# --------------------------------------------------------------------------- timing the engine
-
-
-def random_prompts(cfg: ModelConfig, rows: int, length: int, seed: int) -> torch.Tensor:
-    """[rows, length] int64 token ids drawn uniformly from 2..vocab-1 on the CPU, the same for the same
-    seed: the engine and the transformers peer time the same prompts."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, cfg.vocab_size, (rows, length), generator=g)
-
-
-def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int, repeats: int = 3) -> dict:
-    """TTFT of one P-token prompt (row 0): cold (first call) and warm median."""
-    ids = random_prompts(cfg, 1, P, seed).to(device)
-    row = torch.zeros(1, dtype=torch.long, device=device)
-
-    def once() -> float:
-        sync(device)
-        t = time.perf_counter()
-        model.prefill(ids, rows=row)
-        sync(device)
-        return time.perf_counter() - t
-
-    cold = once()
-    warm = statistics.median(once() for _ in range(repeats))
-    return {"prompt_len": P, "cold_ms": cold * 1e3, "ttft_ms": warm * 1e3, "tokens_per_s": P / warm}
-
-
-def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int,
-                graphs: bool = False) -> dict:
-    """Prefill B rows (P tokens each), then time K decode steps of the whole batch.
-
-    graphs: replay the step as a captured CUDA graph (`DecodeRunner`); a capture failure is reported in
-    the result (`graph_error`) and that row is timed eagerly instead -- never silently.
-    """
-    from deepinfer.engine.graphs import GraphCaptureError
-    from deepinfer.engine.runner import DecodeRunner
-
-    max_len = P + WARMUP_STEPS + K + 1
-    model.allocate(B + 1, max_len)  # +1: the runner's spare row for bucket padding
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
-    rows = torch.arange(B, device=device)
-    t = time.perf_counter()
-    for i in range(B):  # the engine prefills per prompt
-        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
-    sync(device)
-    prefill_s = time.perf_counter() - t
-    ids = random_prompts(cfg, (WARMUP_STEPS + K) * B, 1, seed + 2).view(WARMUP_STEPS + K, B, 1).to(device)
-    pos = torch.full((B,), P, dtype=torch.long, device=device)
-    runner, graph_error, capture_s = DecodeRunner(model, B, graphs=graphs), None, None
-    if runner.graphs:
-        t = time.perf_counter()
-        try:
-            runner.capture()
-            capture_s = time.perf_counter() - t
-        except GraphCaptureError as e:
-            graph_error = str(e)
-            runner = DecodeRunner(model, B, graphs=False)
-    for s in range(WARMUP_STEPS):
-        runner.decode(ids[s], pos, rows)
-        pos = pos + 1
-    sync(device)
-    t = time.perf_counter()
-    for s in range(WARMUP_STEPS, WARMUP_STEPS + K):
-        runner.decode(ids[s], pos, rows)
-        pos = pos + 1
-    sync(device)
-    dt = (time.perf_counter() - t) / K
-    out = {"batch": B, "ms_per_step": dt * 1e3, "tokens_per_s": B / dt, "prefill_rows_s": prefill_s,
-           "mean_position": P + WARMUP_STEPS + (K - 1) / 2, "mode": runner.mode, "graph_error": graph_error,
-           "capture_s": capture_s}
-    if device.type == "cuda":
-        out["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-    return out
-
-
-GUIDED_MODES = ("off", "all_ones", "json")
-
-
-def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int, compiler,
-                graphs: bool = False) -> dict:
-    """The per-step cost of guided decoding at batch B: K steps (after WARMUP_STEPS) of decode -> [mask] ->
-    sample (temperature 1) + logprobs -> tokens to the host -> matchers accept, fed back, in each mode:
-    off (no mask), all_ones (every row unconstrained: fill + copy + apply of all-ones masks), json (an
-    xgrammar builtin-JSON matcher per row, reset when it terminates). The host fill runs right after the
-    decode step is launched, as in the scheduler; `json_fill_ms` is its host time per step (hidden behind the
-    step while shorter than it), `json_accept_ms` the matchers' accept after the tokens are back (serial:
-    on the step's critical path)."""
-    from deepinfer.engine.guided import MaskBuffer
-    from deepinfer.engine.graphs import GraphCaptureError
-    from deepinfer.engine.runner import DecodeRunner
-
-    V = cfg.vocab_size
-    model.allocate(B + 1, P + WARMUP_STEPS + K + 1)
-    rows = torch.arange(B, device=device)
-    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
-    for i in range(B):
-        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
-    runner, graph_error = DecodeRunner(model, B, graphs=graphs), None
-    if runner.graphs:
-        try:
-            runner.capture()
-        except GraphCaptureError as e:
-            graph_error = str(e)
-            runner = DecodeRunner(model, B, graphs=False)
-    json_guide = compiler.compile_builtin_json()
-    temp = torch.ones(B, device=device)
-    top_k = torch.zeros(B, dtype=torch.long, device=device)
-    top_p = torch.ones(B, device=device)
-    seeds = torch.arange(B, dtype=torch.long, device=device)
-    first = random_prompts(cfg, B, 1, seed + 2).to(device)
-    masks = MaskBuffer(B, V, device)
-    out = {"batch": B, "mode": runner.mode, "graph_error": graph_error}
-    for mode in GUIDED_MODES:
-        matchers = [json_guide.matcher() if mode == "json" else None for _ in range(B)]
-        ids, pos = first, torch.full((B,), P, dtype=torch.long, device=device)
-        fill_s = accept_s = 0.0
-        for s in range(WARMUP_STEPS + K):
-            if s == WARMUP_STEPS:
-                sync(device)
-                t0, fill_s, accept_s = time.perf_counter(), 0.0, 0.0
-            logits = runner.decode(ids, pos, rows)
-            if mode != "off":
-                tf = time.perf_counter()
-                masks.fill(matchers)  # on the host while the device runs the step
-                fill_s += time.perf_counter() - tf
-                logits = ops.apply_token_bitmask(logits, masks.to_device(B))
-            toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)
-            ops.logprobs(logits)
-            toks_l = toks.tolist()
-            ta = time.perf_counter()
-            for j, m in enumerate(matchers):
-                if m is not None:
-                    if not m.accept_token(toks_l[j]):
-                        raise RuntimeError(f"bench --guided: the matcher refused token {toks_l[j]} the mask allowed")
-                    if m.is_terminated():
-                        m.reset()
-            accept_s += time.perf_counter() - ta
-            ids, pos = toks.view(B, 1), pos + 1
-        sync(device)
-        out[f"{mode}_ms"] = (time.perf_counter() - t0) / K * 1e3
-        if mode != "off":
-            out[f"{mode}_overhead_ms"] = out[f"{mode}_ms"] - out["off_ms"]
-            out[f"{mode}_fill_ms"] = fill_s / K * 1e3
-            out[f"{mode}_accept_ms"] = accept_s / K * 1e3
-    return out
-
-
 # --------------------------------------------------------------------------- the whole run
 
 
@@ -269,16 +119,6 @@ def _fp8_prefill_gemm(device: torch.device) -> str | None:
     """What ran the prefill-sized FP8 GEMMs (`fp8_gemm`, M >= 65) of the Triton backend: "cublaslt" or
     "triton: <why not cuBLASLt>"; None for other backends."""
     return backend_facts(ops.backend, device).get("fp8_prefill_gemm")
-
-
-def _check_device(device: torch.device, what: str | None = None) -> None:
-    """Kernel backends run on CUDA only: a BackendError naming the option otherwise."""
-    for b in ops.backends():
-        if b != "torch" and device.type != "cuda":
-            from deepinfer.ops.registry import BackendError
-
-            opt = what or ("--backend" if b == ops.backend else "--op backend")
-            raise BackendError(f"{opt} {b} needs a CUDA device (device is {device})")
 
 
 def parse_against(spec: str) -> tuple[str, dict[str, str]]:
@@ -345,9 +185,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             raise OptionError(str(e)) from None
     for _, backend, op_map in peers:  # importable and complete enough before anything is built
         ops.configure(backend, opts.strict if opts.strict else None, op_map)
-        _check_device(device, "--against")
+        ops.check_device(device, opts.dtype, "--against")
     ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
-    _check_device(device)
+    ops.check_device(device, opts.dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -428,7 +268,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             report["guided"].append(time_guided(model, cfg, B, opts.prompt_len, opts.gen_len, device, opts.seed,
                                                 compiler, graphs=graphs))
     if opts.speculate:
-        from deepinfer.engine.spec_bench import time_speculative
+        from deepinfer.bench.speculative import time_speculative
 
         plain = {d["batch"]: d["ms_per_step"] for d in report["decode"]}
         report["speculative"] = []
@@ -444,7 +284,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
         report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)
         if device.type == "cuda":
-            from deepinfer.engine.oprates import profile_prefill
+            from deepinfer.bench.oprates import profile_prefill
 
             log(f"timing the compute ops of one {opts.prompt_len}-token prefill ...")
             report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate)
@@ -454,7 +294,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         report["peak_mem_bytes"] = max([d.get("peak_mem_bytes", 0) for d in report["decode"]]
                                        + [torch.cuda.max_memory_allocated(device)])
     if opts.peer == "transformers":
-        from deepinfer.engine.peer import run_peer  # not at the top: peer.py imports this module
+        from deepinfer.bench.peer import run_peer  # transformers is imported only when asked for
 
         log("transformers peer ...")
         model.allocate(1, 1)  # release the engine's big caches; the weights stay (same tensors as `state`)
@@ -462,37 +302,3 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         report["peer"] = run_peer(cfg, state, device, batches, opts.prompt_len, opts.gen_len, opts.seed, ours)
     del model, state
     return report
-
-
-def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int, steps: int = 3,
-                   top: int = 40) -> list[dict]:
-    """Where a decode step's time goes: torch.profiler over `steps` eager steps (graphs would hide the
-    kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from deepinfer.engine.runner import DecodeRunner
-
-    model.allocate(B, P + steps + 4)
-    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
-    rows = torch.arange(B, device=device)
-    for i in range(B):
-        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
-    ids = random_prompts(cfg, (steps + 1) * B, 1, seed + 2).view(steps + 1, B, 1).to(device)
-    pos = torch.full((B,), P, dtype=torch.long, device=device)
-    runner = DecodeRunner(model, B)  # eager, on the runner's side streams as the engine issues it
-    runner.decode(ids[0], pos, rows)  # warm-up (compiles)
-    sync(device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for s in range(1, steps + 1):
-            runner.decode(ids[s], pos + s, rows)
-        sync(device)
-    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    if device.type == "cuda":  # kernels only (CPU-side ops also carry device time of their children)
-        kernels = [e for e in evs if "CUDA" in str(getattr(e, "device_type", ""))]
-        evs = kernels or evs
-    total = sum(getattr(e, key) for e in evs) or 1.0
-    evs.sort(key=lambda e: getattr(e, key), reverse=True)
-    return [{"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": getattr(e, key) / 1e3 / steps,
-             "share": getattr(e, key) / total} for e in evs[:top]]

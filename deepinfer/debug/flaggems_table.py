@@ -1,5 +1,5 @@
 """FlagGems 5.0.2's registration table, copied from flag_gems/__init__.py `_FULL_CONFIG` by
-tools/flaggems_table.py (flag_gems does not import without a GPU). Each entry: (ATen key as registered,
+tools/write_flaggems_table.py (flag_gems does not import without a GPU). Each entry: (ATen key as registered,
 the registered function's name -- what only_enable(include=...) matches --, conditional on the torch
 version). Used where flag_gems cannot be imported (CPU tests, planning); the screen uses the real table."""
 

@@ -32,7 +32,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepinfer.engine.flaggems import allow_yaml, read_allow_yaml  # noqa: F401  (the allow-list file's form)
+from deepinfer.engine.flaggems_aten import allow_yaml, read_allow_yaml  # noqa: F401  (the allow-list file's form)
 
 # FlagGems 5.0.2's flag_gems.testing.RESOLUTION (NVIDIA): the rtol its own tests use per dtype; atol 1e-4
 # (their `assert_close(..., reduce_dim=1)`; they scale atol by the reduced size for reductions, which a generic
@@ -47,8 +47,8 @@ STATUSES = ("pass", "wrong", "wrong_shape", "error", "too_slow", "not_registered
 
 # ------------------------------------------------------------------------------------------ table
 def copied_table() -> list[tuple[str, str]]:
-    """FlagGems 5.0.2's table as copied into `fg_table_data.py` (no import of flag_gems): [(key, function)]."""
-    from deepinfer.debug.fg_table_data import FULL_CONFIG
+    """FlagGems 5.0.2's table as copied into `flaggems_table.py` (no import of flag_gems): [(key, function)]."""
+    from deepinfer.debug.flaggems_table import FULL_CONFIG
 
     return [(k, f) for k, f, _ in FULL_CONFIG]
 
@@ -424,7 +424,7 @@ class Worker:
 def worker_cmd(device: str = "cuda") -> list[str]:
     """The worker's command line, for `device` (the parent's chosen one: the worker sets it before importing
     flag_gems)."""
-    return [sys.executable, "-c", f"from deepinfer.debug.fg_screen import worker_main; worker_main({str(device)!r})"]
+    return [sys.executable, "-c", f"from deepinfer.debug.flaggems_screen import worker_main; worker_main({str(device)!r})"]
 
 
 def check_all(calls: list[OpCall], workdir: str, budget: float, worker: Worker, progress=None,
@@ -540,7 +540,7 @@ def run_screen(model: str | None = None, backend: str | None = None, device: str
     if not allowed:
         rep["with_allow_list"] = "skipped: nothing passed"
         return rep
-    from deepinfer.engine.flaggems import enable_flaggems
+    from deepinfer.engine.flaggems_aten import enable_flaggems
 
     rep["enabled"] = enable_flaggems(allowed, dev, require_cuda=require_cuda)
     a, b = tokens(), tokens()

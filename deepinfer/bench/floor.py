@@ -1,5 +1,5 @@
 """The floor model of `deepinfer bench`: the bytes and FLOPs one forward step must at least move, and the
-time that takes at the device's measured rates (`deepinfer.engine.rates`). A floor is a lower bound on
+time that takes at the device's measured rates (`deepinfer.bench.rates`). A floor is a lower bound on
 the step time for this model and batch, never a measurement.
 
 * bytes: what one step must read at least. Per main layer: its attention, shared expert, router, norms

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from deepinfer.engine.rates import sync
+from deepinfer.bench.rates import sync
+from deepinfer.bench.workload import WARMUP_STEPS, random_prompts
 
-WARMUP_STEPS = 2
 PROJECTED_RATES = (0.5, 0.7, 0.9)
 
 
@@ -33,7 +33,6 @@ def expected_tokens(a: float, k: int) -> float:
 def time_speculative(model, cfg, B: int, P: int, steps: int, k: int, device, seed: int, plain_ms: float | None,
                      graphs: bool = False) -> dict:
     """Prefill B rows of P tokens, then time `steps` speculative steps of K drafts (module docstring)."""
-    from deepinfer.engine.bench import random_prompts
     from deepinfer.engine.graphs import GraphCaptureError
     from deepinfer.engine.speculative import SpecStep
 

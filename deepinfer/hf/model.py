@@ -1,6 +1,6 @@
-"""The transformers peer of `deepinfer bench --peer transformers`: transformers' `DeepseekV4ForCausalLM`
-(bf16, eager attention) built on the same device with the same weights as the engine, timed on the same
-prompts (`deepinfer.engine.bench.random_prompts`), so its ms/step sits next to the engine's.
+"""transformers' `DeepseekV4ForCausalLM` built on a device with the same weights as the engine: the peer that
+`deepinfer bench --peer transformers` times (`deepinfer.bench.peer`), `deepinfer dump --engine transformers` taps
+(`deepinfer.debug.hf_dump`) and `deepinfer verify` holds our `exact` numerics against.
 
 Official names are mapped to transformers' in-memory parameter names by `hf_name`. Outside the layers
 those names are the ones `save_pretrained` writes, which the checkpoint reader already maps to official
@@ -12,18 +12,14 @@ official spelling back on save, so the checkpoint never holds these names and th
 from __future__ import annotations
 
 import math
-import os
 import re
-import time
 
 import torch
 
 from deepinfer.checkpoint.reader import _from_transformers, routed_expert, scale_name
 from deepinfer.checkpoint.schema import expected_tensors
 from deepinfer.config import ModelConfig
-from deepinfer.engine.bench import WARMUP_STEPS, random_prompts
 from deepinfer.engine.loader import OptionError
-from deepinfer.engine.rates import sync
 from deepinfer.model.weights import Linear
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
@@ -193,70 +189,3 @@ def build_hf_peer(cfg: ModelConfig, state: dict, device: torch.device, dtype: to
     return hf
 
 
-@torch.no_grad()
-def time_hf_decode(hf, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int) -> dict:
-    """transformers: prefill B x P in one call, then K single-token steps with its own cache."""
-    import inspect
-
-    # transformers renamed `past_key_values` to `cache`; an unknown keyword would be swallowed by
-    # **kwargs and every step would silently run without its cache
-    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    ids = random_prompts(cfg, B, P, seed + 1).to(device)
-    steps = random_prompts(cfg, (WARMUP_STEPS + K) * B, 1, seed + 2).view(WARMUP_STEPS + K, B, 1).to(device)
-    out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, key, None)
-    if cache is None:
-        raise PeerError(f"transformers returned no `{key}` after the prefill")
-    for s in range(WARMUP_STEPS):
-        hf(input_ids=steps[s], use_cache=True, **{key: cache})
-    sync(device)
-    t = time.perf_counter()
-    for s in range(WARMUP_STEPS, WARMUP_STEPS + K):
-        hf(input_ids=steps[s], use_cache=True, **{key: cache})
-    sync(device)
-    dt = (time.perf_counter() - t) / K
-    return {"batch": B, "ms_per_step": dt * 1e3, "tokens_per_s": B / dt}
-
-
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
-def run_peer(cfg: ModelConfig, state: dict, device, batches: list[int], P: int, K: int, seed: int,
-             ours: dict) -> dict:
-    """Time transformers at batch 1 and the largest batch; every failure becomes `{"error": ...}`."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the engine's freed caches would otherwise not count as free
-    need, free = peer_bytes(cfg), _free_bytes(device)
-    res = {"name": "transformers DeepseekV4ForCausalLM (bf16, eager)", "weight_bytes": need}
-    try:
-        res["version"] = require_transformers().__version__
-    except PeerError as e:
-        return {**res, "error": str(e)}
-    if need > 0.9 * free:
-        return {**res, "error": f"does not fit: needs {need / 2**30:.1f} GiB of bf16 weights, "
-                                f"{free / 2**30:.1f} GiB free on {device}"}
-    hf = None
-    try:
-        t = time.perf_counter()
-        hf = build_hf_peer(cfg, state, device)
-        sync(device)
-        res["build_s"] = time.perf_counter() - t
-        res["decode"] = []
-        for B in sorted({min(batches), max(batches)}):
-            r = time_hf_decode(hf, cfg, B, P, K, device, seed)
-            if B in ours:
-                r["speedup_ours"] = r["ms_per_step"] / ours[B]  # >1: DeepInfer is faster
-            res["decode"].append(r)
-    except Exception as e:  # OOM, an API change, a shape mismatch: report it, never hide it
-        res["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    finally:
-        del hf
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return res

@@ -1,7 +1,7 @@
 """Print FlagGems' registration table (`_FULL_CONFIG` in flag_gems/__init__.py) as (ATen key, function name) pairs,
 read from the source without importing it (flag_gems does not import without a GPU: "No device were detected").
 
-    python tools/flaggems_table.py /path/to/site-packages/flag_gems > deepinfer/debug/fg_table_data.py
+    python tools/write_flaggems_table.py /path/to/site-packages/flag_gems > deepinfer/debug/flaggems_table.py
 
 The function name is what `only_enable(include=[...])` matches (FlagGems 5.0.2 looks names up in
 FULL_CONFIG_BY_FUNC, keyed by each function's __name__): the `def` a table symbol is bound to, found by name in the
@@ -49,7 +49,7 @@ def main(pkg: str) -> None:
         if line.startswith("__version__"):
             ver = line.split("=")[1].strip().strip('"\'')
     print(f'"""FlagGems {ver}\'s registration table, copied from flag_gems/__init__.py `_FULL_CONFIG` by')
-    print("tools/flaggems_table.py (flag_gems does not import without a GPU). Each entry: (ATen key as registered,")
+    print("tools/write_flaggems_table.py (flag_gems does not import without a GPU). Each entry: (ATen key as registered,")
     print("the registered function's name -- what only_enable(include=...) matches --, conditional on the torch")
     print('version). Used where flag_gems cannot be imported (CPU tests, planning); the screen uses the real table."""')
     print()

@@ -1,6 +1,6 @@
 """Measured rates of the device this process runs on: copy bandwidth and dense matmul FLOP/s.
 
-The floors of `deepinfer bench` (`deepinfer.engine.floor`), the per-op roofline of `deepinfer bench
+The floors of `deepinfer bench` (`deepinfer.bench.floor`), the per-op roofline of `deepinfer bench
 --profile` and `deepinfer ab --bench` are all held against these numbers, measured here rather than
 taken from a spec sheet, so a ratio of 1.0 means "as fast as this device moved bytes / multiplied
 matrices in this process".

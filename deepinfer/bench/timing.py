@@ -1,0 +1,189 @@
+"""The engine's timed runs for `deepinfer bench`: one prefill (TTFT), B-row decode steps (eager or as the
+runner's CUDA graphs), the guided-decoding step in its three modes, and a profile of one eager decode step.
+Each returns a JSON-able row; `deepinfer.bench.run` holds the rows against their floors."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from deepinfer.bench.rates import sync
+from deepinfer.bench.workload import WARMUP_STEPS, random_prompts
+from deepinfer.config import ModelConfig
+from deepinfer.model.transformer import Transformer
+from deepinfer.ops import ops
+
+
+def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int, repeats: int = 3) -> dict:
+    """TTFT of one P-token prompt (row 0): cold (first call) and warm median."""
+    ids = random_prompts(cfg, 1, P, seed).to(device)
+    row = torch.zeros(1, dtype=torch.long, device=device)
+
+    def once() -> float:
+        sync(device)
+        t = time.perf_counter()
+        model.prefill(ids, rows=row)
+        sync(device)
+        return time.perf_counter() - t
+
+    cold = once()
+    warm = statistics.median(once() for _ in range(repeats))
+    return {"prompt_len": P, "cold_ms": cold * 1e3, "ttft_ms": warm * 1e3, "tokens_per_s": P / warm}
+
+
+def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int,
+                graphs: bool = False) -> dict:
+    """Prefill B rows (P tokens each), then time K decode steps of the whole batch.
+
+    graphs: replay the step as a captured CUDA graph (`DecodeRunner`); a capture failure is reported in
+    the result (`graph_error`) and that row is timed eagerly instead -- never silently.
+    """
+    from deepinfer.engine.graphs import GraphCaptureError
+    from deepinfer.engine.runner import DecodeRunner
+
+    max_len = P + WARMUP_STEPS + K + 1
+    model.allocate(B + 1, max_len)  # +1: the runner's spare row for bucket padding
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
+    rows = torch.arange(B, device=device)
+    t = time.perf_counter()
+    for i in range(B):  # the engine prefills per prompt
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    sync(device)
+    prefill_s = time.perf_counter() - t
+    ids = random_prompts(cfg, (WARMUP_STEPS + K) * B, 1, seed + 2).view(WARMUP_STEPS + K, B, 1).to(device)
+    pos = torch.full((B,), P, dtype=torch.long, device=device)
+    runner, graph_error, capture_s = DecodeRunner(model, B, graphs=graphs), None, None
+    if runner.graphs:
+        t = time.perf_counter()
+        try:
+            runner.capture()
+            capture_s = time.perf_counter() - t
+        except GraphCaptureError as e:
+            graph_error = str(e)
+            runner = DecodeRunner(model, B, graphs=False)
+    for s in range(WARMUP_STEPS):
+        runner.decode(ids[s], pos, rows)
+        pos = pos + 1
+    sync(device)
+    t = time.perf_counter()
+    for s in range(WARMUP_STEPS, WARMUP_STEPS + K):
+        runner.decode(ids[s], pos, rows)
+        pos = pos + 1
+    sync(device)
+    dt = (time.perf_counter() - t) / K
+    out = {"batch": B, "ms_per_step": dt * 1e3, "tokens_per_s": B / dt, "prefill_rows_s": prefill_s,
+           "mean_position": P + WARMUP_STEPS + (K - 1) / 2, "mode": runner.mode, "graph_error": graph_error,
+           "capture_s": capture_s}
+    if device.type == "cuda":
+        out["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+GUIDED_MODES = ("off", "all_ones", "json")
+
+
+def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int, compiler,
+                graphs: bool = False) -> dict:
+    """The per-step cost of guided decoding at batch B: K steps (after WARMUP_STEPS) of decode -> [mask] ->
+    sample (temperature 1) + logprobs -> tokens to the host -> matchers accept, fed back, in each mode:
+    off (no mask), all_ones (every row unconstrained: fill + copy + apply of all-ones masks), json (an
+    xgrammar builtin-JSON matcher per row, reset when it terminates). The host fill runs right after the
+    decode step is launched, as in the scheduler; `json_fill_ms` is its host time per step (hidden behind the
+    step while shorter than it), `json_accept_ms` the matchers' accept after the tokens are back (serial:
+    on the step's critical path)."""
+    from deepinfer.engine.guided import MaskBuffer
+    from deepinfer.engine.graphs import GraphCaptureError
+    from deepinfer.engine.runner import DecodeRunner
+
+    V = cfg.vocab_size
+    model.allocate(B + 1, P + WARMUP_STEPS + K + 1)
+    rows = torch.arange(B, device=device)
+    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
+    for i in range(B):
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    runner, graph_error = DecodeRunner(model, B, graphs=graphs), None
+    if runner.graphs:
+        try:
+            runner.capture()
+        except GraphCaptureError as e:
+            graph_error = str(e)
+            runner = DecodeRunner(model, B, graphs=False)
+    json_guide = compiler.compile_builtin_json()
+    temp = torch.ones(B, device=device)
+    top_k = torch.zeros(B, dtype=torch.long, device=device)
+    top_p = torch.ones(B, device=device)
+    seeds = torch.arange(B, dtype=torch.long, device=device)
+    first = random_prompts(cfg, B, 1, seed + 2).to(device)
+    masks = MaskBuffer(B, V, device)
+    out = {"batch": B, "mode": runner.mode, "graph_error": graph_error}
+    for mode in GUIDED_MODES:
+        matchers = [json_guide.matcher() if mode == "json" else None for _ in range(B)]
+        ids, pos = first, torch.full((B,), P, dtype=torch.long, device=device)
+        fill_s = accept_s = 0.0
+        for s in range(WARMUP_STEPS + K):
+            if s == WARMUP_STEPS:
+                sync(device)
+                t0, fill_s, accept_s = time.perf_counter(), 0.0, 0.0
+            logits = runner.decode(ids, pos, rows)
+            if mode != "off":
+                tf = time.perf_counter()
+                masks.fill(matchers)  # on the host while the device runs the step
+                fill_s += time.perf_counter() - tf
+                logits = ops.apply_token_bitmask(logits, masks.to_device(B))
+            toks = ops.sample(logits, temp, top_k, top_p, seeds, pos)
+            ops.logprobs(logits)
+            toks_l = toks.tolist()
+            ta = time.perf_counter()
+            for j, m in enumerate(matchers):
+                if m is not None:
+                    if not m.accept_token(toks_l[j]):
+                        raise RuntimeError(f"bench --guided: the matcher refused token {toks_l[j]} the mask allowed")
+                    if m.is_terminated():
+                        m.reset()
+            accept_s += time.perf_counter() - ta
+            ids, pos = toks.view(B, 1), pos + 1
+        sync(device)
+        out[f"{mode}_ms"] = (time.perf_counter() - t0) / K * 1e3
+        if mode != "off":
+            out[f"{mode}_overhead_ms"] = out[f"{mode}_ms"] - out["off_ms"]
+            out[f"{mode}_fill_ms"] = fill_s / K * 1e3
+            out[f"{mode}_accept_ms"] = accept_s / K * 1e3
+    return out
+
+
+def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int, steps: int = 3,
+                   top: int = 40) -> list[dict]:
+    """Where a decode step's time goes: torch.profiler over `steps` eager steps (graphs would hide the
+    kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer.engine.runner import DecodeRunner
+
+    model.allocate(B, P + steps + 4)
+    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
+    rows = torch.arange(B, device=device)
+    for i in range(B):
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    ids = random_prompts(cfg, (steps + 1) * B, 1, seed + 2).view(steps + 1, B, 1).to(device)
+    pos = torch.full((B,), P, dtype=torch.long, device=device)
+    runner = DecodeRunner(model, B)  # eager, on the runner's side streams as the engine issues it
+    runner.decode(ids[0], pos, rows)  # warm-up (compiles)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for s in range(1, steps + 1):
+            runner.decode(ids[s], pos + s, rows)
+        sync(device)
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    if device.type == "cuda":  # kernels only (CPU-side ops also carry device time of their children)
+        kernels = [e for e in evs if "CUDA" in str(getattr(e, "device_type", ""))]
+        evs = kernels or evs
+    total = sum(getattr(e, key) for e in evs) or 1.0
+    evs.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": getattr(e, key) / 1e3 / steps,
+             "share": getattr(e, key) / total} for e in evs[:top]]

@@ -1,0 +1,86 @@
+"""Compile Triton kernels of the backend to PTX for sm_90a without a GPU, and print one digest per kernel: the
+check that a refactor leaves a kernel's generated code unchanged (run before and after; equal digests, equal
+code). The digest covers the PTX with its debug lines (`.loc`, `.file`, `//` comments) left out, so moving code
+between files or lines does not change it.
+
+    python tools/triton_ptx.py              # every kernel in CASES
+    python tools/triton_ptx.py sample gg_   # the cases whose name contains one of the words
+
+Triton compiles through its bundled ptxas for the target given here; nothing is launched. The signatures are
+those the wrappers launch with at flash shapes (bf16 logits, FP8 activations and weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (read when triton is imported)
+# no line info: LLVM orders some instructions by their debug locations, so a kernel moved down a file would
+# otherwise lower to reordered (equivalent) PTX
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from deepinfer_kernels.triton import moe_grouped, moe_prefill, sampling, speculative  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _sig(fn, types: dict, consts: dict) -> ASTSource:
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
+    return ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+
+
+def _ints(*names):
+    return dict.fromkeys(names, "i32")
+
+
+CASES = {
+    "sample": lambda: _sig(sampling._sample_kernel, {
+        "l_ptr": "*bf16", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32", "seed_ptr": "*i64",
+        "pos_ptr": "*i64", "ws_ptr": "*i64", "out_ptr": "*i64", **_ints("V")},
+        {"BLOCK": 2048, "HBLOCK": 128, "CB": sampling.CAND}),
+    "spec_probs": lambda: _sig(speculative._spec_probs_kernel, {
+        "l_ptr": "*bf16", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32", "out_ptr": "*fp32",
+        **_ints("V")}, {"BLOCK": 2048}),
+    "gg_fp8": lambda: _sig(moe_grouped._gg_fp8_kernel, {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
+        "rows_ptr": "*i32", "bexp_ptr": "*i32", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W")},
+        {"BM": 64, "BN": 128, "BK": 128}),
+    "gg_float": lambda: _sig(moe_grouped._gg_float_kernel, {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32", "bexp_ptr": "*i32",
+        **_ints("P", "N", "K")}, {"BM": 64, "BN": 64, "BK": 64, "IEEE": False}),
+    "gg_fp8_tma": lambda: _sig(moe_prefill._gg_fp8_tma_kernel, {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
+        "c_ptr": "*bf16", "rows_ptr": "*i32", "bexp_ptr": "*i32", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
+        {"BM": 64, "BN": 128}),
+}
+
+_DEBUG = re.compile(r"^\s*(\.loc|\.file)\b.*$|//.*$", re.M)
+
+
+def ptx_digest(name: str) -> str:
+    ptx = triton.compile(CASES[name](), target=TARGET).asm["ptx"]
+    body = "\n".join(ln.rstrip() for ln in _DEBUG.sub("", ptx).splitlines() if ln.strip())
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def main(words: list[str]) -> int:
+    for name in CASES:
+        if words and not any(w in name for w in words):
+            continue
+        try:
+            print(f"{name:12s} {ptx_digest(name)}")
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile is reported, the rest go on
+            print(f"{name:12s} FAILED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
