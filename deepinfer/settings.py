@@ -34,6 +34,9 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_KV_QAT", "flag", "", "deprecated (one warning line): 1 / 0 set official numerics' KV form as "
             "a SPEC's kv=fp8 / kv=bf16; unset, the release decides it (60d8d707: the no-RoPE dims and compressed "
             "entries FP8-rounded per 64, an FP8 cache; efc85512: bf16; docs/numerics.md)"),
+    Setting("DEEPINFER_PREFILL_GRAPHS", "flag", "0", "prefill chunks of 256, 512, ... 8192 tokens (one row) replay "
+            "as CUDA graphs per (length, start) where the decode step runs as graphs (opt-in: each captured key holds "
+            "its outputs, and the graphs' pool holds a prefill's temporaries)"),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "

@@ -157,8 +157,16 @@ def _print(report: dict, con: Console) -> None:
             con.print(f"[red]batch {d['batch']}: graph capture failed, timed eagerly: {d['graph_error']}[/red]")
     pf = report["prefill"]
     con.print(f"prefill 1 x {pf['prompt_len']}: TTFT {pf['ttft_ms']:.1f} ms (cold {pf['cold_ms']:.0f} ms), "
-              f"{pf['tokens_per_s']:.0f} tokens/s; floor {pf['floor']['floor_ms']:.2f} ms -> {pf['ratio']:.1f}x",
-              highlight=False)
+              f"{pf['tokens_per_s']:.0f} tokens/s; floor {pf['floor']['floor_ms']:.2f} ms -> {pf['ratio']:.1f}x; "
+              f"{_issue(pf)}", highlight=False)
+    pg = report.get("prefill_graphs")
+    if pg and "skipped" in pg:
+        con.print(f"prefill as a CUDA graph: skipped ({pg['skipped']})", highlight=False)
+    elif pg:
+        con.print(f"prefill as a CUDA graph ({pg['mode']}): TTFT {pg['ttft_ms']:.1f} ms ({pg['ratio']:.1f}x floor, "
+                  f"{pg['vs_eager']:.2f}x eager); {_issue(pg)}"
+                  + (f"; [red]capture failed: {pg['graph_error']}[/red]" if pg.get("graph_error") else ""),
+                  highlight=False)
     t = Table(title=f"decode ({report['gen_len']} steps after a {report['prompt_len']}-token prompt per row)")
     for col in ("batch", "ms/step", "tokens/s", "floor bytes ms", "engine-bytes ms", "FLOP ms", "x floor",
                 "x engine floor", "experts/layer", "peak GiB"):
@@ -276,6 +284,8 @@ def bench_cmd(
     dtype: str = common.DTYPE,
     device: str = common.DEVICE,
     eager: bool = typer.Option(False, "--eager", help="Time decode eagerly instead of as captured CUDA graphs."),
+    prefill_graphs: bool = typer.Option(False, "--prefill-graphs", help="Also time the prefill replayed as a CUDA "
+                                        "graph (host issue off the critical path), beside the eager one."),
     profile: bool = typer.Option(False, "--profile", help="Also profile one eager decode step at the first batch "
                                  "size and list the kernels by time."),
     peer: str = typer.Option(None, "--peer", help="Also time `transformers` (DeepseekV4ForCausalLM, bf16) "
@@ -306,7 +316,8 @@ def bench_cmd(
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
                         numerics=numerics,
                         dtype=dtype, device=device, seed=seed, peer=peer, eager=eager, progress=not as_json,
-                        profile=profile, guided=guided, speculate=speculate, against=tuple(against or ()))
+                        profile=profile, guided=guided, speculate=speculate, against=tuple(against or ()),
+                        prefill_graphs=prefill_graphs)
     err = Console(stderr=True)
     report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
     if record_to:
@@ -316,6 +327,7 @@ def bench_cmd(
         argv += ["--op", op_map] if op_map else []
         argv += ["--numerics", numerics] if numerics != "official" else []
         argv += (["--device", device] if device else []) + (["--peer", peer] if peer else [])
+        argv += ["--prefill-graphs"] if prefill_graphs else []
         for a in against or ():
             argv += ["--against", a]
         record(record_to, report, shlex.join(argv))
@@ -325,6 +337,14 @@ def bench_cmd(
     _print(report, console())
     if record_to:
         print(f"recorded a row in {record_to}", file=sys.stderr)
+
+
+def _issue(pf: dict) -> str:
+    """The host's issue time of a prefill against its device time (the share the host holds the critical path)."""
+    if pf.get("device_ms") is None:
+        return f"host issue {pf['host_issue_ms']:.1f} ms"
+    return f"host issue {pf['host_issue_ms']:.1f} ms of {pf['ttft_ms']:.1f} ({pf['host_issue_ms'] / pf['ttft_ms']:.0%}), " \
+           f"device {pf['device_ms']:.1f} ms"
 
 
 def register(app: typer.Typer) -> None:

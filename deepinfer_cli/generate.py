@@ -52,6 +52,9 @@ def generate_cmd(
                                   "prompts wait for a free row. Default: min(64, number of prompts)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs for the decode step (graphs are only "
                                "attempted on CUDA with a kernel backend; the torch reference always runs eager)."),
+    prefill_graphs: bool = typer.Option(None, "--prefill-graphs/--no-prefill-graphs", help="Replay prompt chunks "
+                                        "of 256, 512, ... 8192 tokens as CUDA graphs where decode runs as graphs "
+                                        "(same tokens; default: $DEEPINFER_PREFILL_GRAPHS, off)."),
     json_schema: str = typer.Option(None, "--json-schema", help="Guided decoding: the output is JSON valid under "
                                     "the JSON schema in FILE (xgrammar; logprobs are reported after the mask)."),
     regex: str = typer.Option(None, "--regex", help="Guided decoding: the output matches the regular expression."),
@@ -117,7 +120,8 @@ def generate_cmd(
     try:
         res = generate(lm.model, ids, [p for _, _, p in items], tok.eos_id, decode,
                        max_batch=max_batch, graphs=graphs, prefill_chunk=prefill_chunk,
-                       on_token=None if stream is None else stream.on_token, speculate=speculate or 0)
+                       on_token=None if stream is None else stream.on_token, speculate=speculate or 0,
+                       prefill_graphs=prefill_graphs)
     except GraphCaptureError as e:
         raise fail(str(e)) from None
     if input_file is not None:

@@ -183,6 +183,21 @@ def test_cli_json_and_record(tmp_path):
     assert len(rows) == 1 and "deepinfer bench --preset tiny" in rows[0] and "B=1:" in rows[0]
 
 
+def test_prefill_host_issue_and_graphs_row():
+    """Every prefill row reports the host's issue time (CPU: no device time); --prefill-graphs adds a row, or says
+    why it was skipped (graphs need CUDA and a kernel backend), in the report and the printed table."""
+    args = ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "6", "--gen-len", "1", "--device", "cpu",
+            "--prefill-graphs"]
+    res = CliRunner().invoke(app, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    pf = out["prefill"]
+    assert 0 < pf["host_issue_ms"] <= pf["ttft_ms"] * 1.05 and pf["device_ms"] is None and pf["mode"] == "eager"
+    assert out["prefill_graphs"] == {"skipped": "prefill graphs need CUDA, a kernel backend and no --eager"}
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0 and "host issue" in res.output and "prefill as a CUDA graph: skipped" in res.output
+
+
 def test_bench_against_same_run_same_floors(tmp_path):
     """--against times other configurations in the same run: one row per configuration against the main rows'
     floors, the per-op map recorded, the main dispatch restored afterwards; the table prints them."""

@@ -62,6 +62,7 @@ class BenchOptions:
     seed: int = 0
     peer: str | None = None
     eager: bool = False
+    prefill_graphs: bool = False  # also time the prefill replayed as a CUDA graph (`engine.prefill_runner`)
     progress: bool = True
     profile: bool = False
     guided: bool = False
@@ -149,6 +150,8 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
     floor_pf = main["prefill"]["floor"]["floor_ms"]
     pf.update(ratio=pf["ttft_ms"] / floor_pf, vs_main=pf["ttft_ms"] / main["prefill"]["ttft_ms"])
+    pf_graphs = _prefill_graphs(model, cfg, opts, device, graphs, {**pf, "floor": main["prefill"]["floor"]}, log) \
+        if opts.prefill_graphs else None
     time_decode(model, cfg, batches[0], min(opts.prompt_len, 16), 2, device, opts.seed, graphs=False)  # compiles
     rows = []
     main_dec = {d["batch"]: d for d in main["decode"]}
@@ -159,7 +162,18 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
         d.update(ratio=d["ms_per_step"] / m["floor"]["floor_ms"], vs_main=d["ms_per_step"] / m["ms_per_step"])
         rows.append(d)
     return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "fallbacks": sorted(ops.fallbacks),
-            "prefill": pf, "decode": rows}
+            "prefill": pf, "prefill_graphs": pf_graphs, "decode": rows}
+
+
+def _prefill_graphs(model, cfg, opts: BenchOptions, device, graphs: bool, eager: dict, log) -> dict:
+    """The prefill replayed as a CUDA graph, against the eager row `eager` (its floor) of the same configuration;
+    {"skipped": why} where decode graphs are off (not CUDA, the torch reference, --eager)."""
+    if not graphs:
+        return {"skipped": "prefill graphs need CUDA, a kernel backend and no --eager"}
+    log(f"prefill as a CUDA graph: 1 x {opts.prompt_len} tokens ...")
+    g = time_prefill(model, cfg, opts.prompt_len, device, opts.seed, graphs=True)
+    g.update(ratio=g["ttft_ms"] / eager["floor"]["floor_ms"], vs_eager=g["ttft_ms"] / eager["ttft_ms"])
+    return g
 
 
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
@@ -230,6 +244,8 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
                          kv_entry_bytes=kv_entry)
     pf["ratio"] = pf["ttft_ms"] / pf["floor"]["floor_ms"]
     report["prefill"] = pf
+    if opts.prefill_graphs:
+        report["prefill_graphs"] = _prefill_graphs(model, cfg, opts, device, graphs, pf, log)
 
     report["decode"] = []
     # one untimed decode of the first batch size: first-call costs (allocator growth, thread pools, the

