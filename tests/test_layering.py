@@ -193,3 +193,15 @@ def test_model_holds_no_engine_state():
     model.planted = runner  # the walk sees a runner planted on the model
     _engine_refs(model, set(), "model", bad)
     assert bad == ["model.planted: deepinfer.engine.runner.DecodeRunner"], bad
+
+
+def test_every_package_is_installed():
+    """pyproject's package list names every package folder: a folder left out imports from a checkout (the tests'
+    working directory) but not from a wheel."""
+    import re
+
+    listed = set(re.findall(r'"([\w.]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+                            .split("[tool.setuptools]")[1].split("]")[0]))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for base in ("deepinfer", "deepinfer_cli", "deepinfer_kernels")
+             for p in (ROOT / base).rglob("__init__.py")}
+    assert found - listed == set(), f"not in pyproject's packages: {sorted(found - listed)}"
