@@ -51,7 +51,8 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks ins
 
 generate.register(app)
 
-for _mod in ("dump", "show", "compare", "margin", "bisect", "graft", "verify", "ab", "probe", "stack", "bench", "dist"):
+for _mod in ("dump", "show", "compare", "margin", "bisect", "graft", "verify", "ab", "probe", "stack", "bench", "tune",
+             "dist"):
     try:  # commands of later milestones register themselves when their module exists
         __import__(f"deepinfer_cli.{_mod}")
         getattr(__import__(f"deepinfer_cli.{_mod}", fromlist=["register"]), "register")(app)

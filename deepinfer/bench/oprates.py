@@ -78,7 +78,12 @@ MMAs); every other op against the bf16 rate. `summarize` and `ab --bench` both u
 def op_rates(names: tuple[str, ...] = OPS):
     """Wrap `names` in the dispatcher; yields a list that `summarize` turns into per-op rows."""
     calls: list[tuple[str, torch.cuda.Event, torch.cuda.Event, tuple, dict]] = []
-    saved = {n: ops.resolve(n) for n in names}
+    prev, ops.phase = ops.phase, "prefill"  # what it times; a phase-split map entry resolves as in a prefill
+    try:
+        saved = {n: ops.resolve(n) for n in names}
+    finally:
+        ops.phase = prev
+    key = {n: (n, "prefill") if n in ops._phased else n for n in names}
 
     def wrap(name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -91,12 +96,12 @@ def op_rates(names: tuple[str, ...] = OPS):
         return timed
 
     for n, fn in saved.items():
-        ops._cache[n] = wrap(n, fn)
+        ops._cache[key[n]] = wrap(n, fn)
     try:
         yield calls
     finally:
         for n, fn in saved.items():
-            ops._cache[n] = fn
+            ops._cache[key[n]] = fn
 
 
 def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dict]:

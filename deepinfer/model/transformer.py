@@ -205,6 +205,7 @@ class Transformer:
             raise RuntimeError("call allocate(rows, max_seq_len) before running the model")
         if prefill and start + positions.size(1) > self.max_seq_len:  # decode: the caller keeps it in range
             raise ValueError(f"{start + positions.size(1)} tokens exceed max_seq_len {self.max_seq_len}")
+        ops.phase = "prefill" if prefill else "decode"  # which entry of a phase-split op map the step's ops take
         return StepContext(positions, rows, self.rope, prefill, start)
 
     def _body(self, input_ids, ctx) -> torch.Tensor:

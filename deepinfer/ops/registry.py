@@ -227,26 +227,94 @@ def check_runs_on(backend: str, device, dtype: str | None = None, what: str = "-
                            "--dtype float32 or float16 here, or run bf16 on a GPU")
 
 
-def parse_op_map(text: str | None, what: str = "--op") -> dict[str, str]:
-    """`grouped_gemm=tilelang,sparse_attn_fp8=tilelang` -> {op: backend}. An unknown op or backend, or a
-    malformed entry, is a ValueError naming the valid choices."""
+PHASES = ("decode", "prefill")
+"""The phases a per-op map entry may split by (`op=decode:triton/prefill:tilelang`): the model step that calls the
+op (`Dispatcher.phase`, set by the model); a tuned map picks a kernel per phase (`deepinfer tune`)."""
+
+
+def parse_op_map(text: str | None, what: str = "--op") -> dict:
+    """`grouped_gemm=tilelang,sparse_attn_fp8=tilelang` -> {op: backend}; an entry may split by phase,
+    `grouped_gemm=decode:triton/prefill:tilelang` -> {op: {phase: backend}}; `@FILE` reads a tuned map
+    (`deepinfer.ops.op_map_file`, checked against this machine). An unknown op, backend or phase, or a malformed
+    entry, is a ValueError naming the valid choices."""
     _ensure_reference()
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+    text = (text or "").strip()
+    if text.startswith("@"):
+        from deepinfer.ops.op_map_file import load_op_map
+
+        return load_op_map(text[1:], what)
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
         op, eq, b = (x.strip() for x in part.partition("="))
         if not eq or not op or not b:
             raise ValueError(f"{what} {part!r}: expected op=backend, e.g. grouped_gemm=tilelang")
         if op not in REGISTRY:
             raise ValueError(f"{what} {part!r}: unknown op {op!r}; ops: {', '.join(REGISTRY)}")
-        if b not in BACKENDS:
-            raise ValueError(f"{what} {part!r}: unknown backend {b!r}; backends: {', '.join(BACKENDS)}")
-        out[op] = b
+        out[op] = _parse_choice(b, f"{what} {part!r}")
     return out
 
 
-def op_map_str(op_map: dict[str, str]) -> str:
+def _parse_choice(b: str, where: str):
+    """`triton` -> "triton"; `decode:triton/prefill:tilelang` -> {"decode": "triton", "prefill": "tilelang"}."""
+    if ":" not in b:
+        if b not in BACKENDS:
+            raise ValueError(f"{where}: unknown backend {b!r}; backends: {', '.join(BACKENDS)}")
+        return b
+    phased = {}
+    for item in b.split("/"):
+        ph, colon, be = (x.strip() for x in item.partition(":"))
+        if not colon or ph not in PHASES:
+            raise ValueError(f"{where}: {item!r} is not phase:backend with a phase of {', '.join(PHASES)}")
+        if be not in BACKENDS:
+            raise ValueError(f"{where}: unknown backend {be!r}; backends: {', '.join(BACKENDS)}")
+        phased[ph] = be
+    if set(phased) != set(PHASES):
+        raise ValueError(f"{where}: a phase split names every phase ({', '.join(PHASES)})")
+    return phased
+
+
+def choice_str(choice) -> str:
+    """An op map entry as `--op` takes it: "triton", or "decode:triton/prefill:tilelang"."""
+    if isinstance(choice, dict):
+        return "/".join(f"{ph}:{choice[ph]}" for ph in PHASES)
+    return choice
+
+
+def map_backends(op_map: dict) -> set[str]:
+    """Every backend an op map names (phase splits included)."""
+    out = set()
+    for v in op_map.values():
+        out |= set(v.values()) if isinstance(v, dict) else {v}
+    return out
+
+
+def backend_versions(backends=None) -> dict[str, str | None]:
+    """{backend: its package's installed version, or None} for the kernel backends (read from the package
+    metadata, importing nothing): what a tuned map records and is checked against."""
+    import importlib.metadata as md
+
+    out = {}
+    for b in backends or [b for b in BACKENDS if b != "torch"]:
+        if b == "torch":
+            import torch
+
+            out[b] = str(torch.__version__)
+            continue
+        pkg = _BACKEND_PACKAGES[b][0]
+        ver = None
+        for name in (pkg, pkg.replace("_", "-")):
+            try:
+                ver = md.version(name)
+                break
+            except md.PackageNotFoundError:
+                continue
+        out[b] = ver
+    return out
+
+
+def op_map_str(op_map: dict) -> str:
     """The map as `--op` takes it (sorted, so equal maps print alike); "" for none."""
-    return ",".join(f"{op}={b}" for op, b in sorted(op_map.items()))
+    return ",".join(f"{op}={choice_str(b)}" for op, b in sorted(op_map.items()))
 
 
 def default_backend() -> str:
@@ -273,7 +341,11 @@ class Dispatcher:
 
     def __init__(self):
         self.backend = "torch"
-        self.op_map: dict[str, str] = {}  # op -> the backend that runs it instead of `backend`
+        self.op_map: dict = {}  # op -> the backend that runs it instead of `backend` (or {phase: backend})
+        self._phased: set[str] = set()  # ops whose map entry splits by phase
+        # the model step calling the ops ("decode" | "prefill"), set by the model; a phase-split entry resolves by
+        # it (outside a model step it keeps the last step's phase: sampling follows the decode that made the logits)
+        self.phase: str = "decode"
         self.strict = False
         self.fallbacks: dict[str, str] = {}  # op -> reason, for every op that fell back
         self.used: set[str] = set()
@@ -297,9 +369,10 @@ class Dispatcher:
             op_map = parse_op_map(settings.path("DEEPINFER_OPS"), "DEEPINFER_OPS")
         elif isinstance(op_map, str):
             op_map = parse_op_map(op_map)
-        for b in (backend, *sorted(set(op_map.values()))):
+        for b in (backend, *sorted(map_backends(op_map))):
             load_backend(b)
         self.backend, self.strict, self.op_map = backend, strict, dict(op_map)
+        self._phased = {op for op, v in self.op_map.items() if isinstance(v, dict)}
         self._cache.clear()
         self.fallbacks.clear()
         self.used.clear()
@@ -313,13 +386,15 @@ class Dispatcher:
                 )
         return self
 
-    def backend_of(self, name: str) -> str:
-        """The backend chosen for op `name`: its entry in the per-op map, else the backend."""
-        return self.op_map.get(name, self.backend)
+    def backend_of(self, name: str, phase: str | None = None) -> str:
+        """The backend chosen for op `name`: its entry in the per-op map (a phase split: the entry of `phase`, else
+        of the current phase), else the backend."""
+        b = self.op_map.get(name, self.backend)
+        return b[phase or self.phase] if isinstance(b, dict) else b
 
     def backends(self) -> list[str]:
         """Every backend this configuration runs ops on (the backend first)."""
-        return [self.backend] + sorted(set(self.op_map.values()) - {self.backend})
+        return [self.backend] + sorted(map_backends(self.op_map) - {self.backend})
 
     def check_device(self, device, dtype: str | None = None, what: str | None = None) -> None:
         """`check_runs_on` for every backend of this configuration (`what`: the option to name, default
@@ -336,7 +411,8 @@ class Dispatcher:
         """Ops the configuration has no implementation for (reference-only ops by design are not missing)."""
         _ensure_reference()
         return [n for n, d in REGISTRY.items()
-                if self.backend_of(n) not in d.impls and by_design(self.backend_of(n), n) is None]
+                if any(self.backend_of(n, ph) not in d.impls and by_design(self.backend_of(n, ph), n) is None
+                       for ph in (PHASES if n in self._phased else (None,)))]
 
     def override_sites(self, sites: dict | None) -> None:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
@@ -368,7 +444,8 @@ class Dispatcher:
             fn = self._sites.get((name, self.layer)) if self._sites is not None else None
             if fn is not None:
                 return fn
-        fn = self._cache.get(name)
+        key = (name, self.phase) if name in self._phased else name
+        fn = self._cache.get(key)
         if fn is not None:
             return fn
         _ensure_reference()
@@ -389,7 +466,7 @@ class Dispatcher:
                 print(f"deepinfer: op {name} falls back to the torch reference ({reason})", file=sys.stderr)
             fn = d.ref
         self.used.add(name)
-        self._cache[name] = fn
+        self._cache[key] = fn
         return fn
 
     def __getattr__(self, name: str) -> Callable:
