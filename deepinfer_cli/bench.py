@@ -178,6 +178,12 @@ def _print(report: dict, con: Console) -> None:
                   f"{d['ratio_engine_bytes']:.1f}", f"{f['distinct_experts_per_layer']:.1f}",
                   gb(d["peak_mem_bytes"]) if "peak_mem_bytes" in d else "-")
     con.print(t)
+    do = report.get("decode_ops")
+    if do:
+        top = ", ".join(f"{k} {v}" for k, v in list(do["by_op"].items())[:6])
+        kern = f", {do['kernels_per_step']:.0f} CUDA kernels (--profile)" if "kernels_per_step" in do else ""
+        con.print(f"decode step at batch {do['batch']}: {do['ops_per_step']} registry ops{kern}; most called: {top}",
+                  highlight=False)
     if report.get("fp8_prefill_gemm"):
         con.print(f"prefill FP8 GEMMs (M >= 65): {report['fp8_prefill_gemm']}", highlight=False)
     if report.get("fallbacks"):

@@ -194,8 +194,15 @@ def test_prefill_host_issue_and_graphs_row():
     pf = out["prefill"]
     assert 0 < pf["host_issue_ms"] <= pf["ttft_ms"] * 1.05 and pf["device_ms"] is None and pf["mode"] == "eager"
     assert out["prefill_graphs"] == {"skipped": "prefill graphs need CUDA, a kernel backend and no --eager"}
+    # the registry ops of one decode step: each a kernel boundary on a GPU
+    do = out["decode_ops"]
+    assert do["batch"] == 1 and do["ops_per_step"] == sum(do["by_op"].values()) > 50
+    assert do["by_op"]["fp8_gemm"] > 0 and "hc_pre_quant" in do["by_op"]
+    from deepinfer.ops import ops
+    assert ops._counts is None and not ops._siting  # counting is off again
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0 and "host issue" in res.output and "prefill as a CUDA graph: skipped" in res.output
+    assert "registry ops" in res.output
 
 
 def test_bench_against_same_run_same_floors(tmp_path):

@@ -33,7 +33,8 @@ import torch
 
 from deepinfer.bench.floor import floors, held_bytes, model_bytes
 from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
-from deepinfer.bench.timing import GUIDED_MODES, profile_decode, time_decode, time_guided, time_prefill
+from deepinfer.bench.timing import (GUIDED_MODES, count_decode_ops, profile_decode, time_decode, time_guided,
+                                    time_prefill)
 from deepinfer.config import ModelConfig
 from deepinfer.engine.loader import build_model
 from deepinfer.engine.memory import check_model_fits
@@ -296,9 +297,14 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             report["notes"] = report.get("notes", []) + [
                 "speculative: random weights -- the MTP block is not trained to predict the main model, so the "
                 "measured acceptance is near 0 and says nothing about a real checkpoint; read the projection"]
+    log(f"counting the registry ops of one decode step at batch {batches[0]} ...")
+    report["decode_ops"] = count_decode_ops(model, cfg, batches[0], min(opts.prompt_len, 16), device, opts.seed)
     if opts.profile:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
-        report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed)
+        counts: dict = {}
+        report["profile"] = profile_decode(model, cfg, batches[0], opts.prompt_len, device, opts.seed,
+                                           out_counts=counts)
+        report["decode_ops"].update(counts)
         if device.type == "cuda":
             from deepinfer.bench.oprates import profile_prefill
 

@@ -176,9 +176,10 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
 
 
 def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int, steps: int = 3,
-                   top: int = 40) -> list[dict]:
+                   top: int = 40, out_counts: dict | None = None) -> list[dict]:
     """Where a decode step's time goes: torch.profiler over `steps` eager steps (graphs would hide the
-    kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step."""
+    kernels), the `top` kernels by total device time -> [{name, calls, total_ms, share}] per step.
+    out_counts (CUDA): receives "kernels_per_step", every kernel launch of a step (the boundaries a step pays)."""
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer.engine.runner import DecodeRunner
@@ -203,7 +204,34 @@ def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device,
     if device.type == "cuda":  # kernels only (CPU-side ops also carry device time of their children)
         kernels = [e for e in evs if "CUDA" in str(getattr(e, "device_type", ""))]
         evs = kernels or evs
+        if out_counts is not None:
+            out_counts["kernels_per_step"] = sum(e.count for e in kernels) / steps
     total = sum(getattr(e, key) for e in evs) or 1.0
     evs.sort(key=lambda e: getattr(e, key), reverse=True)
     return [{"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": getattr(e, key) / 1e3 / steps,
              "share": getattr(e, key) / total} for e in evs[:top]]
+
+
+def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int) -> dict:
+    """The registry ops one eager decode step of B rows calls (after a warm-up step): {"ops_per_step",
+    "by_op": {op: calls}}. Each op is at least one kernel boundary on a GPU; the CUDA kernel count of the step
+    is `--profile`'s `kernels_per_step`."""
+    from deepinfer.engine.runner import DecodeRunner
+
+    model.allocate(B + 1, P + 4)
+    rows = torch.arange(B, device=device)
+    prompts = random_prompts(cfg, B, P, seed + 1).to(device)
+    for i in range(B):
+        model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
+    ids = random_prompts(cfg, 2 * B, 1, seed + 2).view(2, B, 1).to(device)
+    pos = torch.full((B,), P, dtype=torch.long, device=device)
+    runner = DecodeRunner(model, B)
+    runner.decode(ids[0], pos, rows)  # warm-up: first-call paths stay out
+    ops.count_calls(True)
+    try:
+        runner.decode(ids[1], pos + 1, rows)
+    finally:
+        counts = ops.count_calls(False) or {}
+    sync(device)
+    return {"batch": B, "ops_per_step": sum(counts.values()),
+            "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}

@@ -356,7 +356,8 @@ class Dispatcher:
         self.layer: int | None = None
         self._sites: dict[tuple[str, int | None], Callable] | None = None
         self._seen: set[tuple[str, int | None]] | None = None
-        self._siting = False  # either of the two is on: the one check `resolve` makes on its fast path
+        self._counts: dict[str, int] | None = None  # op -> calls, while `count_calls` is on
+        self._siting = False  # sites, recording or counting is on: the one check `resolve` makes on its fast path
 
     def configure(self, backend: str | None = None, strict: bool | None = None,
                   op_map: dict[str, str] | str | None = None) -> "Dispatcher":
@@ -418,13 +419,20 @@ class Dispatcher:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
         wherever given; None restores plain dispatch."""
         self._sites = dict(sites) if sites else None
-        self._siting = self._sites is not None or self._seen is not None
+        self._siting = self._sites is not None or self._seen is not None or self._counts is not None
 
     def record_sites(self, on: bool = True) -> set | None:
         """Start (on) or stop recording the (op, layer) sites called; stopping returns them."""
         seen, self._seen = self._seen, (set() if on else None)
-        self._siting = self._sites is not None or self._seen is not None
+        self._siting = self._sites is not None or self._seen is not None or self._counts is not None
         return seen
+
+    def count_calls(self, on: bool = True) -> dict | None:
+        """Start (on) or stop counting the op calls made; stopping returns {op: calls} (what `bench` reports as
+        the registry ops per decode step: each one at least one kernel boundary)."""
+        counts, self._counts = self._counts, ({} if on else None)
+        self._siting = self._sites is not None or self._seen is not None or self._counts is not None
+        return counts
 
     def runtime_fallback(self, name: str, reason: str) -> None:
         """A backend's implementation of `name` could not run this call (e.g. a kernel that failed to compile
@@ -441,6 +449,8 @@ class Dispatcher:
         if self._siting:
             if self._seen is not None:
                 self._seen.add((name, self.layer))
+            if self._counts is not None:
+                self._counts[name] = self._counts.get(name, 0) + 1
             fn = self._sites.get((name, self.layer)) if self._sites is not None else None
             if fn is not None:
                 return fn
