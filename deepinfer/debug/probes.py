@@ -547,3 +547,36 @@ def probe_env() -> dict:
             "packages": packages, "infiniband": ib, "infiniband_devices": ib_devs, "expert_parallel": ep,
             "py_spy": spy, "py_spy_version": spy_ver, "default_backend": default_backend(),
             "cpu_count": os.cpu_count(), "ok": True}
+
+
+# ------------------------------------------------------------------------------------------- requant
+def probe_requant(model: str | None = None, progress: bool = False) -> dict:
+    """The FP4 routed experts of a checkpoint (None: deepinfer-tiny) requantised to per-128 FP8, as a per-128 GEMM
+    (DeepGEMM on SM90) needs them (`deepinfer.quant.requant`): per layer and projection (the experts stacked), the
+    blocks and values that change and the error, so the drift of that path is known per tensor before any run."""
+    import re
+
+    from deepinfer.checkpoint.reader import routed_expert, scale_name
+    from deepinfer.engine.loader import load_checkpoint
+    from deepinfer.quant.requant import requant_fp4
+
+    cfg, state, model_dir, _ = load_checkpoint(model, torch.device("cpu"), progress)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, t in state.items():
+        if routed_expert(name) is None or not name.endswith(".weight") or t.dtype not in (torch.int8, torch.uint8):
+            continue
+        layer = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+        groups.setdefault((layer, name.rsplit(".", 2)[-2]), []).append(name)
+    rows = []
+    for (layer, _), names in sorted(groups.items()):
+        names.sort(key=routed_expert)
+        packed = torch.stack([state[n] for n in names])
+        scale = torch.stack([state[scale_name(n)] for n in names])  # ue8m0, or decoded by the loader
+        _, _, rep = requant_fp4(packed, scale, layer)
+        rows.append({**rep.to_dict(), "experts": len(names)})
+    lossy = [r for r in rows if not r["lossless"]]
+    worst = max(rows, key=lambda r: r["rel_err"], default=None)
+    return {"probe": "requant", "model": cfg.name, "model_dir": str(model_dir), "tensors": rows,
+            "lossless": not lossy, "lossy_tensors": len(lossy),
+            "worst": None if worst is None else {"name": worst["name"], "rel_err": worst["rel_err"],
+                                                  "max_abs_err": worst["max_abs_err"]}}

@@ -1,0 +1,97 @@
+"""FP4 experts requantised to FP8 with one scale per 128 x 128 block: the step a per-128 GEMM needs, measured.
+
+DeepGEMM's SM90 FP8 GEMMs take scales at a K granularity of 128 only, in fp32 (the field notes' item C3), so
+V4's FP4 routed experts (e2m1, one ue8m0 scale per 32 K elements) must be requantised to FP8 e4m3 with a scale
+per 128 x 128 block before they can run there -- once, at load. The official `convert.py` does the same
+(`deepinfer.quant.formats.fp4_to_fp8_block`): block scale = the block's largest 32-group scale / 2^6, each group's
+values multiplied by its scale over the block scale (a power of two <= 2^6).
+
+Lossless exactly when, in every block, no 32-group scale lies more than 2^14 below the block's largest: the
+e2m1 values (at most two significant bits) times an offset >= 2^-8 stay exact in e4m3 (its subnormal step is
+2^-9). Beyond that the small groups' smallest values round or flush to zero. `requant_fp4` returns the FP8 form
+with a `RequantReport` that says which, per tensor: how many blocks and values changed and by how much, so the
+drift a per-128 path carries is measured where it is born, never assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from deepinfer.quant.formats import dequant_fp4, dequant_fp8_block, float_to_e8m0, fp4_to_fp8_block, scale_f32
+
+BLOCK = 128
+GROUP = 32
+LOSSLESS_SPAN_LOG2 = 14  # group scales within 2^14 of their block's largest: the upcast is exact
+
+
+@dataclass
+class RequantReport:
+    """What requantising one FP4 tensor to per-128 FP8 changed (all values in the dequantised real domain)."""
+
+    name: str
+    shape: tuple  # the logical weight [..., N, K]
+    blocks: int  # 128 x 128 blocks
+    lossy_blocks: int  # blocks with at least one changed value
+    lossy_values: int
+    max_abs_err: float
+    rel_err: float  # ||after - before|| / ||before|| over the tensor (0 for an all-zero tensor)
+    max_span_log2: int  # the largest log2(block's max group scale / a group scale) over the tensor's blocks
+
+    @property
+    def lossless(self) -> bool:
+        return self.lossy_values == 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape), "lossless": self.lossless}
+
+
+def requant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> tuple[Tensor, Tensor, RequantReport]:
+    """packed int8/uint8 [..., N, K/2] (e2m1, low nibble first), scale [..., N, K/32] (ue8m0, or decoded to powers
+    of two in a float dtype, the form the model holds them in) ->
+    (w_fp8 float8_e4m3fn [..., N, K], block scales float32 [..., ceil(N/128), K/128], report).
+
+    Leading dimensions (stacked experts) are requantised one matrix at a time, so no 128-row block mixes two
+    experts. The fp32 block scales are powers of two (exact). A NaN scale (byte 255) raises."""
+    if packed.dim() < 2:
+        raise ValueError(f"requant_fp4 {name}: packed must be [..., N, K/2], got {tuple(packed.shape)}")
+    *lead, n, kh = packed.shape
+    k = 2 * kh
+    if scale.is_floating_point() and scale.dtype != getattr(torch, "float8_e8m0fnu", None):
+        scale = float_to_e8m0(scale)  # exact: raises if a scale is not a power of two
+    if k % BLOCK:
+        raise ValueError(f"requant_fp4 {name}: K = {k} is not a multiple of {BLOCK}")
+    flat_p = packed.reshape(-1, n, kh)
+    flat_s = scale.reshape(-1, n, k // GROUP)
+    ws, ss = [], []
+    blocks = lossy_blocks = lossy = 0
+    max_abs, err2, ref2, span = 0.0, 0.0, 0.0, 0
+    for p, s in zip(flat_p, flat_s):
+        w8, sb = fp4_to_fp8_block(p, s)
+        before = dequant_fp4(p, s)
+        after = dequant_fp8_block(w8, sb)
+        diff = (after - before).abs()
+        changed = diff != 0
+        nb, kb = math.ceil(n / BLOCK), k // BLOCK
+        pad = nb * BLOCK - n
+        per_block = torch.nn.functional.pad(changed, (0, 0, 0, pad)).view(nb, BLOCK, kb, BLOCK).any(3).any(1)
+        blocks += nb * kb
+        lossy_blocks += int(per_block.sum())
+        lossy += int(changed.sum())
+        max_abs = max(max_abs, float(diff.max()) if diff.numel() else 0.0)
+        err2 += float(diff.double().square().sum())
+        ref2 += float(before.double().square().sum())
+        sf = scale_f32(s)  # [N, K/32], powers of two
+        grp = torch.nn.functional.pad(sf, (0, 0, 0, pad), value=1.0).view(nb, BLOCK, kb, BLOCK // GROUP)
+        top = grp.amax(dim=(1, 3), keepdim=True)
+        span = max(span, int(torch.log2(top / grp).max()))
+        ws.append(w8)
+        ss.append(scale_f32(sb))
+    w = torch.stack(ws).view(*lead, n, k)
+    sc = torch.stack(ss).view(*lead, math.ceil(n / BLOCK), k // BLOCK)
+    rep = RequantReport(name, (*lead, n, k), blocks, lossy_blocks, lossy, max_abs,
+                        math.sqrt(err2 / ref2) if ref2 else 0.0, span)
+    return w, sc, rep
