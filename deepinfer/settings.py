@@ -24,7 +24,7 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_HOME", "path", "", "where deepinfer-tiny is created (else $XDG_CACHE_HOME/deepinfer, "
             "else ~/.cache/deepinfer)"),
     Setting("DEEPINFER_BACKEND", "choice", "", "kernel backend when --backend is not given (default: triton "
-            "on CUDA, else torch)", ("", "torch", "triton", "tilelang", "flaggems")),
+            "on CUDA, else torch)", ("", "torch", "triton", "tilelang", "flaggems", "deepgemm")),
     Setting("DEEPINFER_OPS", "str", "", "per-op backends when --op is not given: op=backend,... (e.g. "
             "grouped_gemm=tilelang); ops not named run on the backend"),
     Setting("DEEPINFER_STRICT", "flag", "0", "any op without a kernel in the backend is an error (--strict)"),

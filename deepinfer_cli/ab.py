@@ -40,7 +40,7 @@ def _fmt(x, spec=".2e") -> str:
 
 @handle_errors
 def ab_cmd(
-    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang (a subset so far: `deepinfer probe kernels`) | torch."),
+    backend: str = typer.Option("triton", "--backend", help="Backend under test: triton | tilelang | flaggems | deepgemm (subsets: `deepinfer probe kernels`) | torch."),
     ref: str = typer.Option("torch", "--ref", help="Reference backend (torch = the plain-PyTorch spec)."),
     against: str = typer.Option(None, "--against", help="A peer backend (e.g. triton for --backend tilelang): "
                                 "each case also runs there, judged against the same reference; with --bench "
@@ -64,6 +64,7 @@ def ab_cmd(
       deepinfer ab --backend triton --ops 'gemm|quant' --bench
       deepinfer ab --backend tilelang --against triton --bench
       deepinfer ab --backend flaggems --against tilelang --bench
+      deepinfer ab --backend deepgemm --against triton --ops gemm --shapes flash --bench
       deepinfer ab --backend torch --dump cases/      # on host A
       deepinfer ab --backend triton --compare cases/  # on host B
     """
@@ -71,8 +72,10 @@ def ab_cmd(
         raise UserError("--dump and --compare are exclusive")
     if against and compare:
         raise UserError("--against and --compare are exclusive (a replay runs one backend on saved cases)")
-    if against and against not in ("torch", "triton", "tilelang", "flaggems"):
-        raise UserError(f"--against {against!r}: choose torch, triton, tilelang or flaggems")
+    from deepinfer.ops.registry import BACKENDS
+
+    if against and against not in BACKENDS:
+        raise UserError(f"--against {against!r}: choose one of {', '.join(BACKENDS)}")
     if dump:
         dump = check_output_dir(dump, "--dump")
     note = _prepare_interpreter(backend, bool(compare)) or (_prepare_interpreter(against, False) if against else None)

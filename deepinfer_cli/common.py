@@ -12,7 +12,7 @@ from deepinfer_cli.errors import UserError
 
 MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
                      "Default: the embedded deepinfer-tiny.")
-BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang | flaggems (tilelang and flaggems implement a "
+BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang | flaggems | deepgemm (tilelang, flaggems and deepgemm implement a "
                        "subset of the ops so far, listed by `deepinfer probe kernels`: every other op falls back to the "
                        "torch reference, visibly, and --strict refuses it; --op puts single ops on it) "
                        "(default: $DEEPINFER_BACKEND, else triton on CUDA, else torch).")

@@ -57,7 +57,7 @@ def test_probe_kernels_json():
 
     _ensure_reference()
     assert [r["op"] for r in d["ops"]] == list(REGISTRY)
-    assert set(d["backends"]) == {"torch", "triton", "tilelang", "flaggems"}
+    assert set(d["backends"]) == {"torch", "triton", "tilelang", "flaggems", "deepgemm"}
     for r in d["ops"]:
         assert r["backends"]["torch"]["implemented"] and r["backends"]["torch"]["importable"]
         assert r["here"] == "used" or r["here"].startswith("fallback")

@@ -22,12 +22,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-BACKENDS = ("torch", "triton", "tilelang", "flaggems")
+BACKENDS = ("torch", "triton", "tilelang", "flaggems", "deepgemm")
 _BACKEND_MODULES = {"triton": "deepinfer_kernels.triton", "tilelang": "deepinfer_kernels.tilelang",
-                    "flaggems": "deepinfer_kernels.flaggems"}
-# what a backend needs installed, for the one line that says so: (package, pip extra of this project)
-_BACKEND_PACKAGES = {"triton": ("triton", "triton"), "tilelang": ("tilelang", "tilelang"),
-                     "flaggems": ("flag_gems", "flaggems")}
+                    "flaggems": "deepinfer_kernels.flaggems", "deepgemm": "deepinfer_kernels.deepgemm"}
+# what a backend needs installed, for the one line that says so: (package, how to install it)
+_BACKEND_PACKAGES = {"triton": ("triton", "pip install -e '.[triton]'"),
+                     "tilelang": ("tilelang", "pip install -e '.[tilelang]'"),
+                     "flaggems": ("flag_gems", "pip install -e '.[flaggems]'"),
+                     # DeepGEMM has no PyPI release: it is built from its source (JIT kernels, nvcc, CUTLASS headers)
+                     "deepgemm": ("deep_gemm", "build it from its source, tools/device/DEEPGEMM.md")}
 
 
 class BackendError(RuntimeError):
@@ -182,10 +185,9 @@ def load_backend(backend: str) -> None:
         importlib.import_module(_BACKEND_MODULES[backend])
     except Exception as e:  # ImportError, or a compiler that fails at import
         _import_errors[backend] = f"{type(e).__name__}: {e}"
-        pkg, extra = _BACKEND_PACKAGES[backend]
+        pkg, how = _BACKEND_PACKAGES[backend]
         if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == pkg:
-            raise BackendError(f"backend {backend!r} needs the {pkg} package, which is not installed: "
-                               f"pip install -e '.[{extra}]'") from None
+            raise BackendError(f"backend {backend!r} needs the {pkg} package, which is not installed: {how}") from None
         raise BackendError(f"backend {backend!r} is unavailable: {type(e).__name__}: {e}") from None
 
 
