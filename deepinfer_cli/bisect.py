@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, parse_metric
+from deepinfer.debug.bisect import backend_impls, bisect, bisect_numerics, check_no_split, parse_metric
 from deepinfer.debug.margin import parse_spec, spec_str
 from deepinfer.engine.loader import resolve_device
 from deepinfer.model.numerics import Numerics
@@ -59,6 +59,7 @@ def bisect_cmd(
     test_backend = ts["backend"] or "torch"
     layers = by_numerics or by_kv
     if not layers:  # before any load: the test's backends must run here
+        check_no_split(ts["ops"])
         for b in {test_backend, *ts["ops"].values()}:
             check_runs_on(b, resolve_device(rs["device"]), rs["dtype"], "--test backend")
         impl = backend_impls(test_backend, ts["ops"])

@@ -166,3 +166,22 @@ def test_cli(tmp_path):
     assert r.exit_code == 0, r.output
     # triton, installed here and there, was left out by choice: the map still holds here
     assert "nothing was timed" in r.output and load_op_map(str(out)) == {"act_quant": "torch"}
+
+
+def test_phase_split_through_the_toolkit():
+    """A phase split travels through SPECs (margin, bisect), probe kernels and the CLI without a crash: shown per
+    phase where it applies, refused in one line where one implementation per site is needed (bisect)."""
+    from deepinfer.debug.bisect import backend_impls
+    from deepinfer.debug.margin import parse_spec, spec_str
+    from deepinfer.debug.probes import probe_kernels
+
+    s = parse_spec("backend=torch,op.rms_norm=decode:triton/prefill:torch")
+    assert s["ops"] == {"rms_norm": {"decode": "triton", "prefill": "torch"}}
+    assert parse_spec(spec_str(s)) == s
+    row = next(r for r in probe_kernels("rms_norm=decode:triton/prefill:torch")["ops"] if r["op"] == "rms_norm")
+    assert row["backend_here"] == "decode:triton/prefill:torch" and row["here"] == "decode: used; prefill: used"
+    with pytest.raises(ValueError, match="give rms_norm one backend, not a phase split"):
+        backend_impls("torch", s["ops"])
+    r = CliRunner().invoke(app, ["bisect", "x", "--ref", "backend=torch", "--test",
+                                 "backend=torch,op.rms_norm=decode:torch/prefill:torch"])
+    assert r.exit_code == 2 and "phase split" in r.output and "Traceback" not in r.output

@@ -219,6 +219,14 @@ def bisect_numerics(ref_model, test_model, prompt_ids: list[int], steps: int, me
     return search(b, [(site, L) for L in range(len(ref_model.layers))], ref, test, metric, steps)
 
 
+def check_no_split(op_map: dict) -> None:
+    """bisect swaps one implementation per (op, layer) site: a phase-split map entry is refused, naming it."""
+    split = sorted(op for op, b in (op_map or {}).items() if isinstance(b, dict))
+    if split:
+        raise ValueError(f"bisect swaps one implementation per (op, layer) site: give {', '.join(split)} one backend, "
+                         "not a phase split (decode:.../prefill:...)")
+
+
 def backend_impls(backend: str, op_map: dict[str, str] | None = None) -> Callable[[str], Callable]:
     """op -> the implementation of its backend: `op_map`'s entry, else `backend` (the reference where that
     backend has none)."""
@@ -226,6 +234,7 @@ def backend_impls(backend: str, op_map: dict[str, str] | None = None) -> Callabl
 
     _ensure_reference()
     op_map = dict(op_map or {})
+    check_no_split(op_map)
     for b in {backend, *op_map.values()}:
         load_backend(b)
     return lambda op: REGISTRY[op].impls.get(op_map.get(op, backend), REGISTRY[op].ref)

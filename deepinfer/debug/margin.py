@@ -71,8 +71,10 @@ def configure_spec(spec: dict) -> None:
 
 
 def spec_str(spec: dict) -> str:
+    from deepinfer.ops.registry import choice_str
+
     return ",".join([f"{k}={spec[k]}" for k in SPEC_KEYS if spec.get(k)]
-                    + [f"op.{op}={b}" for op, b in sorted((spec.get("ops") or {}).items())])
+                    + [f"op.{op}={choice_str(b)}" for op, b in sorted((spec.get("ops") or {}).items())])
 
 
 @dataclass

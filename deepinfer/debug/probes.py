@@ -90,7 +90,7 @@ def probe_kernels(op_map: str | None = None) -> dict:
     """Coverage matrix op x backend, and what a run here would use: default_backend(), with the per-op map
     (`--op` text; None: DEEPINFER_OPS) sending single ops elsewhere."""
     from deepinfer import settings
-    from deepinfer.ops.registry import op_map_str, parse_op_map
+    from deepinfer.ops.registry import choice_str, op_map_str, parse_op_map
 
     _ensure_reference()
     omap = parse_op_map(settings.path("DEEPINFER_OPS") if op_map is None else op_map,
@@ -116,17 +116,23 @@ def probe_kernels(op_map: str | None = None) -> dict:
             if why:
                 row["backends"][b]["reference_by_design"] = why
         here = omap.get(op, chosen)
-        info = backends.get(here)
-        if info is None:
-            use = "unknown backend"
-        elif not info["importable"]:
-            use = "fallback (backend not importable)"
-        elif here in d.impls:
-            use = "used"
-        elif design.get(here, {}).get(op):
-            use = "reference (by design)"
+
+        def use_of(b: str) -> str:
+            info = backends.get(b)
+            if info is None:
+                return "unknown backend"
+            if not info["importable"]:
+                return "fallback (backend not importable)"
+            if b in d.impls:
+                return "used"
+            if design.get(b, {}).get(op):
+                return "reference (by design)"
+            return "fallback (no implementation)"
+        if isinstance(here, dict):  # a phase split: what each phase runs
+            use = "; ".join(f"{ph}: {use_of(b)}" for ph, b in here.items())
+            here = choice_str(here)
         else:
-            use = "fallback (no implementation)"
+            use = use_of(here)
         row["backend_here"], row["here"] = here, use
         rows.append(row)
     return {"probe": "kernels", "default_backend": chosen, "op_map": op_map_str(omap),
