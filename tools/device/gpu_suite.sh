@@ -66,7 +66,7 @@ PY
                                    tests/test_branch.py tests/test_compose.py tests/test_graft.py)
     timeout "$left" python -m pytest -q -rA -m "$marker" -p no:cacheprovider "${files[@]}" > "$OUT/$phase.log" 2>&1
     rc=$?
-    summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|passed|failed" "$OUT/$phase.log" | tail -1)
+    summary=$(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$phase.log" | tail -1)
   fi
   rows+=("| $phase | \`-m \"$marker\"\` | rc $rc | $(( $(date +%s) - t0 )) s | ${summary//|/ } |")
   echo "${rows[-1]}"; grep -E "^(FAILED|ERROR)" "$OUT/$phase.log" | head -10
