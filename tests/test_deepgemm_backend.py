@@ -182,3 +182,24 @@ def test_off_contract_is_visible_and_strict_refuses(emulated, capsys):
             REGISTRY["fp8_gemm"].impls["deepgemm"](a, a_s, w, w_s, torch.float32)
     finally:
         ops.configure("torch", strict=False, op_map={})
+
+
+@pytest.mark.gpu
+def test_deepgemm_on_the_gpu():
+    """DeepGEMM's own kernels (where deep_gemm is built, on sm_90) against the reference, judged as `ab` judges
+    them: its FP8 sums are promoted to fp32 once per 128-K block, so the tensor-core bound applies."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("deep_gemm") is None:
+        pytest.skip("needs CUDA and deep_gemm (tools/device/DEEPGEMM.md)")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the adapter drives DeepGEMM's SM90 kernels")
+    from deepinfer.debug.ab import call, compare_outputs
+    from deepinfer.debug.ab_cases import SHAPES, build
+
+    load_backend("deepgemm")
+    for op in ("fp8_gemm", "grouped_gemm"):
+        for phase in ("decode", "prefill"):
+            for v in build(op, SHAPES["flash"], phase, 0, "cuda"):
+                got = call(op, REGISTRY[op].impls["deepgemm"], v.args, v.kwargs)
+                ref = call(op, REGISTRY[op].ref, v.args, v.kwargs)
+                bad = [m for m in compare_outputs(op, got, ref, v.args, v.kwargs) if not m["ok"]]
+                assert not bad, (op, phase, v.name, bad)
