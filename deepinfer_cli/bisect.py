@@ -46,6 +46,9 @@ def bisect_cmd(
         if (rs.get(k) or None) != (ts.get(k) or None):
             raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "
                              "sites of one compute dtype and device; give both the same")
+    if (rs.get("experts") or "fp4") != (ts.get("experts") or "fp4"):
+        raise ValueError("--ref and --test differ in experts: bisect switches op, numerics or KV sites, not the "
+                         "experts' storage; compare them with `deepinfer margin --ref experts=fp4 --test experts=fp8`")
     rn, tn = (Numerics.parse(s["numerics"], kv_qat=None if s["kv"] is None else s["kv"] == "fp8") for s in (rs, ts))
     by_numerics = (rn.mode, rn.release) != (tn.mode, tn.release)  # official against official@efc85512 too
     by_kv = not by_numerics and rn.kv_qat != tn.kv_qat  # the forms compared, whether named or the release's

@@ -49,7 +49,8 @@ def check_prompt(text: str, mode: str = "raw", where: str = "PROMPT") -> None:
 
 def setup(model: str | None, backend: str | None, strict: bool, numerics: str, dtype: str,
           device: str | None, progress: bool = True, flaggems: str | None = None,
-          op_map: dict[str, str] | str | None = None, kv: str | None = None) -> LoadedModel:
+          op_map: dict[str, str] | str | None = None, kv: str | None = None,
+          experts: str | None = None) -> LoadedModel:
     """Choose the backend and per-op map (before any compute, so --strict fails early), enable a FlagGems
     allow-list once the device is chosen, then load the model."""
     from deepinfer.engine.flaggems_aten import enable_flaggems, parse_names
@@ -58,10 +59,10 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
     ops.configure(backend or None, strict if strict else None, op_map)
     ops.check_device(dev, dtype)
     enable_flaggems(parse_names(flaggems), dev)
-    return load_model(model, numerics, dtype, str(dev), progress=progress, kv=kv)
+    return load_model(model, numerics, dtype, str(dev), progress=progress, kv=kv, experts=experts)
 
 
 def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedModel:
     """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
     return setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
-                 op_map=spec.get("ops") or None, kv=spec.get("kv"))
+                 op_map=spec.get("ops") or None, kv=spec.get("kv"), experts=spec.get("experts"))

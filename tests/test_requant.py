@@ -101,3 +101,37 @@ def test_decoded_scales_and_the_probe():
     cfg = tiny_config()
     assert len(d["tensors"]) == 3 * (cfg.n_layers + cfg.n_mtp_layers) and d["lossless"] and d["lossy_tensors"] == 0
     assert all(t["experts"] == cfg.n_routed_experts and t["lossy_values"] == 0 for t in d["tensors"])
+
+
+def test_the_model_with_requantised_experts():
+    """experts=fp8 (a SPEC key, `load_model(experts=)`): the model holds its routed experts as per-128 FP8. On
+    deepinfer-tiny the requantisation is lossless, so the reference computes the same logits bit for bit; a planted
+    wide scale span is reported for that tensor alone."""
+    from typer.testing import CliRunner
+
+    from deepinfer.debug.margin import parse_spec
+    from deepinfer.engine.loader import load_checkpoint, load_model
+    from deepinfer.ops import ops
+    from deepinfer.quant.requant import requant_experts
+    from deepinfer_cli.app import app
+
+    ops.configure("torch", strict=False, op_map={})
+    a = load_model(None, "official", "float32", "cpu", progress=False)
+    b = load_model(None, "official", "float32", "cpu", progress=False, experts="fp8")
+    moe = b.model.layers[0].ffn.experts
+    assert moe.input_fmt == "fp8" and moe.w2.fmt == "fp8" and a.model.layers[0].ffn.experts.input_fmt == "fp4"
+    ids = torch.tensor([[0, 6127, 389, 1234, 55]])
+    for m in (a.model, b.model):
+        m.allocate(1, 16)
+    la, lb = a.model.prefill(ids)[0], b.model.prefill(ids)[0]
+    assert torch.equal(la, lb)
+    cfg, state, _, _ = load_checkpoint(None, torch.device("cpu"), False)
+    name = next(n for n in state if ".experts.3.w2.weight" in n and n.startswith("layers.1."))
+    sname = name[:-len("weight")] + "scale"
+    state[sname][5, 1] = state[sname][5, 0] * 2.0 ** -20  # one group far below its block's others
+    reps = requant_experts(state)
+    assert [r.name for r in reps if not r.lossless] == [name] and state[name].dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="experts=fp9: choose fp4 or fp8"):
+        parse_spec("experts=fp9")
+    r = CliRunner().invoke(app, ["bisect", "x", "--ref", "backend=torch", "--test", "backend=torch,experts=fp8"])
+    assert r.exit_code == 2 and "differ in experts" in r.output

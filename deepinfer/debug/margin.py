@@ -28,20 +28,22 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-SPEC_KEYS = ("backend", "numerics", "dtype", "device", "kv")
+SPEC_KEYS = ("backend", "numerics", "dtype", "device", "kv", "experts")
 KV_FORMATS = ("bf16", "fp8")  # the KV cache's form under official numerics (`Numerics.kv_qat`)
 DEFAULT_REF = "numerics=exact,dtype=float32"
 DEFAULT_TEST = "numerics=official,dtype=bfloat16"
 
 
 def parse_spec(spec: str, what: str = "--ref") -> dict:
-    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8,op.grouped_gemm=tilelang` -> dict
-    (missing keys: defaults; numerics: official, official@REV or exact; kv None: the release's form; "ops": the per-op backend map of
+    """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8,experts=fp8,op.grouped_gemm=tilelang` -> dict
+    (missing keys: defaults; numerics: official, official@REV or exact; kv None: the release's form; experts None:
+    as stored, fp8: requantised per 128 (`deepinfer.quant.requant`); "ops": the per-op backend map of
     the `op.NAME=BACKEND` keys, as `--op` takes it, {} for none)."""
     from deepinfer.model.numerics import parse_numerics
     from deepinfer.ops.registry import parse_op_map
 
-    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "ops": {}}
+    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "experts": None,
+           "ops": {}}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
@@ -54,6 +56,11 @@ def parse_spec(spec: str, what: str = "--ref") -> dict:
         out[k] = v
     if out["kv"] is not None and out["kv"] not in KV_FORMATS:
         raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
+    from deepinfer.quant.requant import EXPERT_FORMS
+
+    if out["experts"] is not None and out["experts"] not in EXPERT_FORMS:
+        raise ValueError(f"{what} {spec!r}: experts={out['experts']}: choose {' or '.join(EXPERT_FORMS)} (fp8: the FP4 "
+                         "experts requantised per 128, DeepGEMM's form)")
     try:
         mode = parse_numerics(out["numerics"])[0]
     except ValueError as e:

@@ -16,6 +16,7 @@ drift a per-128 path carries is measured where it is born, never assumed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -95,3 +96,27 @@ def requant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> tuple[Tensor, 
     rep = RequantReport(name, (*lead, n, k), blocks, lossy_blocks, lossy, max_abs,
                         math.sqrt(err2 / ref2) if ref2 else 0.0, span)
     return w, sc, rep
+
+
+EXPERT_FORMS = ("fp4", "fp8")
+"""How routed experts are held: fp4 as the release stores them, fp8 requantised per 128 x 128 block (`requant_fp4`):
+the form DeepGEMM's SM90 path runs, for comparing the two on the same model (a SPEC's experts=)."""
+
+_ROUTED = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+
+
+def requant_experts(state: dict) -> list[RequantReport]:
+    """Replace every FP4 routed-expert weight of an official-format `state` (int8 [N, K/2] with its per-32
+    `.scale`) by its per-128 FP8 form (e4m3 [N, K] with fp32 [N/128, K/128] scales), in place -> one report per
+    tensor. The model built on the state then holds FP8 experts (`deepinfer.model.weights` reads the format
+    from the dtype)."""
+    reports = []
+    for name in [n for n in state if _ROUTED.fullmatch(n)]:
+        w = state[name]
+        if w.dtype not in (torch.int8, torch.uint8):
+            continue
+        sname = name[: -len("weight")] + "scale"
+        w8, sc, rep = requant_fp4(w, state[sname], name)
+        state[name], state[sname] = w8, sc
+        reports.append(rep)
+    return reports
