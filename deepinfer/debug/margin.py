@@ -36,14 +36,13 @@ DEFAULT_TEST = "numerics=official,dtype=bfloat16"
 
 def parse_spec(spec: str, what: str = "--ref") -> dict:
     """`backend=torch,numerics=official,dtype=bfloat16,device=cpu,kv=fp8,experts=fp8,op.grouped_gemm=tilelang` -> dict
-    (missing keys: defaults; numerics: official, official@REV or exact; kv None: the release's form; experts None:
+    (missing keys: defaults; numerics: official, official@REV or exact; kv None: the release's form; experts (absent unless given):
     as stored, fp8: requantised per 128 (`deepinfer.quant.requant`); "ops": the per-op backend map of
     the `op.NAME=BACKEND` keys, as `--op` takes it, {} for none)."""
     from deepinfer.model.numerics import parse_numerics
     from deepinfer.ops.registry import parse_op_map
 
-    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "experts": None,
-           "ops": {}}
+    out = {"backend": None, "numerics": "official", "dtype": "bfloat16", "device": None, "kv": None, "ops": {}}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
@@ -58,7 +57,7 @@ def parse_spec(spec: str, what: str = "--ref") -> dict:
         raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
     from deepinfer.quant.requant import EXPERT_FORMS
 
-    if out["experts"] is not None and out["experts"] not in EXPERT_FORMS:
+    if out.get("experts") is not None and out["experts"] not in EXPERT_FORMS:
         raise ValueError(f"{what} {spec!r}: experts={out['experts']}: choose {' or '.join(EXPERT_FORMS)} (fp8: the FP4 "
                          "experts requantised per 128, DeepGEMM's form)")
     try:
