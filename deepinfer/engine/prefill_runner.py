@@ -58,6 +58,8 @@ class PrefillRunner(GraphedStep):
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
+        self._side = None  # the stream a key's first (eager) call and its capture run on: the same one, so the
+        # libraries' per-stream state (cuBLAS workspaces) exists before the capture, as StepGraphs warms up
         self.capture_error: str | None = None
         self.replays = self.eager_calls = 0
         self._said: set[str] = set()
@@ -107,7 +109,16 @@ class PrefillRunner(GraphedStep):
             self.eager_calls += 1
             return m.prefill(input_ids, rows, all_logits, start)
         if g is None:
-            out = m.prefill(input_ids, rows, all_logits, start)  # the real call, and the warm-up
+            dev = m.device
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=dev, priority=CAPTURE_PRIORITY)
+            main = torch.cuda.current_stream(dev)
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                out = m.prefill(input_ids, rows, all_logits, start)  # the real call, and the warm-up
+            main.wait_stream(self._side)
+            for t in out:
+                t.record_stream(main)
             self.eager_calls += 1
             self._capture(key, input_ids, rows)
             return out
@@ -127,7 +138,7 @@ class PrefillRunner(GraphedStep):
         torch.cuda.synchronize(dev)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=dev, priority=CAPTURE_PRIORITY)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(dev))
         g = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream(dev)
