@@ -37,6 +37,9 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_PREFILL_GRAPHS", "flag", "0", "prefill chunks of 256, 512, ... 8192 tokens (one row) replay "
             "as CUDA graphs per (length, start) where the decode step runs as graphs (opt-in: each captured key holds "
             "its outputs, and the graphs' pool holds a prefill's temporaries)"),
+    Setting("DEEPINFER_POLICY", "choice", "official", "the numerics policy a tuned op map (`--op @MAP`) must have been "
+            "measured under: official (kernels that accumulate as the official ones) or fast (also kernels that "
+            "promote FP8 sums to fp32 once per 128-K block: cuBLASLt, FlagGems, DeepGEMM)", ("official", "fast")),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "

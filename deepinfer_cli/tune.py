@@ -24,8 +24,9 @@ def tune_cmd(
                                    "one importable here, the torch reference included)."),
     ops_regex: str = typer.Option(None, "--ops", help="Only the ops matching this regular expression."),
     shapes: str = typer.Option("flash", "--shapes", help="The `ab` shape set: flash | pro (CUDA) | tiny."),
-    policy: str = typer.Option("official", "--policy", help="official: only kernels within each op's tolerance of "
-                               "the reference."),
+    policy: str = typer.Option("official", "--policy", help="official: only kernels that accumulate as the official "
+                               "ones; fast: also those that promote FP8 sums once per 128-K block (cuBLASLt, FlagGems, "
+                               "DeepGEMM), each candidate's drift recorded (a fast map runs under DEEPINFER_POLICY=fast)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the cases' inputs."),
     device: str = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

@@ -74,8 +74,8 @@ def test_wrong_or_falling_back_kernels_are_not_eligible(monkeypatch):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="fast.*not built yet"):
-        tune(policy="fast")
+    with pytest.raises(ValueError, match="--policy 'nope': choose official or fast"):
+        tune(policy="nope")
     with pytest.raises(ValueError, match="V4 shapes need a CUDA device"):
         tune("triton", ["torch", "triton"], OPS, "flash", 0, "cpu")
     with pytest.raises(ValueError, match="--baseline 'tilelang' is not among"):
@@ -93,7 +93,7 @@ def test_map_file_round_trip_and_refusals(tmp_path, monkeypatch):
     assert load_op_map(str(path)) == {"rms_norm": "torch", "act_quant": "triton"}
     assert parse_op_map(f"@{path}") == {"rms_norm": "torch", "act_quant": "triton"}
     doc = yaml.safe_load(path.read_text())
-    assert doc["measured"]["rms_norm"]["prefill"]["torch"] == {"ms": 2.0} and doc["tuned"]["baseline"] == "triton"
+    assert doc["measured"]["rms_norm"]["prefill"]["torch"] == {"ms": 2.0, "drift": 0.0} and doc["tuned"]["baseline"] == "triton"
 
     def variant(name, **change):
         d = yaml.safe_load(path.read_text())
@@ -106,8 +106,13 @@ def test_map_file_round_trip_and_refusals(tmp_path, monkeypatch):
         load_op_map(variant("gpu", device="NVIDIA H100 80GB HBM3"))
     with pytest.raises(ValueError, match="another backend set: triton 3.0.0 there"):
         load_op_map(variant("ver", backends={**doc["backends"], "triton": "3.0.0"}))
-    with pytest.raises(ValueError, match="policy 'fast'"):
+    with pytest.raises(ValueError, match="policy 'fast'; this run's is 'official'"):
         load_op_map(variant("pol", policy="fast"))
+    monkeypatch.setenv("DEEPINFER_POLICY", "fast")  # a fast run takes the fast map, refuses the official one
+    assert load_op_map(variant("pol2", policy="fast")) == {"rms_norm": "torch", "act_quant": "triton"}
+    with pytest.raises(ValueError, match="policy 'official'; this run's is 'fast'"):
+        load_op_map(str(path))
+    monkeypatch.delenv("DEEPINFER_POLICY")
     with pytest.raises(ValueError, match="not a tuned op map"):
         load_op_map(variant("fmt", format="something"))
     # a kernel backend installed here that was not installed there: the map never considered it
@@ -185,3 +190,22 @@ def test_phase_split_through_the_toolkit():
     r = CliRunner().invoke(app, ["bisect", "x", "--ref", "backend=torch", "--test",
                                  "backend=torch,op.rms_norm=decode:torch/prefill:torch"])
     assert r.exit_code == 2 and "phase split" in r.output and "Traceback" not in r.output
+
+
+def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
+    """A candidate whose backend promotes an op's FP8 sums once per 128-K block (its `per_128k_ops` fact) is not
+    eligible under `official`, and is under `fast`; every candidate's drift against the reference is recorded."""
+    from deepinfer.ops import registry
+
+    real = registry.backend_facts
+    monkeypatch.setattr(registry, "backend_facts", lambda b, dev: {**real(b, dev), "per_128k_ops": ["act_quant"]}
+                        if b == "triton" else real(b, dev))
+    t = {("act_quant", "torch"): 5.0, ("act_quant", "triton"): 1.0}
+    off = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "official", timer=_timer(t))
+    c = next(c for c in off["choices"] if c.op == "act_quant")
+    assert not c.candidates["triton"].eligible and "per 128-K block" in c.candidates["triton"].reason
+    assert off["ops"]["act_quant"] == "torch" and c.candidates["triton"].drift is not None
+    fast = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "fast", timer=_timer(t))
+    c = next(c for c in fast["choices"] if c.op == "act_quant")
+    assert c.candidates["triton"].eligible and fast["ops"]["act_quant"] == "triton"
+    assert c.candidates["torch"].drift == 0.0 and c.candidates["triton"].to_dict()["drift"] is not None

@@ -10,8 +10,13 @@ backend gets one entry; otherwise `{decode: ..., prefill: ...}`. The baseline ba
 an op wherever no candidate is measured faster, so the tuned map is never slower than the baseline alone at the
 measured points. Every tuned op is named in the map, so it means the same under any `--backend`.
 
+Policies: `official` keeps only kernels that accumulate as the official ones, so a candidate whose FP8 sums are
+promoted to fp32 once per 128-K block (its backend's `per_128k_ops` fact: cuBLASLt, FlagGems' block-FP8 GEMM,
+DeepGEMM) is not eligible for that op; `fast` takes them too. Either way every candidate's measured drift against
+the reference (the worst relative error over the phase's cases) is recorded beside its time.
+
 The map file (`deepinfer.ops.op_map_file`) records this GPU, the candidates with their versions and the policy;
-`--op @map.yaml` refuses it anywhere else.
+`--op @map.yaml` refuses it anywhere else, and under another DEEPINFER_POLICY.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from deepinfer.debug import ab, ab_cases
 from deepinfer.ops import ops
 from deepinfer.ops.registry import BACKENDS, PHASES, REGISTRY, _ensure_reference, backend_available, by_design
 
-POLICIES = ("official",)
+POLICIES = ("official", "fast")
 
 
 @dataclass
@@ -37,9 +42,11 @@ class Candidate:
     ms: float | None = None  # summed over the phase's cases (None: not timed)
     eligible: bool = False
     reason: str = ""  # why not eligible
+    drift: float | None = None  # the worst relative error against the reference over the phase's cases
 
     def to_dict(self) -> dict:
-        return {"ms": self.ms} if self.eligible else {"not_eligible": self.reason}
+        d = {"ms": self.ms} if self.eligible else {"not_eligible": self.reason}
+        return {**d, "drift": self.drift} if self.drift is not None else d
 
 
 @dataclass
@@ -74,8 +81,7 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
     "candidates", "shapes", "seed", "device"}. timer(op, fn, args, kwargs) -> ms or None (default `ab.bench`,
     CUDA only); with no timings every eligible choice is the baseline's."""
     if policy not in POLICIES:
-        raise ValueError(f"--policy {policy!r}: tuning holds kernels to {', '.join(POLICIES)} numerics (a `fast` "
-                         "policy with per-128-K promotion and its measured drift is not built yet)")
+        raise ValueError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
     _ensure_reference()
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_cuda = torch.device(dev).type == "cuda"
@@ -94,6 +100,9 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
     if dims.big and not on_cuda:
         raise ValueError(f"--shapes {shapes}: V4 shapes need a CUDA device (device is {dev})")
     timer = timer or ab.bench
+    from deepinfer.ops.registry import backend_facts
+
+    per_128k = {b: set(backend_facts(b, torch.device(dev)).get("per_128k_ops", ())) for b in cands}
     interp = settings.triton_interpreted() and "triton" in cands and not on_cuda
     names = ab._select_ops(ops_regex)
     choices: list[OpChoice] = []
@@ -107,7 +116,10 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
             for b in cands:
                 if progress:
                     progress(op, phase, b)
-                ch.candidates[b] = _measure(op, b, variants, refs, timer, on_cuda)
+                c = ch.candidates[b] = _measure(op, b, variants, refs, timer, on_cuda)
+                if c.eligible and policy == "official" and op in per_128k.get(b, ()):
+                    c.eligible, c.reason = False, ("promotes FP8 sums to fp32 once per 128-K block, not as the official "
+                                                   "kernels (--policy fast takes it)")
             best = _fastest(ch.candidates, baseline)
             if best is not None:
                 ch.backend = best
@@ -136,6 +148,9 @@ def _measure(op: str, b: str, variants, refs, timer, on_cuda: bool) -> Candidate
         cr = ab.CaseResult(op, "", "", v.name, "pending")
         with _strict():
             got = ab._run_case(cr, fn, v.args, v.kwargs, r_out, False, on_cuda)
+        errs = [m.get("rel_err") for m in cr.outputs if m.get("rel_err") is not None]
+        if errs:
+            c.drift = max([c.drift or 0.0, *errs])
         if got is None or cr.status != "pass":
             worst = cr.worst()
             c.reason = cr.reason or (f"case {v.name}: output {worst.get('output')} off by "

@@ -22,9 +22,10 @@ from __future__ import annotations
 import datetime
 
 FORMAT = "deepinfer-op-map/1"
-POLICIES = ("official",)
-"""Numerics policies a map may be tuned under: `official` keeps only kernels within each op's tolerance of the
-reference (the official kernels' accumulation)."""
+POLICIES = ("official", "fast")
+"""Numerics policies a map may be tuned under: `official` keeps only kernels that accumulate as the official ones
+(within each op's tolerance of the reference); `fast` also takes those that promote FP8 sums to fp32 once per 128-K
+block. A run accepts maps of its own policy only (DEEPINFER_POLICY, default official)."""
 
 
 def device_name() -> str:
@@ -76,9 +77,12 @@ def load_op_map(path: str, what: str = "--op") -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{where}: not a tuned op map (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
                          f"expected {FORMAT!r}; `deepinfer tune` writes one)")
-    policy = doc.get("policy")
-    if policy not in POLICIES:
-        raise ValueError(f"{where}: tuned under numerics policy {policy!r}; this engine runs {', '.join(POLICIES)}")
+    from deepinfer import settings
+
+    policy, run_policy = doc.get("policy"), settings.choice("DEEPINFER_POLICY") or "official"
+    if policy != run_policy:
+        raise ValueError(f"{where}: tuned under numerics policy {policy!r}; this run's is {run_policy!r} "
+                         "(DEEPINFER_POLICY)")
     here = device_name()
     if doc.get("device") != here:
         raise ValueError(f"{where}: tuned on {doc.get('device')!r}, this machine has {here!r}: tune again here")

@@ -25,7 +25,8 @@ registry.reference_only("deepgemm", REFERENCE_ONLY)
 
 
 def facts(device) -> dict:
-    """DeepGEMM's version (package metadata, importing nothing) and whether it is imported yet."""
+    """DeepGEMM's version (package metadata, importing nothing), whether it is imported yet, and the ops that
+    promote to fp32 once per 128-K block ("per_128k_ops")."""
     import importlib.metadata as md
     import sys
 
@@ -36,7 +37,9 @@ def facts(device) -> dict:
             break
         except md.PackageNotFoundError:
             continue
-    return {"deep_gemm": ver, "deep_gemm_imported": "deep_gemm" in sys.modules}
+    # DeepGEMM's SM90 FP8 GEMMs promote their tensor-core sums to fp32 once per 128-K block
+    return {"deep_gemm": ver, "deep_gemm_imported": "deep_gemm" in sys.modules,
+            "per_128k_ops": ["fp8_gemm", "fp4_gemm", "grouped_gemm"]}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]

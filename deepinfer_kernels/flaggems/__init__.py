@@ -29,7 +29,8 @@ registry.compose("flaggems", ("rms_norm_quant", "hc_pre_quant", "moe_combine_pos
 
 
 def facts(device) -> dict:
-    """FlagGems' version (from its metadata: reading it imports nothing) and whether it is imported yet."""
+    """FlagGems' version (from its metadata: reading it imports nothing), whether it is imported yet, and the ops
+    that promote to fp32 once per 128-K block ("per_128k_ops")."""
     import importlib.metadata as md
     import sys
 
@@ -40,7 +41,8 @@ def facts(device) -> dict:
             ver = md.version("flag-gems")
         except md.PackageNotFoundError:
             ver = None
-    return {"flag_gems": ver, "flag_gems_imported": "flag_gems" in sys.modules}
+    # w8a8_block_fp8_matmul promotes its FP8 dot to fp32 once per 128-K block (quant.py)
+    return {"flag_gems": ver, "flag_gems_imported": "flag_gems" in sys.modules, "per_128k_ops": ["fp8_gemm"]}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]

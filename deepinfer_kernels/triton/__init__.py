@@ -19,7 +19,9 @@ def facts(device) -> dict:
     """What this backend chose for `device`, for reports (`registry.backend_facts`): "fp8_prefill_gemm", the
     GEMM prefill-sized `fp8_gemm` calls (M >= "fp8_prefill_min_m") run -- "cublaslt", or "triton: <why not>";
     "pdl_triton" (this Triton has grid dependency control), "pdl_env" / "pdl_enabled" (the switch and its
-    value) and "pdl" (launches on `device` use programmatic dependent launch)."""
+    value) and "pdl" (launches on `device` use programmatic dependent launch); "per_128k_ops", the ops whose FP8
+    tensor-core sums are promoted to fp32 once per 128-K block rather than after every MMA as the official kernels
+    (`fp8_gemm` unless DEEPINFER_FP8_GEMM=exact, the default)."""
     import torch
 
     from . import _common, gemm_vendor
@@ -27,7 +29,8 @@ def facts(device) -> dict:
     device = torch.device(device)
     return {"fp8_prefill_gemm": gemm_vendor.used_for(device), "fp8_prefill_min_m": gemm_vendor.MIN_M,
             "pdl_triton": _common._PDL_TRITON, "pdl_env": _common.PDL_ENV, "pdl_enabled": _common._PDL_ON,
-            "pdl": device.type == "cuda" and bool(_common.pdl())}
+            "pdl": device.type == "cuda" and bool(_common.pdl()),
+            "per_128k_ops": [] if gemm_vendor.mode() == "exact" else ["fp8_gemm"]}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]
