@@ -140,3 +140,27 @@ def test_generate_with_prefill_graphs_same_tokens():
     plain = generate(a, prompts, p, eos_id=-1, graphs=True, prefill_graphs=False, prefill_chunk=256)
     assert [c.token_ids for c in on.completions] == [c.token_ids for c in plain.completions] \
         == [c.token_ids for c in off.completions]
+
+
+def test_chunks_and_memory_with_prefill_graphs():
+    """With prefill graphs a memory-sized chunk becomes a captured length (chunks at 0, C, 2C, ... replay across
+    prompts), never larger than memory allowed; and the graphs' pool counts in the up-front memory check."""
+    from deepinfer.config import tiny_config
+    from deepinfer.engine.generate import graph_chunk
+    from deepinfer.engine.memory import MemoryRefused, check_fits, prefill_token_bytes
+
+    assert graph_chunk(0, 3000) == 2048  # whole prompts would fit: the largest captured length within the prompt
+    assert graph_chunk(0, 9000) == 8192 and graph_chunk(3000, 9000) == 2048
+    assert graph_chunk(0, 100) == 0 and graph_chunk(100, 5000) == 100  # nothing captured fits: as it was
+    cfg = tiny_config()
+    one = 4096 * prefill_token_bytes(cfg, 4096)
+    import deepinfer.engine.memory as mem
+
+    real = mem.available_bytes
+    try:
+        mem.available_bytes = lambda device="cpu": int(1.5 * one / 0.9)  # one chunk's transients fit, two do not
+        check_fits(cfg, 1, 4096, torch.float32, False, 4096, "cpu")
+        with pytest.raises(MemoryRefused, match="twice: eager and the graph pool"):
+            check_fits(cfg, 1, 4096, torch.float32, False, 4096, "cpu", prefill_graphs=True)
+    finally:
+        mem.available_bytes = real

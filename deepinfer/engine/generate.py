@@ -16,7 +16,7 @@ import torch
 from deepinfer import settings
 from deepinfer.engine.memory import (CHUNK_BUDGET, MemoryRefused, auto_prefill_chunk, available_bytes,
                                      cache_bytes, check_fits)
-from deepinfer.engine.prefill_runner import prefill_runner
+from deepinfer.engine.prefill_runner import PREFILL_SIZES, prefill_runner
 from deepinfer.engine.runner import DecodeRunner
 from deepinfer.engine.scheduler import Request, Scheduler
 from deepinfer.engine.speculative import SpecScheduler, SpecStep, check_speculate
@@ -150,7 +150,10 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
                              "the token bitmask to drafts and verify yet")
     # + speculate: a verify step runs K positions past the last token it may keep
     max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist)) + speculate
-    prefill_chunk = plan_memory(model, prompts, slots + 1, max_len, prefill_chunk)
+    if prefill_graphs is None:
+        prefill_graphs = settings.flag("DEEPINFER_PREFILL_GRAPHS")
+    prefill_graphs = bool(prefill_graphs and graphs and model.device.type == "cuda")
+    prefill_chunk = plan_memory(model, prompts, slots + 1, max_len, prefill_chunk, prefill_graphs)
     if model.rows < slots + 1 or model.max_seq_len < max_len:  # + 1: the runner's spare (padding) row
         model.allocate(max(slots + 1, model.rows), max(max_len, model.max_seq_len))
     runner = _spec_step(model, speculate, slots, graphs, pad_to_buckets) if speculate else \
@@ -165,11 +168,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         def record(c, *a):
             _record(c, *a)
             on_token(index[id(c)], c)
-    if prefill_graphs is None:
-        prefill_graphs = settings.flag("DEEPINFER_PREFILL_GRAPHS")
-    prefill = None
-    if prefill_graphs and graphs and model.device.type == "cuda":
-        prefill = prefill_runner(model, True).prefill
+    prefill = prefill_runner(model, True).prefill if prefill_graphs else None
     sched = (SpecScheduler if speculate else Scheduler)(model, runner, eos_id, record,
                       lambda c, stops: decode_text is not None and _hit_stop(c, stops, decode_text), max_batch=slots,
                       prefill_chunk=prefill_chunk, prefill=prefill)
@@ -185,9 +184,10 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
 
 
 def plan_memory(model: Transformer, prompts: list[list[int]], rows: int, max_len: int,
-                prefill_chunk: int | None) -> int:
+                prefill_chunk: int | None, prefill_graphs: bool = False) -> int:
     """Refuse what cannot run (past the model's context, caches beyond the free memory) -> the prefill
-    chunk to use (None: sized from the free memory)."""
+    chunk to use (None: sized from the free memory). prefill_graphs: a sized chunk is one of the captured
+    lengths (`graph_chunk`), and the graphs' pool is counted."""
     cfg = model.cfg
     longest = max(len(p) for p in prompts)
     if max_len > cfg.max_position_embeddings:
@@ -199,8 +199,20 @@ def plan_memory(model: Transformer, prompts: list[list[int]], rows: int, max_len
     if prefill_chunk is None:
         budget = CHUNK_BUDGET * max(0, available_bytes(model.device) - cache_bytes(cfg, rows, max_len, dtype, fp8))
         prefill_chunk = auto_prefill_chunk(cfg, longest, max_len, int(budget))
-    check_fits(cfg, rows, max_len, dtype, fp8, min(prefill_chunk or longest, longest), model.device, held)
+        if prefill_graphs:
+            prefill_chunk = graph_chunk(prefill_chunk, longest)
+    check_fits(cfg, rows, max_len, dtype, fp8, min(prefill_chunk or longest, longest), model.device, held,
+               prefill_graphs)
     return prefill_chunk
+
+
+def graph_chunk(chunk: int, longest: int, sizes: tuple = PREFILL_SIZES) -> int:
+    """The prefill chunk when prefill graphs replay (the memory-sized `chunk`, 0 for whole prompts): the largest
+    captured length within it (and within the longest prompt), so chunks at 0, C, 2C, ... reuse their graphs across
+    prompts; a prompt's remainder runs eagerly. Where no captured length fits, `chunk` as it was (eager chunks)."""
+    cap = min(chunk or longest, longest)
+    fit = [s for s in sizes if s <= cap]
+    return max(fit) if fit else chunk
 
 
 def _runner(model: Transformer, slots: int, graphs: bool, pad_to_buckets: bool) -> DecodeRunner:

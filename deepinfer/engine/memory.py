@@ -180,15 +180,17 @@ def auto_prefill_chunk(cfg: ModelConfig, prompt_len: int, context: int, budget: 
 
 
 def check_fits(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool, chunk: int,
-               device, held: int = 0) -> None:
+               device, held: int = 0, prefill_graphs: bool = False) -> None:
     """Refuse (MemoryRefused, with the numbers) a request whose caches plus one prefill chunk's transients
-    do not fit in the memory `device` has free; `held` bytes are already allocated and reused."""
+    do not fit in the memory `device` has free; `held` bytes are already allocated and reused. prefill_graphs:
+    the graphs' pool keeps a chunk's transients beside the eager first call's (`engine.prefill_runner`): twice."""
     need_cache = max(0, cache_bytes(cfg, rows, max_seq_len, dtype, fp8_kv) - held)
-    need_chunk = chunk * prefill_token_bytes(cfg, max_seq_len)
+    need_chunk = chunk * prefill_token_bytes(cfg, max_seq_len) * (2 if prefill_graphs else 1)
     have = available_bytes(device)
     if need_cache + need_chunk > 0.9 * have:
         raise MemoryRefused(
             f"{rows} sequence(s) of up to {max_seq_len} positions need {fmt_bytes(need_cache)} of caches and "
-            f"rope tables plus {fmt_bytes(need_chunk)} for a prefill chunk of {chunk} tokens, but "
+            f"rope tables plus {fmt_bytes(need_chunk)} for a prefill chunk of {chunk} tokens"
+            f"{' (twice: eager and the graph pool)' if prefill_graphs else ''}, but "
             f"{fmt_bytes(have)} of memory is available on {device}; use fewer --max-new-tokens, a shorter "
             "prompt or fewer rows (--max-batch)")
