@@ -37,7 +37,7 @@ def tune_cmd(
 
     Example: deepinfer tune -o h200.yaml && deepinfer bench --preset flash-slice:4 --op @h200.yaml --device cuda
     """
-    from deepinfer.debug.tune import tune, write_map
+    from deepinfer.debug.tune import measured, tune, write_map
 
     check_output(out, "--out")
     err = Console(stderr=True) if not as_json else None
@@ -47,15 +47,20 @@ def tune_cmd(
     write_map(out, res, shlex.join(["deepinfer", "tune", *sys.argv[2:]]))
     timed = any(c.ms is not None for ch in res["choices"] for c in ch.candidates.values())
     if as_json:
-        print(json.dumps({"out": out, "ops": res["ops"], "timed": timed, "baseline": baseline,
-                          "candidates": res["candidates"], "device": res["device"]}))
+        print(json.dumps({"out": out, "ops": res["ops"], "timed": timed, "baseline": baseline, "policy": policy,
+                          "candidates": res["candidates"], "device": res["device"], "measured": measured(res)}))
         return
-    t = Table(title=f"tuned on {res['device']} ({res['shapes']} shapes; ms summed over each phase's cases)")
+    t = Table(title=f"tuned on {res['device']} ({res['shapes']} shapes, {policy} policy; ms summed over each phase's "
+                    "cases, and the worst relative error against the reference)")
     for col in ("op", "phase", "choice", *res["candidates"]):
         t.add_column(col, justify="right" if col in res["candidates"] else "left")
     for ch in res["choices"]:
-        cells = [(f"{c.ms:.3f}" if c.ms is not None else "ok") if c.eligible else f"[dim]{c.reason[:40]}[/dim]"
-                 for c in (ch.candidates[b] for b in res["candidates"])]
+        def cell(c) -> str:
+            drift = f" ({c.drift:.1e})" if c.drift is not None else ""
+            if c.eligible:
+                return (f"{c.ms:.3f}" if c.ms is not None else "ok") + drift
+            return f"[dim]{c.reason[:40]}[/dim]"
+        cells = [cell(ch.candidates[b]) for b in res["candidates"]]
         t.add_row(ch.op, ch.phase, ch.backend, *cells)
     console().print(t)
     if not timed:

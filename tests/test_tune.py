@@ -171,6 +171,11 @@ def test_cli(tmp_path):
     assert r.exit_code == 0, r.output
     # triton, installed here and there, was left out by choice: the map still holds here
     assert "nothing was timed" in r.output and load_op_map(str(out)) == {"act_quant": "torch"}
+    r = CliRunner().invoke(app, ["tune", "-o", str(out), "--shapes", "tiny", "--ops", "act_quant$",
+                                 "--candidates", "torch", "--baseline", "torch", "--device", "cpu", "--json"])
+    import json
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.exit_code == 0 and d["policy"] == "official" and d["measured"]["act_quant"]["decode"]["torch"]["drift"] == 0
 
 
 def test_phase_split_through_the_toolkit():
