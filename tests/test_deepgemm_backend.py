@@ -60,8 +60,23 @@ def _emulated():
             d[r] = (af @ bf.t()).to(d.dtype)
         m.calls.append("m_grouped_fp8_gemm_nt_contiguous")
 
+    def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, **kw):
+        (A, sa), (B, sb) = a, b
+        E, max_m, K = A.shape
+        assert masked_m.dtype == torch.int32 and masked_m.shape == (E,) and int(expected_m) > 0
+        assert d.shape == (E, max_m, B.shape[1]) and d.dtype == torch.bfloat16 and sa.shape == (E, max_m, K // 128)
+        d.fill_(float("nan"))  # rows past masked_m are not written: the adapter must not read them
+        N = B.shape[1]
+        for j in range(E):
+            r = int(masked_m[j])
+            if r:
+                af = A[j, :r].float() * sa[j, :r].repeat_interleave(128, 1)
+                d[j, :r] = (af @ (B[j].float() * _expand(sb[j], N, K, 128, 128)).t()).to(d.dtype)
+        m.calls.append("m_grouped_fp8_gemm_nt_masked")
+
     m.fp8_gemm_nt = fp8_gemm_nt
     m.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
+    m.m_grouped_fp8_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
     m.get_mk_alignment_for_contiguous_layout = lambda: ALIGN
     return m
 
@@ -139,17 +154,19 @@ def test_fp8_and_fp4_gemm_against_the_reference(emulated):
     assert emulated.calls == ["fp8_gemm_nt", "fp8_gemm_nt"]
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-def test_grouped_gemm_layout_and_scatter(emulated, fp4):
-    """Rows in any expert order, -1 rows among them: sorted into 128-aligned expert segments, the padding's
-    garbage dropped, every row back in place; FP4 experts requantised once (cached on the weight)."""
+@pytest.mark.parametrize("fp4,P", [(False, 300), (True, 300), (False, 40), (True, 12)])
+def test_grouped_gemm_layout_and_scatter(emulated, fp4, P):
+    """Rows in any expert order, -1 rows among them: sorted into 128-aligned expert segments (prefill-sized P) or
+    into the masked layout's per-expert slots (decode-sized P), the padding's garbage dropped, every row back in
+    place; FP4 experts requantised once (cached on the weight)."""
     from deepinfer.quant.formats import quant_fp4, scale_f32
+    from deepinfer_kernels.deepgemm.gemm import MASKED_MAX_P
 
     g = torch.Generator().manual_seed(1)
-    P, E, N, K = 300, 5, 256, 256
+    E, N, K = 5, 256, 256
     a, a_s = _act(g, P, K)
     e = torch.randint(0, E, (P,), generator=g)
-    e[torch.randperm(P, generator=g)[:20]] = -1
+    e[torch.randperm(P, generator=g)[:P // 15 + 1]] = -1
     e[e == 3] = 1  # an expert with no rows
     if fp4:
         qs = [quant_fp4(torch.randn(N, K, generator=g) * 0.05) for _ in range(E)]
@@ -162,6 +179,8 @@ def test_grouped_gemm_layout_and_scatter(emulated, fp4):
     want = REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s)
     assert not torch.isnan(got).any() and bool((got[e < 0] == 0).all())
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert emulated.calls[-1] == ("m_grouped_fp8_gemm_nt_masked" if P <= MASKED_MAX_P
+                                  else "m_grouped_fp8_gemm_nt_contiguous")
     if fp4:
         cached = w._deepinfer_dg_fp8
         fn(a, a_s, e, w, w_s)

@@ -9,10 +9,13 @@ accumulation after every MMA.
 
 fp4_gemm: the FP4 weight requantised once to per-128 FP8 (`_common.requantised`), then as fp8_gemm.
 
-grouped_gemm: our rows carry their expert id in any order (e [P], -1 a padding row whose output is 0). The rows
-are sorted into blocks of 128 by `moe_align` (no host sync, fixed shapes, the layout our Triton kernels use),
-gathered, and run by the m-grouped contiguous GEMM with the per-row expert index DeepGEMM takes (-1 for padding
-rows, whose blocks it skips); the outputs are scattered back. FP4 experts run requantised to per-128 FP8. Float
+grouped_gemm: our rows carry their expert id in any order (e [P], -1 a padding row whose output is 0). At prefill
+(P > MASKED_MAX_P) the rows are sorted into blocks of 128 by `moe_align` (no host sync, fixed shapes, the layout our
+Triton kernels use), gathered, and run by the m-grouped contiguous GEMM with the per-row expert index DeepGEMM takes
+(-1 for padding rows, whose blocks it skips). At decode (a few rows over many experts, where 128-row segments would
+be mostly padding) each row goes to its expert's slot of the masked layout ([E, max_m, K], `masked_m` rows per
+expert, max_m = P rounded up to 128: every expert could take every row) and runs by the m-grouped masked GEMM.
+Either way the outputs are gathered back by position, without a host sync. FP4 experts run requantised to per-128 FP8. Float
 (bf16) experts and a non-bf16 output run the reference, visibly.
 """
 
@@ -26,6 +29,7 @@ from deepinfer.quant.grouped import moe_align
 from ._common import dg, f32_block_scales, off_contract, requantised, sm90, why
 
 BLOCK = 128  # K granularity of the SM90 scales
+MASKED_MAX_P = 64  # grouped calls of at most this many rows (decode) use the masked layout
 
 
 def _alignment(m) -> int:
@@ -102,6 +106,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         return off_contract("grouped_gemm", bad or why(), ref, a, a_s, e, w, w_s, out_dtype, a_split)
     E, N = w.size(0), w.size(1)
     w8, s8 = requantised(w, w_s) if fp4 else (w.contiguous(), f32_block_scales(w_s))
+    if P <= MASKED_MAX_P and hasattr(m, "m_grouped_fp8_gemm_nt_masked"):
+        return _grouped_masked(m, a, a_s, e, w8, s8, out_dtype)
     al = _alignment(m)
     rows, bexp = moe_align(e, E, al)  # [nb * al] source rows (P: padding), [nb] expert per block (-1 unused)
     # gather A and its scales by block: row P is a zero row (padding rows contribute nothing and stay finite)
@@ -114,6 +120,34 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     d[-1].zero_()  # the row a dropped input row (e = -1) reads: its output is 0
     m.m_grouped_fp8_gemm_nt_contiguous((ag, sg), (w8, s8), d[:-1], layout)
     return d.index_select(0, _inverse(rows, P)).to(out_dtype)
+
+
+def _grouped_masked(m, a, a_s, e, w8, s8, out_dtype) -> torch.Tensor:
+    """The masked layout (module docstring): row p of expert j at slot (j, its rank among j's rows); rows with an
+    id outside [0, E) go to their own dump slots past the layout and read back as 0."""
+    P, K = a.shape
+    E, N = w8.size(0), w8.size(1)
+    dev = a.device
+    max_m = -(-P // BLOCK) * BLOCK
+    key = torch.where((e >= 0) & (e < E), e.long(), E)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[skey]
+    dump = E * max_m + torch.arange(P, device=dev)
+    slot_sorted = torch.where(skey < E, skey * max_m + rank, dump)
+    slot = torch.empty_like(slot_sorted).index_copy_(0, order, slot_sorted)  # a permutation: no duplicate index
+    a8 = torch.empty(E * max_m + P, K, dtype=torch.uint8, device=dev)
+    a8.index_copy_(0, slot, a.contiguous().view(torch.uint8))
+    sa = torch.empty(E * max_m + P, a_s.size(1), dtype=torch.float32, device=dev)
+    sa.index_copy_(0, slot, a_s.contiguous())
+    d = torch.empty(E * max_m + 1, N, dtype=torch.bfloat16, device=dev)
+    d[-1].zero_()
+    expected = max(1, -(-P // max(1, min(E, P))))  # a hint to DeepGEMM's heuristics only
+    m.m_grouped_fp8_gemm_nt_masked((a8[:E * max_m].view(torch.float8_e4m3fn).view(E, max_m, K),
+                                    sa[:E * max_m].view(E, max_m, -1)), (w8, s8), d[:-1].view(E, max_m, N),
+                                   counts[:E].to(torch.int32), expected)
+    return d.index_select(0, torch.where(slot < E * max_m, slot, E * max_m)).to(out_dtype)
 
 
 def _inverse(rows: torch.Tensor, P: int) -> torch.Tensor:
