@@ -283,3 +283,24 @@ def test_op_rates_time_a_real_gemm():
     assert [(x["shape"], x["calls"]) for x in rows[0]["shapes"]] == [("512x2048x1024", 2), ("256x2048x1024", 1)]
     assert rows[0]["ms"] > 0 and rows[0]["tflops"] > 0
     assert ops.linear is not None and ops._cache["linear"].__name__ != "timed", "wrappers removed on exit"
+
+
+def test_captured_or_eager_keeps_the_capture_error():
+    """A failed capture is reported and the eager runner is what gets timed (decode, guided and speculative rows)."""
+    from deepinfer.bench.timing import captured_or_eager
+    from deepinfer.engine.graphs import GraphCaptureError
+
+    class Step:
+        def __init__(self, graphs, fail):
+            self.graphs, self.fail = graphs, fail
+
+        def capture(self):
+            if self.fail:
+                raise GraphCaptureError("op 'x' synced")
+
+    s, err, t = captured_or_eager(lambda g: Step(g, True), True)
+    assert not s.graphs and err == "op 'x' synced" and t is None
+    s, err, t = captured_or_eager(lambda g: Step(g, False), True)
+    assert s.graphs and err is None and t >= 0
+    s, err, t = captured_or_eager(lambda g: Step(g, True), False)
+    assert not s.graphs and err is None and t is None

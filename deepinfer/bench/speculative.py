@@ -19,6 +19,7 @@ import time
 import torch
 
 from deepinfer.bench.rates import sync
+from deepinfer.bench.timing import captured_or_eager
 from deepinfer.bench.workload import WARMUP_STEPS, random_prompts
 
 PROJECTED_RATES = (0.5, 0.7, 0.9)
@@ -33,7 +34,6 @@ def expected_tokens(a: float, k: int) -> float:
 def time_speculative(model, cfg, B: int, P: int, steps: int, k: int, device, seed: int, plain_ms: float | None,
                      graphs: bool = False) -> dict:
     """Prefill B rows of P tokens, then time `steps` speculative steps of K drafts (module docstring)."""
-    from deepinfer.engine.graphs import GraphCaptureError
     from deepinfer.engine.speculative import SpecStep
 
     max_len = P + (WARMUP_STEPS + steps) * (k + 1) + k + 1
@@ -52,15 +52,7 @@ def time_speculative(model, cfg, B: int, P: int, steps: int, k: int, device, see
     pos = torch.full((B,), P, dtype=torch.long, device=device)
     temp, top_p = torch.zeros(B, device=device), torch.ones(B, device=device)
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    step, graph_error, capture_s = SpecStep(model, k, B, graphs=graphs), None, None
-    if step.graphs:
-        t0 = time.perf_counter()
-        try:
-            step.capture()
-            capture_s = time.perf_counter() - t0
-        except GraphCaptureError as e:
-            graph_error = str(e)
-            step = SpecStep(model, k, B, graphs=False)
+    step, graph_error, capture_s = captured_or_eager(lambda g: SpecStep(model, k, B, graphs=g), graphs)
     accepted = torch.zeros(B, dtype=torch.long, device=device)
     for s in range(WARMUP_STEPS + steps):
         if s == WARMUP_STEPS:

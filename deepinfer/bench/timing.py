@@ -53,6 +53,22 @@ def time_prefill(model: Transformer, cfg: ModelConfig, P: int, device, seed: int
     return out
 
 
+def captured_or_eager(make, graphs: bool):
+    """make(graphs) -> a runner (`DecodeRunner`, `SpecStep`); with graphs, captured -> (runner, graph_error,
+    capture_s). A failed capture is kept in graph_error and an eager runner timed instead, never silently."""
+    from deepinfer.engine.graphs import GraphCaptureError
+
+    step = make(graphs)
+    if not step.graphs:
+        return step, None, None
+    t = time.perf_counter()
+    try:
+        step.capture()
+    except GraphCaptureError as e:
+        return make(False), str(e), None
+    return step, None, time.perf_counter() - t
+
+
 def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, device, seed: int,
                 graphs: bool = False) -> dict:
     """Prefill B rows (P tokens each), then time K decode steps of the whole batch.
@@ -60,7 +76,6 @@ def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     graphs: replay the step as a captured CUDA graph (`DecodeRunner`); a capture failure is reported in
     the result (`graph_error`) and that row is timed eagerly instead -- never silently.
     """
-    from deepinfer.engine.graphs import GraphCaptureError
     from deepinfer.engine.runner import DecodeRunner
 
     max_len = P + WARMUP_STEPS + K + 1
@@ -76,15 +91,7 @@ def time_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     prefill_s = time.perf_counter() - t
     ids = random_prompts(cfg, (WARMUP_STEPS + K) * B, 1, seed + 2).view(WARMUP_STEPS + K, B, 1).to(device)
     pos = torch.full((B,), P, dtype=torch.long, device=device)
-    runner, graph_error, capture_s = DecodeRunner(model, B, graphs=graphs), None, None
-    if runner.graphs:
-        t = time.perf_counter()
-        try:
-            runner.capture()
-            capture_s = time.perf_counter() - t
-        except GraphCaptureError as e:
-            graph_error = str(e)
-            runner = DecodeRunner(model, B, graphs=False)
+    runner, graph_error, capture_s = captured_or_eager(lambda g: DecodeRunner(model, B, graphs=g), graphs)
     for s in range(WARMUP_STEPS):
         runner.decode(ids[s], pos, rows)
         pos = pos + 1
@@ -116,7 +123,6 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     step while shorter than it), `json_accept_ms` the matchers' accept after the tokens are back (serial:
     on the step's critical path)."""
     from deepinfer.engine.guided import MaskBuffer
-    from deepinfer.engine.graphs import GraphCaptureError
     from deepinfer.engine.runner import DecodeRunner
 
     V = cfg.vocab_size
@@ -125,13 +131,7 @@ def time_guided(model: Transformer, cfg: ModelConfig, B: int, P: int, K: int, de
     prompts = random_prompts(cfg, B, P, seed + 1).to(device)
     for i in range(B):
         model.prefill(prompts[i:i + 1], rows=rows[i:i + 1])
-    runner, graph_error = DecodeRunner(model, B, graphs=graphs), None
-    if runner.graphs:
-        try:
-            runner.capture()
-        except GraphCaptureError as e:
-            graph_error = str(e)
-            runner = DecodeRunner(model, B, graphs=False)
+    runner, graph_error, _ = captured_or_eager(lambda g: DecodeRunner(model, B, graphs=g), graphs)
     json_guide = compiler.compile_builtin_json()
     temp = torch.ones(B, device=device)
     top_k = torch.zeros(B, dtype=torch.long, device=device)
