@@ -21,6 +21,7 @@ The map file (`deepinfer.ops.op_map_file`) records this GPU, the candidates with
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -62,16 +63,15 @@ def candidates_here() -> list[str]:
     return [b for b in BACKENDS if b == "torch" or backend_available(b)[0]]
 
 
+@contextlib.contextmanager
 def _strict():
     """Tuning runs strict: an implementation that falls back to the reference at run time raises (a fallback
     timed under the backend's name would be the reference's time)."""
-    class _S:
-        def __enter__(self):
-            self.prev, ops.strict = ops.strict, True
-
-        def __exit__(self, *exc):
-            ops.strict = self.prev
-    return _S()
+    prev, ops.strict = ops.strict, True
+    try:
+        yield
+    finally:
+        ops.strict = prev
 
 
 def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_regex: str | None = None,

@@ -16,7 +16,6 @@ drift a per-128 path carries is measured where it is born, never assumed.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -102,20 +101,19 @@ EXPERT_FORMS = ("fp4", "fp8")
 """How routed experts are held: fp4 as the release stores them, fp8 requantised per 128 x 128 block (`requant_fp4`):
 the form DeepGEMM's SM90 path runs, for comparing the two on the same model (a SPEC's experts=)."""
 
-_ROUTED = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
-
-
 def requant_experts(state: dict) -> list[RequantReport]:
     """Replace every FP4 routed-expert weight of an official-format `state` (int8 [N, K/2] with its per-32
     `.scale`) by its per-128 FP8 form (e4m3 [N, K] with fp32 [N/128, K/128] scales), in place -> one report per
     tensor. The model built on the state then holds FP8 experts (`deepinfer.model.weights` reads the format
     from the dtype)."""
+    from deepinfer.checkpoint.reader import routed_expert, scale_name  # not at the top: the reader imports quant
+
     reports = []
-    for name in [n for n in state if _ROUTED.fullmatch(n)]:
+    for name in [n for n in state if routed_expert(n) is not None and n.endswith(".weight")]:
         w = state[name]
         if w.dtype not in (torch.int8, torch.uint8):
             continue
-        sname = name[: -len("weight")] + "scale"
+        sname = scale_name(name)
         w8, sc, rep = requant_fp4(w, state[sname], name)
         state[name], state[sname] = w8, sc
         reports.append(rep)

@@ -57,36 +57,35 @@ def _fp8_args_bad(a, a_s, w, out_dtype, k_w: int) -> str:
     return ""
 
 
+def _dense(op: str, a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_gemm / fp4_gemm on `fp8_gemm_nt` (the FP4 weight requantised once), or the reference off contract."""
+    ref = REGISTRY[op].ref
+    if a.size(0) == 0:
+        return ref(a, a_s, w, w_s, out_dtype)
+    fp4 = op == "fp4_gemm"
+    bad = _fp8_args_bad(a, a_s, w, out_dtype, 2 * w.size(1) if fp4 else w.size(1))
+    if not bad and not fp4 and w.dtype != torch.float8_e4m3fn:
+        bad = f"DeepGEMM takes e4m3 weights, not {w.dtype}"
+    m = None if bad else dg(a.device)
+    if m is None:
+        return off_contract(op, bad or why(), ref, a, a_s, w, w_s, out_dtype)
+    wb = requantised(w, w_s) if fp4 else (w.contiguous(), f32_block_scales(w_s))
+    d = torch.empty(a.size(0), w.size(0), dtype=torch.bfloat16, device=a.device)
+    m.fp8_gemm_nt((a.contiguous(), a_s.contiguous()), wb, d)
+    return d
+
+
 @implement("fp8_gemm", "deepgemm")
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    ref = REGISTRY["fp8_gemm"].ref
-    if a.size(0) == 0:
-        return ref(a, a_s, w, w_s, out_dtype)
-    bad = _fp8_args_bad(a, a_s, w, out_dtype, w.size(1)) or \
-        ("" if w.dtype == torch.float8_e4m3fn else f"DeepGEMM takes e4m3 weights, not {w.dtype}")
-    m = None if bad else dg(a.device)
-    if m is None:
-        return off_contract("fp8_gemm", bad or why(), ref, a, a_s, w, w_s, out_dtype)
-    d = torch.empty(a.size(0), w.size(0), dtype=torch.bfloat16, device=a.device)
-    m.fp8_gemm_nt((a.contiguous(), a_s.contiguous()), (w.contiguous(), f32_block_scales(w_s)), d)
-    return d
+    return _dense("fp8_gemm", a, a_s, w, w_s, out_dtype)
 
 
 @implement("fp4_gemm", "deepgemm")
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    ref = REGISTRY["fp4_gemm"].ref
-    if a.size(0) == 0:
-        return ref(a, a_s, w, w_s, out_dtype)
-    bad = _fp8_args_bad(a, a_s, w, out_dtype, 2 * w.size(1))
-    m = None if bad else dg(a.device)
-    if m is None:
-        return off_contract("fp4_gemm", bad or why(), ref, a, a_s, w, w_s, out_dtype)
-    w8, s8 = requantised(w, w_s)
-    d = torch.empty(a.size(0), w.size(0), dtype=torch.bfloat16, device=a.device)
-    m.fp8_gemm_nt((a.contiguous(), a_s.contiguous()), (w8, s8), d)
-    return d
+    return _dense("fp4_gemm", a, a_s, w, w_s, out_dtype)
 
 
 @implement("grouped_gemm", "deepgemm")
