@@ -54,22 +54,25 @@ def test_branch_runs_on_its_own_stream_and_joins(monkeypatch):
     monkeypatch.setenv(branch.ENV, "1")
     x = torch.randn(1 << 20, device="cuda")
     main = torch.cuda.current_stream()
-    br = branch.fork(x)
-    with br:
-        assert torch.cuda.current_stream() == br.stream != main
-        torch.cuda._sleep(20_000_000)  # ~10 ms: a read that did not wait for the memo would see ones
-        memo = branch.Shared(x.sin())  # made in the branch, read on main before any join
-    assert torch.cuda.current_stream() == main and branch._open == []
-    assert memo.stream is br.stream and memo.event is not None
-    torch.testing.assert_close(memo.get().cpu(), x.sin().cpu(), rtol=0, atol=0)
-    with br:
-        y = x.cos()
-    y = br.join(y)
-    torch.testing.assert_close(y.cpu(), x.cos().cpu(), rtol=0, atol=0)
-    # the same stream every time (graph warm-up and capture share it, and its tile counters); one stream for
-    # every lane but hc's
-    assert branch.fork(x).stream is br.stream and branch.fork(x, lane="other").stream is br.stream
-    assert branch.fork(x, lane="hc").stream is not br.stream
+    assert branch.fork(x).stream is None  # no runner issuing: forks stay on the current stream
+    lanes = branch.Lanes(x.device)
+    with lanes.issuing():
+        br = branch.fork(x)
+        with br:
+            assert torch.cuda.current_stream() == br.stream != main
+            torch.cuda._sleep(20_000_000)  # ~10 ms: a read that did not wait for the memo would see ones
+            memo = branch.Shared(x.sin())  # made in the branch, read on main before any join
+        assert torch.cuda.current_stream() == main and branch._open == []
+        assert memo.stream is br.stream and memo.event is not None
+        torch.testing.assert_close(memo.get().cpu(), x.sin().cpu(), rtol=0, atol=0)
+        with br:
+            y = x.cos()
+        y = br.join(y)
+        torch.testing.assert_close(y.cpu(), x.cos().cpu(), rtol=0, atol=0)
+        # the same stream every time (graph warm-up and capture share it, and its tile counters); one stream for
+        # every lane but hc's
+        assert branch.fork(x).stream is br.stream and branch.fork(x, lane="other").stream is br.stream
+        assert branch.fork(x, lane="hc").stream is not br.stream
 
 
 @pytest.mark.gpu
@@ -82,8 +85,9 @@ def test_join_of_a_branch_never_entered_inside_a_capture(monkeypatch):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
+    with branch.Lanes(x.device).issuing(), torch.cuda.graph(g, stream=s):
         br = branch.fork(x)
+        assert br.active  # a real second stream: the case this test is about
         z = br.join(x + 1)  # before anything joined the branch stream to this capture
         used = branch.fork(x)
         with used:

@@ -76,6 +76,12 @@ class _HostSyncs(TorchDispatchMode):
         name = func._schema.name + ("." + func._overloadname if func._overloadname != "default" else "")
         if any(name == s or func._schema.name == s for s in self.SYNCS):
             self.seen.append(name)
+        # a Python scalar stored by index (`t[rows] = 0.0`) or a tensor made from host data: on a CUDA tensor both
+        # copy from the host, which a graph capture refuses (a CPU run cannot see the copy, so the pattern is named)
+        if func._schema.name in ("aten::index_put_", "aten::index_put") and args[2].dim() == 0:
+            self.seen.append(f"{name} of a 0-dim value")
+        if func._schema.name == "aten::lift_fresh":
+            self.seen.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -83,19 +89,20 @@ class _HostSyncs(TorchDispatchMode):
 def test_triton_prefill_issues_no_host_sync():
     """What a prefill graph captures must not read the device from the host: after a warm-up call (which may
     read weight facts once), a Triton-backend prefill -- whole prompt and a later chunk -- calls no ATen op that
-    synchronises. The torch reference's MoE does (the check sees it), which is why graphs need a kernel backend."""
+    synchronises or copies from the host (a scalar stored by index failed the capture on an H100, 2026-12-06). The torch reference's MoE does (the check sees it), which is why graphs need a kernel backend."""
     m = _tiny(backend="triton")
     m.allocate(2, 64)
     ids = _ids(24, 3, m.cfg.vocab_size)
     m.prefill(ids[:, :16], torch.tensor([0]))  # warm-up
+    row0, row1 = torch.tensor([0]), torch.tensor([1])  # made outside the check: a graph's inputs are device tensors
     with _HostSyncs() as d:
-        m.prefill(ids[:, :16], torch.tensor([1]))
-        m.prefill(ids[:, 16:], torch.tensor([1]), start=16)
+        m.prefill(ids[:, :16], row1)
+        m.prefill(ids[:, 16:], row1, start=16)
     assert d.seen == [], d.seen
     ref = _tiny(backend="torch")
     ref.allocate(1, 64)
     with _HostSyncs() as d:
-        ref.prefill(ids[:, :16], torch.tensor([0]))
+        ref.prefill(ids[:, :16], row0)
     assert d.seen, "the check no longer sees the reference MoE's host reads"
 
 
@@ -131,15 +138,20 @@ def test_replayed_prefill_equals_eager(numerics, dtype):
 
 @pytest.mark.gpu
 def test_generate_with_prefill_graphs_same_tokens():
+    """generate with prefill graphs gives what the same chunked prefill gives eagerly: the same tokens and
+    logprobs, bit for bit (a replay is the eager call's launches). Against whole-prompt prefill the tokens may
+    differ here: official numerics' FP8 activation rounding turns a chunk's last-bit difference into ~1e-2 in the
+    logits (tests/test_scheduler.py, chunked prefill), and an H100 run on 2026-12-06 saw one such flip."""
     a = _tiny("cuda", "triton", "official", "bfloat16")
     V = a.cfg.vocab_size
     prompts = [[0] + _ids(n, n, V)[0].tolist() for n in (255, 256, 511, 256)]
     p = SamplingParams(max_new_tokens=6, temperature=0.0)
-    off = generate(a, prompts, p, eos_id=-1, graphs=True, prefill_graphs=False)
     on = generate(a, prompts, p, eos_id=-1, graphs=True, prefill_graphs=True, prefill_chunk=256)
+    runner = prefill_runner(a, True)
+    assert runner.capture_error is None and runner.replays > 0, (runner.capture_error, runner.replays)
     plain = generate(a, prompts, p, eos_id=-1, graphs=True, prefill_graphs=False, prefill_chunk=256)
-    assert [c.token_ids for c in on.completions] == [c.token_ids for c in plain.completions] \
-        == [c.token_ids for c in off.completions]
+    assert [c.token_ids for c in on.completions] == [c.token_ids for c in plain.completions]
+    assert [c.logprobs for c in on.completions] == [c.logprobs for c in plain.completions]
 
 
 def test_chunks_and_memory_with_prefill_graphs():

@@ -50,7 +50,8 @@ def _live(model, rows):
     """The rows' cache tensors, FP8-layout ones (uint8) as the values they hold: compared by value, since a
     1-ulp difference in a bf16 RoPE dim shows as a difference of up to 255 in a byte."""
     hd, rd = model.cfg.head_dim, model.cfg.rope_head_dim
-    return [ops.kv_unpack(t[rows], hd, rd, torch.float32) if t.dtype == torch.uint8 else t[rows].clone()
+    dt = model.numerics.dtype  # the rope part's storage dtype (bf16 on the GPU test, float32 on the CPU one)
+    return [ops.kv_unpack(t[rows], hd, rd, dt).float() if t.dtype == torch.uint8 else t[rows].clone()
             for t in model.cache_tensors()]
 
 

