@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# DeepGEMM on a GPU machine (issue 50, tools/device/DEEPGEMM.md): install it, then check and time the `deepgemm`
+# backend, in one call.
+#   carry: .device/guided.tar.xz (the tiny model's tokenizer) and either .device/deep_gemm-*.whl (a wheel an
+#          earlier run built: installed as is) or .device/deepgemm-src.tar.xz (DeepGEMM 2.6.1 with CUTLASS's and
+#          fmt's headers, 1.4 MB: built here, the wheel left under $OUT/ for the next run)
+#   bash tools/device/deepgemm.sh                 # build/install, GPU test, ab, margin (tiny), bench (flash-slice:4)
+#   DG_PHASES="ab margin" bash tools/device/deepgemm.sh
+# Writes $OUT/dg_*.log|json and prints a table last. GPU_SUITE_LIMIT=560 (seconds for the whole call).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+LIMIT=${GPU_SUITE_LIMIT:-560}
+PHASES=${DG_PHASES:-"test ab margin bench"}
+t_start=$(date +%s)
+mkdir -p /tmp/site "$OUT"
+for t in .device/*.tar.xz; do
+  case $t in *deepgemm-src*) continue ;; esac
+  [ -f "$t" ] && tar -xJf "$t" -C /tmp/site
+done
+export PYTHONPATH=/tmp/site:$PWD DEEPINFER_HOME=/tmp/dh DG_JIT_CACHE_DIR=/tmp/dg-jit
+rows=()
+row() { rows+=("| $1 | rc $2 | $3 s | ${4//|/ } |"); echo "${rows[-1]}"; }
+
+# 1. install: a carried wheel, else build one from the carried source
+t0=$(date +%s)
+whl=$(ls .device/deep_gemm-*.whl 2>/dev/null | head -1)
+if [ -z "$whl" ] && [ -f .device/deepgemm-src.tar.xz ]; then
+  rm -rf /tmp/dg && mkdir -p /tmp/dg && tar -xJf .device/deepgemm-src.tar.xz -C /tmp/dg
+  # no .git there: the version reads 2.6.1+local; DG_USE_LOCAL_VERSION=1 never tries a download
+  (cd /tmp/dg/DeepGEMM && DG_USE_LOCAL_VERSION=1 python3 setup.py bdist_wheel) > "$OUT/dg_build.log" 2>&1
+  rc=$?
+  whl=$(ls /tmp/dg/DeepGEMM/dist/deep_gemm-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] && cp "$whl" "$OUT/"
+  row build $rc $(( $(date +%s) - t0 )) "$(basename "${whl:-no wheel}") $(du -h "${whl:-/dev/null}" | cut -f1)"
+fi
+if [ -z "$whl" ]; then
+  echo "no DeepGEMM wheel or source carried (.device/deep_gemm-*.whl or .device/deepgemm-src.tar.xz)"; exit 2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" > "$OUT/dg_install.log" 2>&1
+python3 - <<'PY' | tee "$OUT/dg_versions.txt"
+import subprocess, torch
+import deep_gemm
+nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
+print(f"deep_gemm {deep_gemm.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"nvcc {' '.join(nvcc)}, {torch.cuda.get_device_name()}")
+PY
+python3 -c "from deepinfer.tiny import ensure_tiny_model; ensure_tiny_model(progress=False)"
+
+left() { echo $(( LIMIT - ($(date +%s) - t_start) )); }
+di() { timeout "$(left)" python3 -m deepinfer "$@"; }
+for phase in $PHASES; do
+  [ "$(left)" -lt 30 ] && { rows+=("| $phase | not run: $(left) s left | | |"); continue; }
+  t0=$(date +%s)
+  case $phase in
+    test)
+      timeout "$(left)" python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_deepgemm_backend.py \
+        > "$OUT/dg_test.log" 2>&1
+      rc=$?; sum=$(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/dg_test.log" | tail -1) ;;
+    ab)  # DeepGEMM's GEMMs against the reference and Triton at flash shapes, timed in one run
+      di ab --backend deepgemm --against triton --ops 'gemm' --shapes flash --bench > "$OUT/dg_ab.log" 2>&1
+      rc=$?; sum=$(tail -3 "$OUT/dg_ab.log" | tr '\n' ' ') ;;
+    margin)  # deepinfer-tiny: the FP4 experts requantised (experts=fp8) on Triton, then on DeepGEMM, vs lossless
+      ops="op.fp8_gemm=deepgemm,op.fp4_gemm=deepgemm,op.grouped_gemm=deepgemm"
+      di margin "北京是中国的首都" --steps 16 --ref backend=triton --test backend=triton,experts=fp8 --json \
+        > "$OUT/dg_margin_requant.json" 2> "$OUT/dg_margin.log"
+      di margin "北京是中国的首都" --steps 16 --ref backend=triton --test "backend=triton,experts=fp8,$ops" --json \
+        > "$OUT/dg_margin_deepgemm.json" 2>> "$OUT/dg_margin.log"
+      rc=$?
+      sum=$(python3 - "$OUT/dg_margin_requant.json" "$OUT/dg_margin_deepgemm.json" <<'PY'
+import json, sys
+out = []
+for p in sys.argv[1:]:
+    try:
+        r = json.loads(open(p).read().strip().splitlines()[-1])
+        out.append(f"{p.split('_')[-1][:-5]}: {r.get('verdict')} agree {r.get('agreement')} "
+                   f"max logit err {r.get('max_logits_rel_err', r.get('logits_rel_err'))}")
+    except Exception as e:
+        out.append(f"{p}: no report ({e})")
+print("; ".join(out))
+PY
+) ;;
+    bench)  # flash-slice:4, Triton alone against Triton with DeepGEMM's GEMMs, one run, the same floors
+      di bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 16 --backend triton --device cuda \
+        --against "triton:fp8_gemm=deepgemm,fp4_gemm=deepgemm,grouped_gemm=deepgemm" --json \
+        > "$OUT/dg_bench.json" 2> "$OUT/dg_bench.log"
+      rc=$?
+      sum=$(python3 - "$OUT/dg_bench.json" <<'PY'
+import json, sys
+try:
+    b = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+except Exception as e:
+    print(f"no report ({e})"); sys.exit()
+a = (b.get("against") or [{}])[0]
+print(f"TTFT triton {b['prefill']['ttft_ms']:.1f} ms vs +deepgemm {a.get('prefill', {}).get('ttft_ms', float('nan')):.1f}; "
+      + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} vs {x['ms_per_step']:.3f}"
+                 for d, x in zip(b["decode"], a.get("decode", []))))
+PY
+) ;;
+    *) echo "unknown phase $phase"; continue ;;
+  esac
+  row "$phase" "$rc" $(( $(date +%s) - t0 )) "$sum"
+  grep -E "^(FAILED|ERROR)" "$OUT/dg_$phase.log" 2>/dev/null | head -5
+done
+echo; cat "$OUT/dg_versions.txt"
+echo "| phase | rc | wall | result |"
+printf '%s\n' "${rows[@]}"
