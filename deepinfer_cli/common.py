@@ -10,8 +10,9 @@ from deepinfer.engine.loader import LoadedModel, load_model, resolve_device
 from deepinfer.ops import ops
 from deepinfer_cli.errors import UserError
 
-MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout). "
-                     "Default: the embedded deepinfer-tiny.")
+MODEL = typer.Option(None, "--model", "-m", help="Checkpoint directory (official or transformers layout), or "
+                     "preset:NAME for random weights at a preset's shapes (as bench --preset: tiny, flash-slice:4, ...; "
+                     "seed 0, made on the device). Default: the embedded deepinfer-tiny.")
 BACKEND = typer.Option(None, "--backend", help="Kernel backend: torch | triton | tilelang | flaggems | deepgemm (tilelang, flaggems and deepgemm implement a "
                        "subset of the ops so far, listed by `deepinfer probe kernels`: every other op falls back to the "
                        "torch reference, visibly, and --strict refuses it; --op puts single ops on it) "

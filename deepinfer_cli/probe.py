@@ -264,8 +264,8 @@ def _render_env(d: dict, con: Console) -> None:
 # ----------------------------------------------------------------------------------------- requant
 @probe_app.command("requant")
 @handle_errors
-def requant_cmd(model: str = typer.Option(None, "--model", "-m", help="Checkpoint directory (default: the "
-                                          "embedded deepinfer-tiny)."), as_json: bool = JSON):
+def requant_cmd(model: str = typer.Option(None, "--model", "-m", help="Checkpoint directory or preset:NAME "
+                                          "(default: the embedded deepinfer-tiny)."), as_json: bool = JSON):
     """The FP4 routed experts requantised to FP8 per 128 x 128 block (what DeepGEMM's SM90 GEMMs take): per layer
     and projection, the blocks and values that change and the error. Exit 0 (lossless or measured), 2 bad input."""
     from deepinfer.debug.probes import probe_requant

