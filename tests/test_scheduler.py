@@ -391,3 +391,19 @@ def test_generate_steps_are_freed_with_their_model():
     assert gone() is None
     with pytest.raises(RuntimeError, match="has been freed"):
         runner.model
+
+
+def test_capture_failure_hint_fits_the_backend():
+    """The torch reference's grouped_gemm sync is named only where that op runs on the reference; a prefill
+    capture's way out is to leave --prefill-graphs off (an H100 run on 2026-12-06 printed the torch hint under
+    --backend triton)."""
+    e = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture.")
+    try:
+        ops.configure("torch")
+        msg = describe_capture_failure(e, 4)
+        assert "torch reference's grouped_gemm" in msg and "--eager" in msg and "capture.." not in msg
+        ops.configure("triton")
+        msg = describe_capture_failure(e, "256 tokens at position 0", "prefill chunk")
+        assert "grouped_gemm" not in msg and "without --prefill-graphs" in msg and "--eager" not in msg
+    finally:
+        ops.configure("torch")

@@ -270,11 +270,13 @@ def describe_capture_failure(e: BaseException, bucket: int | str, what: str = "d
             break
     msg = str(original).strip().splitlines()[0] if str(original).strip() else type(original).__name__
     key = f"batch bucket {bucket}" if isinstance(bucket, int) else bucket
+    # the known cause where it applies: the torch reference's grouped_gemm reads routing counts on the host
+    hint = ("; the torch reference's grouped_gemm syncs: put it on a kernel backend (--backend triton)"
+            if ops.backend_of("grouped_gemm") == "torch" else "")
+    off = "run without --prefill-graphs" if "prefill" in what else "run with --eager to disable CUDA graphs"
     return (f"CUDA graph capture of the {what} ({key}) failed in "
-            f"{where or f'the {what} (backend {ops.backend!r})'}: {type(original).__name__}: {msg}. "
-            f"Graph mode needs every op of the {what} to run without a host sync (the torch "
-            "reference MoE, grouped_gemm, syncs: use a kernel backend, --backend triton); "
-            "run with --eager to disable CUDA graphs")
+            f"{where or f'the {what} (backend {ops.backend!r})'}: {type(original).__name__}: {msg.rstrip('.')}. "
+            f"Graph mode needs every op of the {what} to run without a host sync or copy{hint}; {off}")
 
 
 def _short(path: str, root: str) -> str:
