@@ -222,3 +222,42 @@ def test_deepgemm_on_the_gpu():
                 ref = call(op, REGISTRY[op].ref, v.args, v.kwargs)
                 bad = [m for m in compare_outputs(op, got, ref, v.args, v.kwargs) if not m["ok"]]
                 assert not bad, (op, phase, v.name, bad)
+
+
+def test_ab_judges_the_requantised_path_against_the_requantised_reference(emulated):
+    """`ab --backend deepgemm`: its FP4 ops are judged against the reference on the per-128 requantised weights,
+    and the case says whether the requantisation itself was lossless; fp8_gemm keeps the plain reference."""
+    from deepinfer.debug.ab import run_ab
+
+    rep = run_ab("deepgemm", ops_regex="^(fp4_gemm|fp8_gemm|grouped_gemm)$", shapes="tiny", seed=3, device="cpu")
+    cases = [r for r in rep.results if r.status != "skip"]
+    assert cases and all(r.status == "pass" for r in cases), [(r.case_id, r.status, r.reason) for r in cases]
+    for r in cases:
+        own = "judged against the reference on its per-128 requantised weights (requantisation lossless)"
+        assert (own in r.reason) == (r.op != "fp8_gemm"), (r.case_id, r.reason)
+
+
+def test_requantised_reference_measures_a_lossy_requantisation(emulated):
+    """Half the rows of each 128-row block 2^24 below the others: beyond e4m3's reach, so the requantisation
+    flushes them. The requantised reference is what DeepGEMM computes (the emulation agrees with it); the lossless
+    reference is far from both on those rows; the note gives the measured loss."""
+    from deepinfer.debug.ab import CaseResult, _requantised_reference
+    from deepinfer.debug.ab_cases import Variant
+    from deepinfer.quant.formats import quant_fp4, scale_f32
+
+    g = torch.Generator().manual_seed(1)
+    a, a_s = _act(g, 8, 256)
+    w4, s4 = quant_fp4(torch.randn(256, 256, generator=g) * 0.05)
+    ws = scale_f32(s4).clone()
+    ws.view(2, 128, -1)[:, :64] *= 2.0 ** -24
+    v = Variant("wide", (a, a_s, w4, ws), {"out_dtype": torch.bfloat16})
+    fn = REGISTRY["fp4_gemm"].impls["deepgemm"]
+    own = _requantised_reference(CaseResult("fp4_gemm", "t", "decode", "wide", "pending"), fn, v, "torch")
+    assert own is not None and "lossy" in own.note and "rel err" in own.note
+    got = fn(a, a_s, w4, ws).float()
+    lossless = REGISTRY["fp4_gemm"].ref(a, a_s, w4, ws).float()
+    torch.testing.assert_close(got, own[0].float(), rtol=2 ** -7, atol=1e-30)
+    small = lossless.view(8, 2, 128)[:, :, :64]
+    assert float(small.abs().max()) > 0 and float(got.view(8, 2, 128)[:, :, :64].abs().max()) < float(small.abs().max())
+    assert _requantised_reference(CaseResult("fp8_gemm", "t", "decode", "x", "pending"),
+                                  REGISTRY["fp8_gemm"].impls["deepgemm"], v, "torch") is None
