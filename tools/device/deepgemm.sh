@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DeepGEMM on a GPU machine (issue 50, tools/device/DEEPGEMM.md): install it, then check and time the `deepgemm`
 # backend, in one call.
-#   carry: .device/guided.tar.xz (the tiny model's tokenizer) and either .device/deep_gemm-*.whl (a wheel an
-#          earlier run built: installed as is) or .device/deepgemm-src.tar.xz (DeepGEMM 2.6.1 with CUTLASS's and
+#   carry: .device/guided.tar.xz (the tiny model's tokenizer) and either .device/deep_gemm-wheel.tar (the wheel an
+#          earlier run left under $OUT: installed as is) or .device/deepgemm-src.tar.xz (DeepGEMM 2.6.1 with CUTLASS's and
 #          fmt's headers, 1.4 MB: built here, the wheel left under $OUT/ for the next run)
 #   bash tools/device/deepgemm.sh                 # build/install, GPU test, ab, margin (tiny), bench (flash-slice:4)
 #   DG_PHASES="ab margin" bash tools/device/deepgemm.sh
@@ -23,14 +23,18 @@ row() { rows+=("| $1 | rc $2 | $3 s | ${4//|/ } |"); echo "${rows[-1]}"; }
 
 # 1. install: a carried wheel, else build one from the carried source
 t0=$(date +%s)
-whl=$(ls .device/deep_gemm-*.whl 2>/dev/null | head -1)
+if [ -f .device/deep_gemm-wheel.tar ]; then
+  mkdir -p /tmp/dgw && tar -xf .device/deep_gemm-wheel.tar -C /tmp/dgw
+fi
+whl=$(ls .device/deep_gemm-*.whl /tmp/dgw/deep_gemm-*.whl 2>/dev/null | head -1)
 if [ -z "$whl" ] && [ -f .device/deepgemm-src.tar.xz ]; then
   rm -rf /tmp/dg && mkdir -p /tmp/dg && tar -xJf .device/deepgemm-src.tar.xz -C /tmp/dg
   # no .git there: the version reads 2.6.1+local; DG_USE_LOCAL_VERSION=1 never tries a download
   (cd /tmp/dg/DeepGEMM && DG_USE_LOCAL_VERSION=1 python3 setup.py bdist_wheel) > "$OUT/dg_build.log" 2>&1
   rc=$?
   whl=$(ls /tmp/dg/DeepGEMM/dist/deep_gemm-*.whl 2>/dev/null | head -1)
-  [ -n "$whl" ] && cp "$whl" "$OUT/"
+  # the wheel's name holds a '+' (2.6.1+local), which the device tool does not bring back: inside a tar it comes
+  [ -n "$whl" ] && tar -cf "$OUT/deep_gemm-wheel.tar" -C "$(dirname "$whl")" "$(basename "$whl")"
   row build $rc $(( $(date +%s) - t0 )) "$(basename "${whl:-no wheel}") $(du -h "${whl:-/dev/null}" | cut -f1)"
 fi
 if [ -z "$whl" ]; then
@@ -52,6 +56,32 @@ for phase in $PHASES; do
   [ "$(left)" -lt 30 ] && { rows+=("| $phase | not run: $(left) s left | | |"); continue; }
   t0=$(date +%s)
   case $phase in
+    selftest)  # one fp8_gemm_nt straight on deep_gemm, in a child with faulthandler, with the JIT's own log;
+      # then with NVRTC instead of nvcc; then DeepGEMM's own FP8 test (where its sources were unpacked)
+      for nvrtc in 0 1; do
+        DG_JIT_USE_NVRTC=$nvrtc DG_JIT_DEBUG=1 DG_JIT_PRINT_COMPILER_COMMAND=1 timeout 90 python3 -X faulthandler - \
+          > "$OUT/dg_selftest_nvrtc$nvrtc.log" 2>&1 <<'PY'
+import torch, deep_gemm
+torch.manual_seed(0)
+M, N, K = 128, 256, 512
+a = torch.randn(M, K, device="cuda").to(torch.float8_e4m3fn)
+b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn)
+sa = torch.ones(M, K // 128, device="cuda")
+sb = torch.ones(N // 128, K // 128, device="cuda")
+d = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+print("calling fp8_gemm_nt", flush=True)
+deep_gemm.fp8_gemm_nt((a, sa), (b, sb), d)
+torch.cuda.synchronize()
+ref = a.float() @ b.float().t()
+print("max rel err", float((d.float() - ref).abs().max() / ref.abs().max()), flush=True)
+PY
+        echo "nvrtc=$nvrtc rc=$? $(tail -1 "$OUT/dg_selftest_nvrtc$nvrtc.log")"
+      done > "$OUT/dg_selftest.log"
+      if [ -f /tmp/dg/DeepGEMM/tests/test_fp8_fp4.py ]; then
+        (cd /tmp/dg/DeepGEMM && timeout 90 python3 -X faulthandler tests/test_fp8_fp4.py) > "$OUT/dg_own_test.log" 2>&1
+        echo "DeepGEMM's tests/test_fp8_fp4.py rc=$?" >> "$OUT/dg_selftest.log"
+      fi
+      rc=0; sum=$(tr '\n' ' ' < "$OUT/dg_selftest.log") ;;
     test)
       timeout "$(left)" python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_deepgemm_backend.py \
         > "$OUT/dg_test.log" 2>&1
