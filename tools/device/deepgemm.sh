@@ -75,8 +75,22 @@ torch.cuda.synchronize()
 ref = a.float() @ b.float().t()
 print("max rel err", float((d.float() - ref).abs().max() / ref.abs().max()), flush=True)
 PY
-        echo "nvrtc=$nvrtc rc=$? $(tail -1 "$OUT/dg_selftest_nvrtc$nvrtc.log")"
+        echo "nvrtc=$nvrtc rc=$? $(grep -E "max rel err|Segmentation|Error" "$OUT/dg_selftest_nvrtc$nvrtc.log" | head -1)"
       done > "$OUT/dg_selftest.log"
+      # a crash in DeepGEMM's host code (2026-12-06: before any JIT compile, nvcc and NVRTC alike): where, from
+      # cuda-gdb, which also debugs host code (the image has no gdb)
+      if grep -q "rc=139" "$OUT/dg_selftest.log"; then
+        sed -n "/^import torch, deep_gemm$/,/^print(\"max rel err/p" "$0" > /tmp/dg_self.py
+        timeout 120 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary deep_gemm" --args python3 /tmp/dg_self.py \
+          > "$OUT/dg_backtrace.log" 2>&1
+        echo "backtrace: $(grep -m3 -E "^#[0-9]" "$OUT/dg_backtrace.log" | tr '\n' ' ')" >> "$OUT/dg_selftest.log"
+        # DeviceRuntime's constructor creates its own cuBLASLt handle: which libcublasLt / cudart the extension
+        # resolves beside the ones torch loaded (two versions in one process is a suspect)
+        { ldd /tmp/site/deep_gemm/_C*.so | grep -E "cublas|cudart|nvrtc|torch"
+          python3 -c "import torch; torch.zeros(1, device='cuda') @ torch.zeros(1, 1, device='cuda').view(1)
+print(''.join(sorted({l.split()[-1] + chr(10) for l in open('/proc/self/maps') if 'cublas' in l or 'cudart' in l})))"
+        } > "$OUT/dg_libs.log" 2>&1
+      fi
       if [ -f /tmp/dg/DeepGEMM/tests/test_fp8_fp4.py ]; then
         (cd /tmp/dg/DeepGEMM && timeout 90 python3 -X faulthandler tests/test_fp8_fp4.py) > "$OUT/dg_own_test.log" 2>&1
         echo "DeepGEMM's tests/test_fp8_fp4.py rc=$?" >> "$OUT/dg_selftest.log"
