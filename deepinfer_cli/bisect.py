@@ -21,9 +21,10 @@ from deepinfer_cli.errors import handle_errors
 def bisect_cmd(
     prompt: str = typer.Argument(..., help="Prompt text, or - to read it from stdin."),
     model: str = common.MODEL,
-    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8,op.NAME=BACKEND."),
+    ref: str = typer.Option("backend=torch", "--ref", help="Reference SPEC: backend=,numerics=,dtype=,device=,kv=bf16|fp8,experts=fp4|fp8,"
+                             "op.NAME=BACKEND."),
     test: str = typer.Option("backend=triton", "--test", help="Test SPEC: the same dtype and device; another "
-                             "backend (op sites), other numerics or another kv= (layer sites): one axis."),
+                             "backend (op sites), other numerics, another kv= or experts= (layer sites): one axis."),
     steps: int = typer.Option(8, "--steps", "-k", help="Greedy positions compared (prefill + steps-1 decodes)."),
     metric: str = typer.Option("tokens", "--metric", help="tokens (greedy tokens differ) | logits[:rtol] "
                                "(teacher-forced logits beyond rtol relative, default 1e-3)."),
@@ -46,13 +47,11 @@ def bisect_cmd(
         if (rs.get(k) or None) != (ts.get(k) or None):
             raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "
                              "sites of one compute dtype and device; give both the same")
-    if (rs.get("experts") or "fp4") != (ts.get("experts") or "fp4"):
-        raise ValueError("--ref and --test differ in experts: bisect switches op, numerics or KV sites, not the "
-                         "experts' storage; compare them with `deepinfer margin --ref experts=fp4 --test experts=fp8`")
+    by_experts = (rs.get("experts") or "fp4") != (ts.get("experts") or "fp4")  # FP4 as stored / requantised
     rn, tn = (Numerics.parse(s["numerics"], kv_qat=None if s["kv"] is None else s["kv"] == "fp8") for s in (rs, ts))
     by_numerics = (rn.mode, rn.release) != (tn.mode, tn.release)  # official against official@efc85512 too
     by_kv = not by_numerics and rn.kv_qat != tn.kv_qat  # the forms compared, whether named or the release's
-    axes = [n for n, d in (("numerics", by_numerics), ("kv", by_kv),
+    axes = [n for n, d in (("numerics", by_numerics), ("kv", by_kv), ("experts", by_experts),
                            ("backend", (rs["backend"] or None) != (ts["backend"] or None) or rs["ops"] != ts["ops"]))
             if d]
     if len(axes) > 1:
@@ -60,7 +59,7 @@ def bisect_cmd(
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     test_backend = ts["backend"] or "torch"
-    layers = by_numerics or by_kv
+    layers = by_numerics or by_kv or by_experts
     if not layers:  # before any load: the test's backends must run here
         check_no_split(ts["ops"])
         for b in {test_backend, *ts["ops"].values()}:
@@ -68,10 +67,10 @@ def bisect_cmd(
         impl = backend_impls(test_backend, ts["ops"])
     lm = common.setup_spec(model, rs, progress=not as_json)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
-    if layers:  # layer sites: the test's numerics or KV format per layer (its blocks from a second model)
+    if layers:  # layer sites: the test's numerics, KV format or experts' form per layer (blocks of a second model)
         tm = common.setup_spec(model, ts, progress=not as_json)
         res = bisect_numerics(lm.model, tm.model, ids, steps, metric, spec_str(rs), spec_str(ts), rs["dtype"],
-                              site="kv_format" if by_kv else "numerics")
+                              site="kv_format" if by_kv else "experts" if by_experts else "numerics")
     else:
         res = bisect(lm.model, ids, steps, metric, impl, spec_str(rs), spec_str(ts), rs["dtype"])
     if as_json:

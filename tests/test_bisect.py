@@ -175,3 +175,41 @@ def test_cli_kv_sites(tiny_dir):
                      (["--test", "kv=bf16,backend=triton"], "one axis")):
         r = CliRunner().invoke(app, ["bisect", "北京是", *bad])
         assert r.exit_code == 2 and msg in r.output, r.output
+
+
+def test_bisect_experts_names_the_lossy_layer():
+    """Experts sites: the FP4 routed experts requantised per 128 (DeepGEMM's form) are lossless on the tiny model
+    except where group scales are planted 2^20 below their blocks' largest (every expert's w2 in layer 2): only
+    ("experts", 2) is named. What such a requantisation drops is 2^-20 of its block's values, so the logits move
+    by ~1e-7 relative: a tolerance of 1e-12 sees it, since the lossless layers give the same bits."""
+    import torch
+
+    from deepinfer.debug.bisect import bisect_numerics
+    from deepinfer.engine.loader import build_model, load_checkpoint, resolve_numerics
+    from deepinfer.quant.requant import requant_experts
+
+    cfg, state, _, _ = load_checkpoint(None, torch.device("cpu"), False)
+    planted = [n for n in state if n.startswith("layers.2.ffn.experts.") and n.endswith(".w2.weight")]
+    for name in planted:
+        sname = name[:-len("weight")] + "scale"
+        scales = state[sname].clone()
+        scales[:, 1::4] = scales[:, 0::4] * 2.0 ** -20  # a quarter of the groups far below their blocks' largest
+        state[sname] = scales
+    num = resolve_numerics("official", "float32")
+    fp4 = build_model(cfg, dict(state), num, "cpu")
+    st8 = dict(state)
+    assert sorted(r.name for r in requant_experts(st8) if not r.lossless) == sorted(planted)
+    fp8 = build_model(cfg, st8, num, "cpu")
+    res = bisect_numerics(fp4, fp8, PROMPT, 3, "logits:1e-12", "experts=fp4", "experts=fp8", "float32",
+                          site="experts")
+    assert not res.agree and [(c.op, c.layer) for c in res.culprits] == [("experts", 2)], res.culprits
+    assert res.culprits[0].logits_rel_err < 1e-4  # dropped values this small barely move the logits
+
+
+def test_cli_experts_sites_agree_where_lossless(tiny_dir):
+    """The tiny checkpoint's experts requantise losslessly: every layer's switch keeps the logits bit for bit."""
+    r = CliRunner().invoke(app, ["bisect", "北京是", "--ref", "dtype=float32", "--test", "dtype=float32,experts=fp8",
+                                 "--steps", "3", "--metric", "logits:1e-7", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["agree"] and d["sites"] == 4 and "experts=fp8" in d["test"]

@@ -133,5 +133,5 @@ def test_the_model_with_requantised_experts():
     assert [r.name for r in reps if not r.lossless] == [name] and state[name].dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="experts=fp9: choose fp4 or fp8"):
         parse_spec("experts=fp9")
-    r = CliRunner().invoke(app, ["bisect", "x", "--ref", "backend=torch", "--test", "backend=torch,experts=fp8"])
-    assert r.exit_code == 2 and "differ in experts" in r.output
+    r = CliRunner().invoke(app, ["bisect", "x", "--ref", "backend=torch", "--test", "backend=triton,experts=fp8"])
+    assert r.exit_code == 2 and "differ in experts and backend: bisect one axis at a time" in r.output

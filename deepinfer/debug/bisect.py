@@ -211,8 +211,9 @@ def numerics_runner(ref_model, test_model, prompt_ids: list[int], steps: int) ->
 def bisect_numerics(ref_model, test_model, prompt_ids: list[int], steps: int, metric: str, ref: str = "",
                     test: str = "", dtype: str = "bfloat16", site: str = "numerics") -> BisectResult:
     """Layer sites (site, L): the minimal set of layers whose switch to the test model's blocks makes the run
-    diverge -- its numerics (site "numerics": e.g. exact -> official) or its KV format (site "kv_format":
-    `Transformer.set_kv_qat`). Both models: the same checkpoint, config and dtype."""
+    diverge -- its numerics (site "numerics": e.g. exact -> official), its KV format (site "kv_format":
+    `Transformer.set_kv_qat`) or its routed experts' form (site "experts": FP4 as stored against requantised per
+    128, `deepinfer.quant.requant`). Both models: the same checkpoint, config and dtype."""
     if ref_model.numerics.dtype != test_model.numerics.dtype:
         raise ValueError("bisect over numerics needs one compute dtype on both sides")
     b = Bisector(numerics_runner(ref_model, test_model, prompt_ids, steps), steps, metric, dtype)
