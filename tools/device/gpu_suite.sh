@@ -27,7 +27,11 @@ for m in ("tilelang", "xgrammar", "flag_gems"):
         v.append(f"{m} missing ({type(e).__name__})")
 print(", ".join(v))
 PY
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/gpu.txt"
+# the device's copy carries the working tree but not always the current .git: name the tree by its sources' digest
+# (the same command here gives the digest to match); the commit line is where the copy's .git says it is
+tree=$(find deepinfer deepinfer_cli deepinfer_kernels tests tools -type f \( -name '*.py' -o -name '*.sh' \) | sort \
+       | xargs sha256sum | sha256sum | cut -c1-12)
+echo "sources $tree, .git at $(git rev-parse --short HEAD 2>/dev/null)" | tee -a "$OUT/gpu.txt"
 python -c "from deepinfer.tiny import ensure_tiny_model; ensure_tiny_model(progress=False)"
 t_start=$(date +%s)
 rows=()
