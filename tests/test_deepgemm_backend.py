@@ -261,3 +261,16 @@ def test_requantised_reference_measures_a_lossy_requantisation(emulated):
     assert float(small.abs().max()) > 0 and float(got.view(8, 2, 128)[:, :, :64].abs().max()) < float(small.abs().max())
     assert _requantised_reference(CaseResult("fp8_gemm", "t", "decode", "x", "pending"),
                                   REGISTRY["fp8_gemm"].impls["deepgemm"], v, "torch") is None
+
+
+def test_bench_against_deepgemm_is_its_gemms_over_the_main_configuration(emulated):
+    """`bench --against deepgemm`: DeepGEMM's GEMMs over the run's backend and op map, not every other op on the
+    torch reference; a map named with it is taken as given."""
+    from deepinfer.bench.run import BenchOptions, peer_configs
+
+    o = BenchOptions(preset="tiny", device="cpu", backend="torch", op_map="rms_norm=torch",
+                     against=("deepgemm", "torch:grouped_gemm=deepgemm"))
+    (s1, b1, m1), (s2, b2, m2) = peer_configs(o)
+    assert (s1, b1) == ("deepgemm", "torch")
+    assert m1 == {"rms_norm": "torch", "fp8_gemm": "deepgemm", "fp4_gemm": "deepgemm", "grouped_gemm": "deepgemm"}
+    assert (s2, b2, m2) == ("torch:grouped_gemm=deepgemm", "torch", {"grouped_gemm": "deepgemm"})

@@ -13,7 +13,8 @@ What is measured (on the chosen device, in this process):
   fill overlapping the decode step on CUDA): ms/step of each, the overheads, and the host fill time.
 * peers in the same run (`--against triton`, `--against triton:sparse_attn_fp8=tilelang,...`): the same
   model, prompts, floors and batch sizes timed again with each other backend (and per-op map), TTFT and
-  decode rows with their ratio to the main configuration's.
+  decode rows with their ratio to the main configuration's. A library backend alone (`--against deepgemm`) is
+  its ops over the main configuration (registry.LIBRARY_BACKENDS), not every other op on the reference.
 * the device: copy bandwidth and dense matmul rate (`deepinfer.bench.rates`). Floors use these measured
   numbers, not specs.
 
@@ -40,7 +41,8 @@ from deepinfer.engine.loader import build_model
 from deepinfer.engine.memory import check_model_fits
 from deepinfer.model.transformer import Transformer
 from deepinfer.ops import ops
-from deepinfer.ops.registry import backend_facts, op_map_str
+from deepinfer.ops.registry import (LIBRARY_BACKENDS, BackendError, Dispatcher, backend_facts, library_op_map,
+                                     op_map_str)
 from deepinfer.quant.kv_layout import kv_packed_width
 
 
@@ -134,6 +136,24 @@ def parse_against(spec: str) -> tuple[str, dict[str, str]]:
     return backend, parse_op_map(ops_text, f"--against {spec!r}:")
 
 
+def peer_configs(opts: BenchOptions) -> list[tuple[str, str, dict]]:
+    """The `--against` entries as (spec, backend, op map). A library backend named alone (`deepgemm`) is its ops
+    over the run's own backend and op map; a bad entry is an OptionError naming it."""
+    from deepinfer.engine.loader import OptionError
+
+    peers = []
+    for spec in opts.against:
+        try:
+            backend, op_map = parse_against(spec)
+            if backend in LIBRARY_BACKENDS and not op_map:
+                main = Dispatcher().configure(opts.backend or None, False, opts.op_map)
+                backend, op_map = main.backend, {**main.op_map, **library_op_map(backend)}
+            peers.append((spec, backend, op_map))
+        except (ValueError, BackendError) as e:
+            raise OptionError(str(e)) from None
+    return peers
+
+
 def _graphs(device: torch.device, opts: BenchOptions, backend: str) -> bool:
     """Decode as CUDA graphs: CUDA, a kernel backend (the torch reference MoE syncs with the host), no --eager."""
     return device.type == "cuda" and not opts.eager and backend != "torch"
@@ -192,12 +212,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         raise OptionError(f"--peer {opts.peer!r}: only 'transformers' is supported")
     if opts.speculate < 0:
         raise OptionError(f"--speculate {opts.speculate}: must be at least 1 (draft tokens per step)")
-    peers = []  # (spec, backend, op map)
-    for spec in opts.against:
-        try:
-            peers.append((spec, *parse_against(spec)))
-        except ValueError as e:
-            raise OptionError(str(e)) from None
+    peers = peer_configs(opts)
     for _, backend, op_map in peers:  # importable and complete enough before anything is built
         ops.configure(backend, opts.strict if opts.strict else None, op_map)
         ops.check_device(device, opts.dtype, "--against")

@@ -191,6 +191,17 @@ def load_backend(backend: str) -> None:
         raise BackendError(f"backend {backend!r} is unavailable: {type(e).__name__}: {e}") from None
 
 
+LIBRARY_BACKENDS = ("deepgemm",)
+"""Backends that are a library of a few ops (DeepGEMM: its GEMMs), not a whole stack: as a peer configuration
+(`bench --against deepgemm`) they mean their own ops over the run's backend, not every other op on the reference."""
+
+
+def library_op_map(backend: str) -> dict[str, str]:
+    """{op: backend} for every op a library backend implements (loading it: a missing package is a BackendError)."""
+    load_backend(backend)
+    return {name: backend for name, d in REGISTRY.items() if backend in d.impls}
+
+
 def backend_facts(backend: str, device) -> dict:
     """What `backend` chose for `device` (its package's `facts(device)`, e.g. the Triton backend's prefill
     FP8 GEMM), for reports; {} for the torch reference and for a backend without facts. Callers above the

@@ -125,7 +125,7 @@ PY
 ) ;;
     bench)  # flash-slice:4, Triton alone against Triton with DeepGEMM's GEMMs, one run, the same floors
       di bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 16 --backend triton --device cuda \
-        --against "triton:fp8_gemm=deepgemm,fp4_gemm=deepgemm,grouped_gemm=deepgemm" --json \
+        --against deepgemm --json \
         > "$OUT/dg_bench.json" 2> "$OUT/dg_bench.log"
       rc=$?
       sum=$(python3 - "$OUT/dg_bench.json" <<'PY'
