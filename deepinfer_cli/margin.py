@@ -80,6 +80,11 @@ def margin_cmd(
         text = common.read_prompt(prompt)
         common.check_prompt(text, "chat" if chat else "raw")
         rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
+        from deepinfer.engine.loader import preset_name, resolve_device
+
+        if preset_name(model) is not None and resolve_device(rs["device"]) != resolve_device(ts["device"]):
+            raise ValueError(f"--model {model}: random weights are generated per device type, so --ref and --test "
+                             "must name the same device to compare one set of weights")
         # The reference loads first: its tokenizer encodes the prompt, and run_margin reuses it.
         ref_lm = common.setup_spec(model, rs, progress=not as_json)
         ids = ref_lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")

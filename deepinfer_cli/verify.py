@@ -50,6 +50,10 @@ def verify_cmd(
         raise ValueError(f"--against {against!r}: choose transformers or official")
     if steps < 0:
         raise ValueError(f"--steps {steps}: must be >= 0")
+    from deepinfer.engine.loader import preset_name, resolve_model_dir
+
+    if preset_name(model) is not None:
+        resolve_model_dir(model)  # both checks read the checkpoint's files: refused in one line, before any work
     if against == "official":
         return _verify_official(prompt, official_dir, model, backend, op_map, steps, device, as_json)
     if official_dir is not None:

@@ -62,3 +62,19 @@ def test_bad_or_too_big_preset_is_one_line_exit_2(model, want):
 def test_commands_that_read_a_directory_refuse_a_preset():
     with pytest.raises(OptionError, match="random weights have no checkpoint directory"):
         resolve_model_dir("preset:tiny")
+
+
+def test_preset_refusals_before_any_work(monkeypatch):
+    """margin across two devices (random weights differ per device type), verify (it reads the checkpoint's files)
+    and a preset too big for the device with no model numerics given (probe requant) are one line each, exit 2."""
+    import deepinfer.engine.loader as L
+
+    monkeypatch.setattr(L, "resolve_device", lambda d: torch.device(d or "cpu"))
+    r = runner.invoke(app, ["margin", "x", "-m", "preset:tiny", "--ref", "device=cpu", "--test", "device=meta"])
+    assert r.exit_code == 2 and "must name the same device" in r.output, r.output
+    r = runner.invoke(app, ["verify", "x", "-m", "preset:tiny"])
+    assert r.exit_code == 2 and "random weights have no checkpoint directory" in r.output, r.output
+    from deepinfer.engine.memory import MemoryRefused
+
+    with pytest.raises(MemoryRefused, match="GiB"):
+        load_checkpoint("preset:flash", torch.device("cpu"), progress=False)

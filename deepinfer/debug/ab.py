@@ -549,7 +549,11 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             continue
         if progress:
             progress(cr)
-        own_ref = _requantised_reference(cr, fn, v, ref) if ref == "torch" else None
+        try:
+            own_ref = _requantised_reference(cr, fn, v, ref) if ref == "torch" else None
+        except Exception as e:  # as a phase-1 reference error: this case's, not the run's
+            cr.status, cr.reason = "error", f"requantised reference raised {type(e).__name__}: {e}"[:400]
+            continue
         got = _run_case(cr, fn, v.args, v.kwargs, own_ref or r_out, do_bench, on_cuda)
         if own_ref is not None and cr.status in ("pass", "fail"):
             cr.reason = (cr.reason + "; " if cr.reason else "") + own_ref.note
@@ -560,8 +564,13 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             if pfn is None:
                 cr.peer.status, cr.peer.reason = "skip", f"backend {against!r} has no implementation"
             else:
-                peer_ref = _requantised_reference(cr.peer, pfn, v, ref) if ref == "torch" else None
-                _run_case(cr.peer, pfn, v.args, v.kwargs, peer_ref or r_out, do_bench, on_cuda)
+                try:
+                    peer_ref = _requantised_reference(cr.peer, pfn, v, ref) if ref == "torch" else None
+                except Exception as e:
+                    peer_ref, cr.peer.status = None, "error"
+                    cr.peer.reason = f"requantised reference raised {type(e).__name__}: {e}"[:400]
+                if cr.peer.status != "error":
+                    _run_case(cr.peer, pfn, v.args, v.kwargs, peer_ref or r_out, do_bench, on_cuda)
                 if peer_ref is not None and cr.peer.status in ("pass", "fail"):
                     cr.peer.reason = (cr.peer.reason + "; " if cr.peer.reason else "") + peer_ref.note
         if writer_dir:

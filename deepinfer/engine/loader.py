@@ -120,8 +120,8 @@ def _preset_state(model: str, device: torch.device, numerics: Numerics | None,
         cfg = preset_config(preset_name(model))
     except PresetError as e:
         raise OptionError(str(e).replace(f"--preset {preset_name(model)!r}", f"--model {model}", 1)) from None
-    if numerics is not None:
-        check_model_fits(cfg, numerics, device, f"--model {model}")
+    # without a model's numerics (probe requant, dump --engine transformers) the release's bf16 model is the estimate
+    check_model_fits(cfg, numerics or resolve_numerics("official", "bfloat16"), device, f"--model {model}")
     return cfg, random_state(cfg, device, 0)
 
 

@@ -40,7 +40,9 @@ fi
 if [ -z "$whl" ]; then
   echo "no DeepGEMM wheel or source carried (.device/deep_gemm-*.whl or .device/deepgemm-src.tar.xz)"; exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" > "$OUT/dg_install.log" 2>&1
+# --upgrade: a warm machine's earlier copy is replaced, so the wheel tested is this one
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$whl" \
+  > "$OUT/dg_install.log" 2>&1 || { echo "installing $whl failed: $(tail -1 "$OUT/dg_install.log")"; exit 2; }
 python3 - <<'PY' | tee "$OUT/dg_versions.txt"
 import subprocess, torch
 import deep_gemm
@@ -107,9 +109,10 @@ print(''.join(sorted({l.split()[-1] + chr(10) for l in open('/proc/self/maps') i
       ops="op.fp8_gemm=deepgemm,op.fp4_gemm=deepgemm,op.grouped_gemm=deepgemm"
       di margin "北京是中国的首都" --steps 16 --ref backend=triton --test backend=triton,experts=fp8 --json \
         > "$OUT/dg_margin_requant.json" 2> "$OUT/dg_margin.log"
+      rc1=$?
       di margin "北京是中国的首都" --steps 16 --ref backend=triton --test "backend=triton,experts=fp8,$ops" --json \
         > "$OUT/dg_margin_deepgemm.json" 2>> "$OUT/dg_margin.log"
-      rc=$?
+      rc2=$?; rc=$(( rc2 > rc1 ? rc2 : rc1 ))
       sum=$(python3 - "$OUT/dg_margin_requant.json" "$OUT/dg_margin_deepgemm.json" <<'PY'
 import json, sys
 out = []
