@@ -252,7 +252,7 @@ def test_requantised_reference_measures_a_lossy_requantisation(emulated):
     ws.view(2, 128, -1)[:, :64] *= 2.0 ** -24
     v = Variant("wide", (a, a_s, w4, ws), {"out_dtype": torch.bfloat16})
     fn = REGISTRY["fp4_gemm"].impls["deepgemm"]
-    own = _requantised_reference(CaseResult("fp4_gemm", "t", "decode", "wide", "pending"), fn, v, "torch")
+    own = _requantised_reference(CaseResult("fp4_gemm", "t", "decode", "wide", "pending"), fn, v)
     assert own is not None and "lossy" in own.note and "rel err" in own.note
     got = fn(a, a_s, w4, ws).float()
     lossless = REGISTRY["fp4_gemm"].ref(a, a_s, w4, ws).float()
@@ -260,7 +260,7 @@ def test_requantised_reference_measures_a_lossy_requantisation(emulated):
     small = lossless.view(8, 2, 128)[:, :, :64]
     assert float(small.abs().max()) > 0 and float(got.view(8, 2, 128)[:, :, :64].abs().max()) < float(small.abs().max())
     assert _requantised_reference(CaseResult("fp8_gemm", "t", "decode", "x", "pending"),
-                                  REGISTRY["fp8_gemm"].impls["deepgemm"], v, "torch") is None
+                                  REGISTRY["fp8_gemm"].impls["deepgemm"], v) is None
 
 
 def test_bench_against_deepgemm_is_its_gemms_over_the_main_configuration(emulated):

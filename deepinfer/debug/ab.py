@@ -438,6 +438,8 @@ def _run_case(cr: CaseResult, fn, args: tuple, kwargs: dict, r_out: list, do_ben
         return None
     cr.outputs = compare_outputs(cr.op, got, r_out, args, kwargs)
     cr.status = "pass" if all(m["ok"] for m in cr.outputs) else "fail"
+    if isinstance(r_out, _OwnReference):  # judged against the reference on the backend's own weight form
+        cr.reason = (cr.reason + "; " if cr.reason else "") + r_out.note
     if do_bench:
         ms = bench(cr.op, fn, args, kwargs)
         if ms:
@@ -453,7 +455,21 @@ class _OwnReference(list):
     note = ""
 
 
-def _requantised_reference(cr: CaseResult, fn, v, ref: str) -> "_OwnReference | None":
+def _judged_against(cr: CaseResult, fn, v, ref: str, r_out: list) -> list | None:
+    """The outputs `fn` is judged against on case v: the reference's `r_out`, or for a requantising backend the
+    reference on its requantised weights (`_requantised_reference`); None when computing that raised, which is then
+    the case's error (as a phase-1 reference error is: this case's, not the run's)."""
+    if ref != "torch":
+        return r_out
+    try:
+        own = _requantised_reference(cr, fn, v)
+    except Exception as e:
+        cr.status, cr.reason = "error", f"requantised reference raised {type(e).__name__}: {e}"[:400]
+        return None
+    return r_out if own is None else own
+
+
+def _requantised_reference(cr: CaseResult, fn, v) -> "_OwnReference | None":
     """For a backend whose kernel takes FP4 weights requantised per 128 x 128 block (`fn.fp4_as == "fp8-per-128"`,
     DeepGEMM): the torch reference on those requantised weights, so the kernel is judged on what it computes and
     the requantisation's own error is measured apart (the issue's "the requantised path against the requantised
@@ -549,14 +565,10 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             continue
         if progress:
             progress(cr)
-        try:
-            own_ref = _requantised_reference(cr, fn, v, ref) if ref == "torch" else None
-        except Exception as e:  # as a phase-1 reference error: this case's, not the run's
-            cr.status, cr.reason = "error", f"requantised reference raised {type(e).__name__}: {e}"[:400]
+        target = _judged_against(cr, fn, v, ref, r_out)
+        if target is None:
             continue
-        got = _run_case(cr, fn, v.args, v.kwargs, own_ref or r_out, do_bench, on_cuda)
-        if own_ref is not None and cr.status in ("pass", "fail"):
-            cr.reason = (cr.reason + "; " if cr.reason else "") + own_ref.note
+        got = _run_case(cr, fn, v.args, v.kwargs, target, do_bench, on_cuda)
         if against:
             cr.peer = CaseResult(cr.op, cr.shapes, cr.phase, cr.variant, "pending", summary=cr.summary,
                                  ran_as=cr.ran_as)
@@ -564,15 +576,9 @@ def run_ab(backend: str, ref: str = "torch", ops_regex: str | None = None, shape
             if pfn is None:
                 cr.peer.status, cr.peer.reason = "skip", f"backend {against!r} has no implementation"
             else:
-                try:
-                    peer_ref = _requantised_reference(cr.peer, pfn, v, ref) if ref == "torch" else None
-                except Exception as e:
-                    peer_ref, cr.peer.status = None, "error"
-                    cr.peer.reason = f"requantised reference raised {type(e).__name__}: {e}"[:400]
-                if cr.peer.status != "error":
-                    _run_case(cr.peer, pfn, v.args, v.kwargs, peer_ref or r_out, do_bench, on_cuda)
-                if peer_ref is not None and cr.peer.status in ("pass", "fail"):
-                    cr.peer.reason = (cr.peer.reason + "; " if cr.peer.reason else "") + peer_ref.note
+                target = _judged_against(cr.peer, pfn, v, ref, r_out)
+                if target is not None:
+                    _run_case(cr.peer, pfn, v.args, v.kwargs, target, do_bench, on_cuda)
         if writer_dir:
             write_case(os.path.join(writer_dir, cr.case_id + ".h5"), cr, v, r_out,
                        got if backend != ref else None, backend, ref, seed)
