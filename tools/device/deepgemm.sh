@@ -113,36 +113,13 @@ print(''.join(sorted({l.split()[-1] + chr(10) for l in open('/proc/self/maps') i
       di margin "北京是中国的首都" --steps 16 --ref backend=triton --test "backend=triton,experts=fp8,$ops" --json \
         > "$OUT/dg_margin_deepgemm.json" 2>> "$OUT/dg_margin.log"
       rc2=$?; rc=$(( rc2 > rc1 ? rc2 : rc1 ))
-      sum=$(python3 - "$OUT/dg_margin_requant.json" "$OUT/dg_margin_deepgemm.json" <<'PY'
-import json, sys
-out = []
-for p in sys.argv[1:]:
-    try:
-        r = json.loads(open(p).read().strip().splitlines()[-1])
-        out.append(f"{p.split('_')[-1][:-5]}: {r.get('verdict')} agree {r.get('agreement')} "
-                   f"max logit err {r.get('max_logits_rel_err', r.get('logits_rel_err'))}")
-    except Exception as e:
-        out.append(f"{p}: no report ({e})")
-print("; ".join(out))
-PY
-) ;;
+      sum=$(python3 tools/device/summarize.py margin "$OUT/dg_margin_requant.json" "$OUT/dg_margin_deepgemm.json") ;;
     bench)  # flash-slice:4, Triton alone against Triton with DeepGEMM's GEMMs, one run, the same floors
       di bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 16 --backend triton --device cuda \
         --against deepgemm --json \
         > "$OUT/dg_bench.json" 2> "$OUT/dg_bench.log"
       rc=$?
-      sum=$(python3 - "$OUT/dg_bench.json" <<'PY'
-import json, sys
-try:
-    b = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-except Exception as e:
-    print(f"no report ({e})"); sys.exit()
-a = (b.get("against") or [{}])[0]
-print(f"TTFT triton {b['prefill']['ttft_ms']:.1f} ms vs +deepgemm {a.get('prefill', {}).get('ttft_ms', float('nan')):.1f}; "
-      + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} vs {x['ms_per_step']:.3f}"
-                 for d, x in zip(b["decode"], a.get("decode", []))))
-PY
-) ;;
+      sum=$(python3 tools/device/summarize.py against "$OUT/dg_bench.json" triton +deepgemm) ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
   row "$phase" "$rc" $(( $(date +%s) - t0 )) "$sum"

@@ -58,42 +58,12 @@ for phase in "$@"; do
         2>> "$OUT/$phase.log"
       rc=$?
     fi
-    summary=$(python - "$OUT/tune.json" "$OUT/bench_tuned.json" <<'PY'
-import json, sys
-def last(p):
-    try:
-        return json.loads(open(p).read().strip().splitlines()[-1])
-    except Exception as e:
-        return {"error": str(e)}
-t, b = last(sys.argv[1]), last(sys.argv[2])
-moved = {k: v for k, v in (t.get("ops") or {}).items() if v != "triton"}
-line = f"map: {len(t.get('ops') or {})} ops, off triton: {moved}"
-if "prefill" in b:
-    a = (b.get("against") or [{}])[0]
-    line += (f"; tuned TTFT {b['prefill']['ttft_ms']:.1f} ms vs triton {a.get('prefill', {}).get('ttft_ms', float('nan')):.1f}; "
-             + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} vs {x['ms_per_step']:.3f}" for d, x in
-                        zip(b["decode"], a.get("decode", []))))
-print(line)
-PY
-)
+    summary=$(python tools/device/summarize.py tune "$OUT/tune.json" "$OUT/bench_tuned.json")
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
-    summary=$(python - "$OUT/bench.json" <<'PY'
-import json, sys
-try:
-    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-except Exception as e:
-    print(f"no report ({e})"); sys.exit()
-pf, pg = r["prefill"], r.get("prefill_graphs") or {}
-d = " ".join(f"B={x['batch']} {x['ms_per_step']:.3f} ms ({x['ratio']:.2f}x)" for x in r["decode"])
-print(f"TTFT eager {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x floor {pf['floor']['floor_ms']:.2f}; host "
-      f"{pf['host_issue_ms']:.1f}, device {pf['device_ms']:.1f}); graph {pg.get('ttft_ms', float('nan')):.1f} ms "
-      f"({pg.get('ratio', float('nan')):.2f}x; host {pg.get('host_issue_ms', float('nan')):.2f}, mode "
-      f"{pg.get('mode')}, error {pg.get('graph_error')}); decode {d}")
-PY
-)
+    summary=$(python tools/device/summarize.py bench "$OUT/bench.json")
   else
     files=()
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
