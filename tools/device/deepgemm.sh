@@ -59,10 +59,13 @@ for phase in $PHASES; do
   t0=$(date +%s)
   case $phase in
     selftest)  # one fp8_gemm_nt straight on deep_gemm, in a child with faulthandler, with the JIT's own log;
-      # then with NVRTC instead of nvcc; then DeepGEMM's own FP8 test (where its sources were unpacked)
-      for nvrtc in 0 1; do
-        DG_JIT_USE_NVRTC=$nvrtc DG_JIT_DEBUG=1 DG_JIT_PRINT_COMPILER_COMMAND=1 timeout 90 python3 -X faulthandler - \
-          > "$OUT/dg_selftest_nvrtc$nvrtc.log" 2>&1 <<'PY'
+      # then DeepGEMM's own FP8 test (where its sources were unpacked).
+      # variants: nvcc, NVRTC, and torch's own cuBLASLt handle instead of the one DeviceRuntime's constructor
+      # creates (DG_USE_PYTORCH_CUBLASLT_HANDLE=1, DeepGEMM's switch); the first variant that runs is exported to
+      # the later phases
+      for v in "DG_JIT_USE_NVRTC=0" "DG_JIT_USE_NVRTC=1" "DG_USE_PYTORCH_CUBLASLT_HANDLE=1"; do
+        env $v DG_JIT_DEBUG=1 DG_JIT_PRINT_COMPILER_COMMAND=1 timeout 90 python3 -X faulthandler - \
+          > "$OUT/dg_selftest_${v%%=*}.log" 2>&1 <<'PY'
 import torch, deep_gemm
 torch.manual_seed(0)
 M, N, K = 128, 256, 512
@@ -77,8 +80,11 @@ torch.cuda.synchronize()
 ref = a.float() @ b.float().t()
 print("max rel err", float((d.float() - ref).abs().max() / ref.abs().max()), flush=True)
 PY
-        echo "nvrtc=$nvrtc rc=$? $(grep -E "max rel err|Segmentation|Error" "$OUT/dg_selftest_nvrtc$nvrtc.log" | head -1)"
+        vrc=$?
+        echo "$v rc=$vrc $(grep -E "max rel err|Segmentation|Error" "$OUT/dg_selftest_${v%%=*}.log" | head -1)"
       done > "$OUT/dg_selftest.log"
+      works=$(grep -m1 -oE "^DG_[A-Z_]+=[01] rc=0" "$OUT/dg_selftest.log" | cut -d' ' -f1)
+      [ -n "$works" ] && export "$works" && echo "later phases run with $works" >> "$OUT/dg_selftest.log"
       # a crash in DeepGEMM's host code (2026-12-06: before any JIT compile, nvcc and NVRTC alike): where, from
       # cuda-gdb, which also debugs host code (the image has no gdb)
       if grep -q "rc=139" "$OUT/dg_selftest.log"; then
