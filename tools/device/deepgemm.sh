@@ -56,6 +56,10 @@ left() { echo $(( LIMIT - ($(date +%s) - t_start) )); }
 di() { timeout "$(left)" python3 -m deepinfer "$@"; }
 for phase in $PHASES; do
   [ "$(left)" -lt 30 ] && { rows+=("| $phase | not run: $(left) s left | | |"); continue; }
+  # every variant of the selftest crashed: the later phases would crash in the same call, so they are named, not run
+  if [ "$phase" != selftest ] && [ -f "$OUT/dg_selftest.log" ] && ! grep -q "^later phases run with" "$OUT/dg_selftest.log"; then
+    rows+=("| $phase | not run: no selftest variant ran | | |"); continue
+  fi
   t0=$(date +%s)
   case $phase in
     selftest)  # one fp8_gemm_nt straight on deep_gemm, in a child with faulthandler, with the JIT's own log;

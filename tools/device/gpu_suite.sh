@@ -8,6 +8,7 @@
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
+#         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
 #   GPU_SUITE_LIMIT=560 (seconds for the whole call)
 # Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
 set -uo pipefail
@@ -49,7 +50,10 @@ for phase in "$@"; do
   rm -rf ~/.triton/cache ~/.tilelang /tmp/tilelang* 2>/dev/null  # every phase compiles as on a fresh machine
   t0=$(date +%s)
   if [ "$phase" = tune ]; then
-    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes flash --json > "$OUT/tune.json" 2> "$OUT/$phase.log"
+    tune_args=(--policy "${TUNE_POLICY:-official}")
+    [ -n "${TUNE_CANDIDATES:-}" ] && tune_args+=(--candidates "$TUNE_CANDIDATES")
+    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes flash "${tune_args[@]}" --json \
+      > "$OUT/tune.json" 2> "$OUT/$phase.log"
     rc=$?
     if [ $rc -eq 0 ]; then
       left=$(( LIMIT - ($(date +%s) - t_start) ))
