@@ -7,6 +7,7 @@ A malformed value is an error naming the variable, never a silent default.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -37,9 +38,11 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_PREFILL_GRAPHS", "flag", "0", "prefill chunks of 256, 512, ... 8192 tokens (one row) replay "
             "as CUDA graphs per (length, start) where the decode step runs as graphs (opt-in: each captured key holds "
             "its outputs, and the graphs' pool holds a prefill's temporaries)"),
-    Setting("DEEPINFER_POLICY", "choice", "official", "the numerics policy a tuned op map (`--op @MAP`) must have been "
-            "measured under: official (kernels that accumulate as the official ones) or fast (also kernels that "
-            "promote FP8 sums to fp32 once per 128-K block: cuBLASLt, FlagGems, DeepGEMM)", ("official", "fast")),
+    Setting("DEEPINFER_POLICY", "choice", "official", "the numerics policy: official (kernels that accumulate as "
+            "the official ones) or fast (prefill FP8 sums promoted to fp32 once per 128-K block: DEEPINFER_FP8_GEMM "
+            "and DEEPINFER_TL_FP4 default to auto and fold where they are unset; cuBLASLt, FlagGems and DeepGEMM "
+            "kernels allowed); a tuned op map (`--op @MAP`) must have been measured under the run's policy",
+            ("official", "fast")),
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "
@@ -65,9 +68,47 @@ SETTINGS = {s.name: s for s in (
 )}
 
 
+FAST_DEFAULTS = {"DEEPINFER_FP8_GEMM": "auto", "DEEPINFER_TL_FP4": "fold"}
+"""The defaults DEEPINFER_POLICY=fast changes, where the variable itself is unset (a value set wins): the prefill's
+FP8 GEMMs and the TileLang FP4 expert GEMM promote their tensor-core sums once per 128-K block, DeepGEMM's scheme,
+instead of after every MMA as the official kernels. Both are read per call, so a policy applied around one
+configuration (`deepinfer bench --against SPEC,policy=fast`) takes effect there. Decode-sized calls are the same
+under either policy."""
+
+PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN")
+"""Settings the kernels read at each call (not at import): the ones a configuration may set around its own calls."""
+
+
 def _raw(name: str) -> str:
     s = SETTINGS[name]
-    return os.environ.get(name, s.default).strip()
+    if name in os.environ:
+        return os.environ[name].strip()
+    if name in FAST_DEFAULTS and os.environ.get("DEEPINFER_POLICY", "").strip().lower() == "fast":
+        return FAST_DEFAULTS[name]
+    return s.default
+
+
+@contextlib.contextmanager
+def applied(values: dict):
+    """Set these settings (names of PER_CALL -> values, each checked as `choice` would) for the block, and put the
+    environment back as it was afterwards, also on an error."""
+    for n, v in values.items():
+        if n not in PER_CALL:
+            raise ValueError(f"{n}: not a setting read per call; these are: {', '.join(PER_CALL)}")
+        s = SETTINGS[n]
+        if s.kind == "choice" and str(v).lower() not in s.choices:
+            raise ValueError(f"{n}={v!r}: choose one of {', '.join(c for c in s.choices if c)}")
+    before = {n: os.environ.get(n) for n in values}
+    try:
+        for n, v in values.items():
+            os.environ[n] = str(v).lower()
+        yield
+    finally:
+        for n, v in before.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
 
 def is_set(name: str) -> bool:

@@ -219,6 +219,14 @@ def _print(report: dict, con: Console) -> None:
         con.print(p)
 
 
+def drift_cell(d: dict | None) -> str:
+    """`deepinfer.bench.drift`'s record in one cell: relative error, top-1 agreement, the largest flipped margin."""
+    if not d:
+        return "-"
+    flips = f", {d['flips']} flips (main margin <= {d['max_flip_margin']:.3g})" if d["flips"] else ""
+    return f"rel {d['rel_err']:.2e}, top-1 {d['top1_agree']:.0%} of {d['positions']}{flips}"
+
+
 def _print_against(report: dict, con: Console) -> None:
     """The main configuration and each `--against` one side by side: TTFT and decode ms/step, each with its
     ratio to the (shared) floor, and the peers' ratio to the main row."""
@@ -229,12 +237,14 @@ def _print_against(report: dict, con: Console) -> None:
     t.add_column(f"TTFT ms (P {report['prompt_len']})", justify="right")
     for d in report["decode"]:
         t.add_column(f"decode B={d['batch']}", justify="right")
+    t.add_column("drift from main (last positions' logits)", justify="left")
     t.add_row(main, f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x)",
-              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in report["decode"]])
+              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in report["decode"]], "-")
     for a in report["against"]:
         pf = a["prefill"]
         t.add_row(a["spec"], f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x; {pf['vs_main']:.2f})",
-                  *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x; {d['vs_main']:.2f})" for d in a["decode"]])
+                  *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x; {d['vs_main']:.2f})" for d in a["decode"]],
+                  drift_cell(a.get("drift")))
     con.print(t)
     for a in report["against"]:
         if a.get("fallbacks"):
@@ -302,7 +312,10 @@ def bench_cmd(
                                 "xgrammar JSON matcher per row (needs the guided extra)."),
     against: list[str] = typer.Option(None, "--against", help="Also time another configuration in the same run, "
                                       "against the same floors (repeatable): a backend (triton), or a backend "
-                                      "with a per-op map (triton:grouped_gemm=tilelang,sparse_attn_fp8=tilelang)."),
+                                      "with a per-op map (triton:grouped_gemm=tilelang,sparse_attn_fp8=tilelang), "
+                                      "with settings read per call among the entries (triton:policy=fast, "
+                                      "triton:grouped_gemm=tilelang,DEEPINFER_TL_FP4=fold); each reports its drift "
+                                      "from the main configuration's logits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
                                   "(e.g. docs/perf-log.md)."),

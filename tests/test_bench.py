@@ -304,3 +304,58 @@ def test_captured_or_eager_keeps_the_capture_error():
     assert s.graphs and err is None and t >= 0
     s, err, t = captured_or_eager(lambda g: Step(g, True), False)
     assert not s.graphs and err is None and t is None
+
+
+def test_drift_counts_flips_and_their_margins():
+    """drift(): relative error, top-1 agreement and, for flips, the main side's margin there; NaN never agrees."""
+    from deepinfer.bench.drift import drift
+
+    g = torch.Generator().manual_seed(3)
+    main = torch.randn(8, 50, generator=g)
+    same = drift(main.clone(), main)
+    assert same["rel_err"] == 0.0 and same["top1_agree"] == 1.0 and same["flips"] == 0
+    assert same["max_flip_margin"] is None and same["positions"] == 8
+    test = main.clone()
+    top = main.topk(2, dim=-1)
+    for p in (1, 5):  # flip positions 1 and 5: raise their second choice above the first
+        test[p, top.indices[p, 1]] = top.values[p, 0] + 1.0
+    d = drift(test, main)
+    assert d["flips"] == 2 and d["top1_agree"] == pytest.approx(6 / 8)
+    assert d["max_flip_margin"] == pytest.approx(float((top.values[[1, 5], 0] - top.values[[1, 5], 1]).max()))
+    assert d["rel_err"] == pytest.approx(float((test - main).norm() / main.norm()))
+    assert d["max_abs"] == pytest.approx(float((test - main).abs().max()))
+    test[3, 0] = float("nan")
+    d = drift(test, main)
+    assert d["flips"] == 3 and math.isnan(d["rel_err"]) and math.isnan(d["max_abs"])
+    with pytest.raises(ValueError, match="shapes"):
+        drift(main[:4], main)
+
+
+def test_bench_against_with_settings_and_drift(monkeypatch):
+    """An --against entry sets per-call settings around its own calls (policy=fast), reports them and its drift
+    from the main configuration's logits, and the environment is back afterwards."""
+    import os
+
+    monkeypatch.delenv("DEEPINFER_POLICY", raising=False)
+    r = run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=6, gen_len=1, device="cpu", progress=False,
+                               against=("torch:policy=fast", "torch:rms_norm=torch,DEEPINFER_TL_FP4=fold")))
+    assert r["settings"]["DEEPINFER_POLICY"] == "official" and r["settings"]["DEEPINFER_FP8_GEMM"] == "exact"
+    fast, fold = r["against"]
+    assert fast["settings"] == {"DEEPINFER_POLICY": "fast"} and fold["settings"] == {"DEEPINFER_TL_FP4": "fold"}
+    assert fold["op_map"] == "rms_norm=torch"
+    for a in (fast, fold):  # the torch reference computes the same numbers under either policy
+        d = a["drift"]
+        assert d["positions"] == 6 and d["rel_err"] == 0.0 and d["top1_agree"] == 1.0 and d["flips"] == 0
+    assert "DEEPINFER_POLICY" not in os.environ and "DEEPINFER_TL_FP4" not in os.environ
+    res = CliRunner().invoke(app, ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "6", "--gen-len", "1",
+                                   "--device", "cpu", "--against", "torch:policy=fast"])
+    assert res.exit_code == 0, res.output
+    assert "rel 0.00e+00, top-1 100% of 6" in res.output
+
+
+def test_bench_against_bad_settings_one_line():
+    for spec, msg in (("triton:DEEPINFER_PDL=0", "DEEPINFER_PDL is not a setting read per call"),
+                      ("torch:policy=slow", "choose policy=official|fast"),
+                      ("torch:DEEPINFER_TL_FP4", "choose DEEPINFER_TL_FP4=bf16|fold|fp8")):
+        res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--batch", "1", "--against", spec])
+        assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (spec, res.output)

@@ -59,3 +59,36 @@ def test_malformed_values_name_the_variable(monkeypatch):
     monkeypatch.delenv("DEEPINFER_BRANCHES", raising=False)
     assert settings.flag("DEEPINFER_BRANCHES") is True  # its default
     assert os.environ.get("DEEPINFER_BRANCHES") is None
+
+
+def test_fast_policy_changes_only_unset_defaults(monkeypatch):
+    for n in ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_TL_FP4"):
+        monkeypatch.delenv(n, raising=False)
+    assert settings.choice("DEEPINFER_FP8_GEMM") == "exact" and settings.choice("DEEPINFER_TL_FP4") == "bf16"
+    monkeypatch.setenv("DEEPINFER_POLICY", "fast")
+    assert settings.choice("DEEPINFER_FP8_GEMM") == "auto" and settings.choice("DEEPINFER_TL_FP4") == "fold"
+    assert settings.choice("DEEPINFER_TL_ATTN") == "ws"  # not a promotion choice: the same under either policy
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", "exact")  # a value set wins over the policy's default
+    assert settings.choice("DEEPINFER_FP8_GEMM") == "exact"
+    monkeypatch.setenv("DEEPINFER_POLICY", "FAST")  # as any choice, case-insensitive
+    assert settings.choice("DEEPINFER_TL_FP4") == "fold"
+
+
+def test_applied_sets_per_call_settings_and_puts_them_back(monkeypatch):
+    import os
+
+    monkeypatch.delenv("DEEPINFER_POLICY", raising=False)
+    monkeypatch.setenv("DEEPINFER_TL_ATTN", "plain")
+    with settings.applied({"DEEPINFER_POLICY": "fast", "DEEPINFER_TL_ATTN": "ws"}):
+        assert settings.choice("DEEPINFER_FP8_GEMM") == "auto" and os.environ["DEEPINFER_TL_ATTN"] == "ws"
+    assert "DEEPINFER_POLICY" not in os.environ and os.environ["DEEPINFER_TL_ATTN"] == "plain"
+    with pytest.raises(RuntimeError):
+        with settings.applied({"DEEPINFER_POLICY": "fast"}):
+            raise RuntimeError("inside")
+    assert "DEEPINFER_POLICY" not in os.environ  # also after an error
+    with pytest.raises(ValueError, match="not a setting read per call"):
+        with settings.applied({"DEEPINFER_PDL": "0"}):
+            pass
+    with pytest.raises(ValueError, match="DEEPINFER_POLICY='slow'"):
+        with settings.applied({"DEEPINFER_POLICY": "slow"}):
+            pass

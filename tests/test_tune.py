@@ -214,3 +214,24 @@ def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
     c = next(c for c in fast["choices"] if c.op == "act_quant")
     assert c.candidates["triton"].eligible and fast["ops"]["act_quant"] == "triton"
     assert c.candidates["torch"].drift == 0.0 and c.candidates["triton"].to_dict()["drift"] is not None
+
+
+def test_tune_measures_under_its_policy(monkeypatch):
+    """The kernels are measured under the policy's own defaults (`settings.FAST_DEFAULTS`): under fast, Triton's
+    prefill fp8_gemm is the per-128 one (its fact says so) and the environment is put back afterwards."""
+    from deepinfer import settings
+    from deepinfer_kernels.triton import facts
+
+    monkeypatch.delenv("DEEPINFER_POLICY", raising=False)
+    monkeypatch.delenv("DEEPINFER_FP8_GEMM", raising=False)
+    seen = []
+    progress = lambda op, ph, b: seen.append((settings.choice("DEEPINFER_FP8_GEMM"),  # noqa: E731
+                                             "fp8_gemm" in facts(torch.device("cpu"))["per_128k_ops"]))
+    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "fast", timer=lambda *a: 1.0,
+         progress=progress)
+    assert seen and set(seen) == {("auto", True)}
+    seen.clear()
+    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "official", timer=lambda *a: 1.0,
+         progress=progress)
+    assert set(seen) == {("exact", False)}
+    assert "DEEPINFER_POLICY" not in __import__("os").environ and settings.choice("DEEPINFER_FP8_GEMM") == "exact"

@@ -14,7 +14,10 @@ What is measured (on the chosen device, in this process):
 * peers in the same run (`--against triton`, `--against triton:sparse_attn_fp8=tilelang,...`): the same
   model, prompts, floors and batch sizes timed again with each other backend (and per-op map), TTFT and
   decode rows with their ratio to the main configuration's. A library backend alone (`--against deepgemm`) is
-  its ops over the main configuration (registry.LIBRARY_BACKENDS), not every other op on the reference.
+  its ops over the main configuration (registry.LIBRARY_BACKENDS), not every other op on the reference. An
+  entry may also set the settings read per call around its own calls (`policy=fast`, `DEEPINFER_TL_FP4=fold`:
+  `settings.PER_CALL`), and each entry's drift from the main configuration on the timed prompt is reported
+  beside its times (`deepinfer.bench.drift`): what its speed costs in agreement.
 * the device: copy bandwidth and dense matmul rate (`deepinfer.bench.rates`). Floors use these measured
   numbers, not specs.
 
@@ -32,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer import settings
+from deepinfer.bench.drift import drift, prefill_logits
 from deepinfer.bench.floor import floors, held_bytes, model_bytes
 from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
 from deepinfer.bench.timing import (GUIDED_MODES, count_decode_ops, profile_decode, time_decode, time_guided,
@@ -125,30 +130,48 @@ def _fp8_prefill_gemm(device: torch.device) -> str | None:
     return backend_facts(ops.backend, device).get("fp8_prefill_gemm")
 
 
-def parse_against(spec: str) -> tuple[str, dict[str, str]]:
-    """An `--against` entry: `triton` or `triton:grouped_gemm=tilelang,...` -> (backend, op map); an unknown
-    backend or op is a ValueError naming the valid ones (`parse_op_map`)."""
+def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """An `--against` entry: `triton`, `triton:grouped_gemm=tilelang,...`, with settings among the entries
+    (`triton:grouped_gemm=tilelang,policy=fast,DEEPINFER_TL_ATTN=plain`: `policy` is DEEPINFER_POLICY) ->
+    (backend, op map, settings). An unknown backend or op, a setting not read per call (`settings.PER_CALL`) or
+    a bad value is a ValueError naming the valid ones."""
     from deepinfer.ops.registry import BACKENDS, parse_op_map
 
-    backend, _, ops_text = (x.strip() for x in spec.partition(":"))
+    backend, _, rest = (x.strip() for x in spec.partition(":"))
     if backend not in BACKENDS:
         raise ValueError(f"--against {spec!r}: unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
-    return backend, parse_op_map(ops_text, f"--against {spec!r}:")
+    op_parts, values = [], {}
+    parts = [rest] if rest.startswith("@") and "," not in rest else [p.strip() for p in rest.split(",")]
+    for part in filter(None, parts):
+        key, eq, val = (x.strip() for x in part.partition("="))
+        name = "DEEPINFER_POLICY" if key == "policy" else key
+        if not name.startswith("DEEPINFER_"):
+            op_parts.append(part)
+            continue
+        if name not in settings.PER_CALL:
+            raise ValueError(f"--against {spec!r}: {name} is not a setting read per call; an entry may set "
+                             f"policy=official|fast, {', '.join(n for n in settings.PER_CALL if n != 'DEEPINFER_POLICY')}")
+        choices = settings.SETTINGS[name].choices
+        if not eq or val.lower() not in choices:
+            raise ValueError(f"--against {spec!r}: {part!r}: choose {key}={'|'.join(c for c in choices if c)}")
+        values[name] = val.lower()
+    return backend, parse_op_map(",".join(op_parts), f"--against {spec!r}:"), values
 
 
-def peer_configs(opts: BenchOptions) -> list[tuple[str, str, dict]]:
-    """The `--against` entries as (spec, backend, op map). A library backend named alone (`deepgemm`) is its ops
-    over the run's own backend and op map; a bad entry is an OptionError naming it."""
+def peer_configs(opts: BenchOptions) -> list[tuple[str, str, dict, dict]]:
+    """The `--against` entries as (spec, backend, op map, settings). A library backend named without ops
+    (`deepgemm`, `deepgemm:policy=fast`) is its ops over the run's own backend and op map; a bad entry is an
+    OptionError naming it."""
     from deepinfer.engine.loader import OptionError
 
     peers = []
     for spec in opts.against:
         try:
-            backend, op_map = parse_against(spec)
+            backend, op_map, values = parse_against(spec)
             if backend in LIBRARY_BACKENDS and not op_map:
                 main = Dispatcher().configure(opts.backend or None, False, opts.op_map)
                 backend, op_map = main.backend, {**main.op_map, **library_op_map(backend)}
-            peers.append((spec, backend, op_map))
+            peers.append((spec, backend, op_map, values))
         except (ValueError, BackendError) as e:
             raise OptionError(str(e)) from None
     return peers
@@ -160,15 +183,26 @@ def _graphs(device: torch.device, opts: BenchOptions, backend: str) -> bool:
 
 
 def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec: str, backend: str,
-                 op_map: dict[str, str], main: dict, device, batches: list[int], log) -> dict:
-    """Prefill and decode timed again with `backend` and `op_map` (the `--against` entry `spec`), against the
-    same floors as the main rows (`main`: the report so far) -> {spec, backend, op_map, fallbacks, prefill,
-    decode}; the dispatch is left on it (the caller restores the main one)."""
+                 op_map: dict[str, str], main: dict, device, batches: list[int], log, values: dict | None = None,
+                 main_logits: torch.Tensor | None = None) -> dict:
+    """Prefill and decode timed again with `backend`, `op_map` and the settings `values` (the `--against` entry
+    `spec`), against the same floors as the main rows (`main`: the report so far) -> {spec, backend, op_map,
+    settings, fallbacks, prefill, drift, decode}; the dispatch is left on it (the caller restores the main one),
+    the settings are put back. drift: against `main_logits` (`deepinfer.bench.drift`), where given."""
+    with settings.applied(values or {}):
+        return _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values or {},
+                             main_logits)
+
+
+def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values, main_logits) -> dict:
     ops.configure(backend, opts.strict if opts.strict else None, op_map)
     graphs = _graphs(device, opts, backend)
     log(f"against {spec}: prefill 1 x {opts.prompt_len} tokens ...")
     model.allocate(1, opts.prompt_len + 1)
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
+    dr = drift(prefill_logits(model, cfg, opts.prompt_len, device, opts.seed), main_logits) \
+        if main_logits is not None else None
+    model.allocate(1, opts.prompt_len + 1)
     floor_pf = main["prefill"]["floor"]["floor_ms"]
     pf.update(ratio=pf["ttft_ms"] / floor_pf, vs_main=pf["ttft_ms"] / main["prefill"]["ttft_ms"])
     pf_graphs = _prefill_graphs(model, cfg, opts, device, graphs, {**pf, "floor": main["prefill"]["floor"]}, log) \
@@ -182,8 +216,9 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
         m = main_dec[B]
         d.update(ratio=d["ms_per_step"] / m["floor"]["floor_ms"], vs_main=d["ms_per_step"] / m["ms_per_step"])
         rows.append(d)
-    return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "fallbacks": sorted(ops.fallbacks),
-            "prefill": pf, "prefill_graphs": pf_graphs, "decode": rows}
+    return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "settings": dict(values),
+            "fp8_prefill_gemm": _fp8_prefill_gemm(device), "fallbacks": sorted(ops.fallbacks),
+            "prefill": pf, "drift": dr, "prefill_graphs": pf_graphs, "decode": rows}
 
 
 def _prefill_graphs(model, cfg, opts: BenchOptions, device, graphs: bool, eager: dict, log) -> dict:
@@ -213,7 +248,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     if opts.speculate < 0:
         raise OptionError(f"--speculate {opts.speculate}: must be at least 1 (draft tokens per step)")
     peers = peer_configs(opts)
-    for _, backend, op_map in peers:  # importable and complete enough before anything is built
+    for _, backend, op_map, _ in peers:  # importable and complete enough before anything is built
         ops.configure(backend, opts.strict if opts.strict else None, op_map)
         ops.check_device(device, opts.dtype, "--against")
     ops.configure(opts.backend or None, opts.strict if opts.strict else None, opts.op_map)
@@ -245,6 +280,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
         "device_name": device_name(device), **_versions(), "backend": ops.backend,
         "op_map": op_map_str(ops.op_map), "numerics": numerics.name,
+        "settings": {n: settings.choice(n) for n in settings.PER_CALL},  # as the main rows ran (policy and its defaults)
         "dtype": opts.dtype, "eager": not graphs, "cuda_graphs": graphs,
         "layers": cfg.n_layers, "attn_kinds": list(cfg.attn_kinds[:cfg.n_layers]),
         "weights_s": t_weights, "engine_weight_bytes": held_bytes(model),
@@ -281,10 +317,12 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         main_cfg = (ops.backend, ops.strict, dict(ops.op_map))
         main_fallbacks = dict(ops.fallbacks)
         report["against"] = []
+        log("the main configuration's logits on the timed prompt (the entries' drift is against them) ...")
+        main_logits = prefill_logits(model, cfg, opts.prompt_len, device, opts.seed)
         try:
-            for spec, backend, op_map in peers:
+            for spec, backend, op_map, values in peers:
                 report["against"].append(time_against(model, cfg, opts, spec, backend, op_map, report, device,
-                                                      batches, log))
+                                                      batches, log, values, main_logits))
         finally:
             ops.configure(*main_cfg)
             ops.fallbacks.update(main_fallbacks)

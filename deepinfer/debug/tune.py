@@ -100,6 +100,20 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
     if dims.big and not on_cuda:
         raise ValueError(f"--shapes {shapes}: V4 shapes need a CUDA device (device is {dev})")
     timer = timer or ab.bench
+    # the policy's own defaults while measuring (settings.FAST_DEFAULTS): under fast, Triton's prefill fp8_gemm is
+    # the per-128 one a fast run will call, so the map is chosen among the kernels that run under it
+    with settings.applied({"DEEPINFER_POLICY": policy}):
+        choices, names = _measure_all(baseline, cands, ops_regex, dims, seed, dev, policy, on_cuda, timer, progress)
+    ops_map = {}  # every tuned op named, so the map means the same under any --backend
+    for op in names:
+        per = {c.phase: c.backend for c in choices if c.op == op}
+        ops_map[op] = per[PHASES[0]] if len(set(per.values())) == 1 else per
+    return {"ops": ops_map, "choices": choices, "baseline": baseline, "candidates": cands, "shapes": shapes,
+            "seed": seed, "device": dev, "policy": policy}
+
+
+def _measure_all(baseline, cands, ops_regex, dims, seed, dev, policy, on_cuda, timer, progress):
+    """Every op and phase on every candidate -> ([OpChoice], op names)."""
     from deepinfer.ops.registry import backend_facts
 
     per_128k = {b: set(backend_facts(b, torch.device(dev)).get("per_128k_ops", ())) for b in cands}
@@ -124,12 +138,7 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
             if best is not None:
                 ch.backend = best
             choices.append(ch)
-    ops_map = {}  # every tuned op named, so the map means the same under any --backend
-    for op in names:
-        per = {c.phase: c.backend for c in choices if c.op == op}
-        ops_map[op] = per[PHASES[0]] if len(set(per.values())) == 1 else per
-    return {"ops": ops_map, "choices": choices, "baseline": baseline, "candidates": cands, "shapes": shapes,
-            "seed": seed, "device": dev, "policy": policy}
+    return choices, names
 
 
 def _measure(op: str, b: str, variants, refs, timer, on_cuda: bool) -> Candidate:

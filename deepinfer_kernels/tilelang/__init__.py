@@ -24,17 +24,22 @@ registry.compose("tilelang", ("hc_pre_quant", "moe_combine_post", "swiglu_quant"
 
 
 def facts(device) -> dict:
-    """Versions and the arch kernels are built for on `device` (`registry.backend_facts`)."""
+    """Versions, the arch kernels are built for on `device` (`registry.backend_facts`), and the ops that promote
+    their FP8 sums to fp32 once per 128-K block ("per_128k_ops": grouped_gemm's folded form, DEEPINFER_TL_FP4=fold,
+    the fast policy's default)."""
     import importlib.metadata as md
 
     import torch
+
+    from deepinfer import settings
 
     try:
         tk = md.version("tile-kernels")
     except md.PackageNotFoundError:
         tk = None
     cap = torch.cuda.get_device_capability(device) if getattr(device, "type", None) == "cuda" else None
-    return {"tilelang": tilelang.__version__, "tile_kernels": tk, "arch": f"sm_{cap[0]}{cap[1]}" if cap else None}
+    return {"tilelang": tilelang.__version__, "tile_kernels": tk, "arch": f"sm_{cap[0]}{cap[1]}" if cap else None,
+            "per_128k_ops": ["grouped_gemm"] if settings.choice("DEEPINFER_TL_FP4") == "fold" else []}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]

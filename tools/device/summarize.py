@@ -3,6 +3,7 @@
     python tools/device/summarize.py bench BENCH.json              # eager prefill vs its CUDA graph, decode rows
     python tools/device/summarize.py against BENCH.json MAIN PEER  # the main rows vs the first --against rows
     python tools/device/summarize.py tune TUNE.json BENCH.json     # the tuned map, then `against` (tuned vs triton)
+    python tools/device/summarize.py entries BENCH.json            # every configuration of a run, with its drift
     python tools/device/summarize.py margin A.json [B.json ...]    # each margin's verdict and logits error
 
 A file that is missing or holds no report gives "no report (why)" in its place: the table always gets its row.
@@ -42,6 +43,22 @@ def bench(r: dict) -> str:
             f"error {pg.get('graph_error')}); decode {d}")
 
 
+def entries(b: dict) -> str:
+    """Every configuration of one bench run (the main one, then each --against): TTFT eager and as a graph with
+    their ratios to the shared floor, decode ms/step, and each entry's drift from the main one."""
+    if "prefill" not in b:
+        return f"no report ({b.get('error')})"
+    out = []
+    for name, r in [(b.get("backend"), b)] + [(a["spec"], a) for a in b.get("against", [])]:
+        pf, pg, d = r["prefill"], r.get("prefill_graphs") or {}, r.get("drift")
+        dec = " ".join(f"B={x['batch']} {x['ms_per_step']:.3f}" for x in r["decode"])
+        dr = (f"; drift rel {d['rel_err']:.2e}, top-1 {d['top1_agree']:.0%}, flips {d['flips']} "
+              f"(main margin <= {d['max_flip_margin']})") if d else ""
+        out.append(f"{name}: TTFT {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x), graph {pg.get('ttft_ms', NAN):.1f} "
+                   f"({pg.get('ratio', NAN):.2f}x, {pg.get('mode')}); {dec}{dr}")
+    return " || ".join(out)
+
+
 def tune(t: dict, b: dict) -> str:
     moved = {k: v for k, v in (t.get("ops") or {}).items() if v != "triton"}
     line = f"map: {len(t.get('ops') or {})} ops, off triton: {moved}"
@@ -62,13 +79,15 @@ def main(argv: list[str]) -> str:
     kind, args = argv[0], argv[1:]
     if kind == "bench":
         return bench(last(args[0]))
+    if kind == "entries":
+        return entries(last(args[0]))
     if kind == "against":
         return against(last(args[0]), args[1], args[2])
     if kind == "tune":
         return tune(last(args[0]), last(args[1]))
     if kind == "margin":
         return margin(args)
-    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | tune | margin)")
+    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""How far a `bench --against` configuration's numbers are from the main configuration's, in the same run.
+
+A configuration may trade agreement for speed (`policy=fast`: FP8 sums promoted once per 128-K block; another
+backend's kernels): its TTFT beside the main one's means little without the drift it carries. Both run the timed
+prompt (the same random tokens, the same weights) through one eager prefill; the logits of its last
+`DRIFT_POSITIONS` positions are compared: relative error over them, the largest absolute difference, how many
+top-1 choices agree, and for those that flip, the largest top1 - top2 margin the main configuration had there --
+a flip at a margin of a few bf16 ulps is a near-tie, one at a margin of several logits is a divergence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.bench.workload import random_prompts
+
+DRIFT_POSITIONS = 64
+"""Positions compared (the prompt's last ones): enough to count flips, few enough that the kept logits stay small
+(64 x the vocabulary in fp32: 33 MB at V4's 129 280)."""
+
+
+def prefill_logits(model, cfg, P: int, device, seed: int) -> torch.Tensor:
+    """The timed prompt (row 0, `random_prompts(cfg, 1, P, seed)`) prefilled once, eagerly, under the current
+    dispatch and settings -> its last min(P, DRIFT_POSITIONS) positions' logits [n, V] float32.
+
+    The prefill computes every position's logits before they are sliced: [P, V] fp32 for a moment (2.1 GB at P
+    4096 on V4's vocabulary)."""
+    model.allocate(1, P + 1)
+    ids = random_prompts(cfg, 1, P, seed).to(device)
+    row = torch.zeros(1, dtype=torch.long, device=device)
+    logits, _ = model.prefill(ids, rows=row, all_logits=True)
+    n = min(P, DRIFT_POSITIONS)
+    return logits[0, -n:].float().clone()
+
+
+def drift(test: torch.Tensor, main: torch.Tensor) -> dict:
+    """test, main [n, V] (`prefill_logits` of two configurations) -> {positions, rel_err, max_abs, top1_agree
+    (the fraction of positions whose top-1 is the same), flips, max_flip_margin (the main's largest top1 - top2
+    margin at a flipped position; None without flips)}. A NaN in either side is reported as NaN, never as
+    agreement."""
+    if test.shape != main.shape:
+        raise ValueError(f"drift: logits of shapes {tuple(test.shape)} and {tuple(main.shape)}")
+    t, m = test.double(), main.double()
+    diff = t - m
+    rel = float(diff.norm() / m.norm()) if float(m.norm()) > 0 else float(diff.norm())
+    top2 = torch.topk(m, 2, dim=-1)
+    margins = top2.values[:, 0] - top2.values[:, 1]
+    same = t.argmax(-1) == m.argmax(-1)
+    bad = torch.isnan(t).any(-1) | torch.isnan(m).any(-1)
+    same &= ~bad
+    flipped = ~same
+    return {"positions": int(m.shape[0]), "rel_err": float("nan") if bool(bad.any()) else rel,
+            "max_abs": float(diff.abs().max()) if not bool(bad.any()) else float("nan"),
+            "top1_agree": float(same.double().mean()), "flips": int(flipped.sum()),
+            "max_flip_margin": float(margins[flipped & ~bad].max()) if bool((flipped & ~bad).any()) else None}
