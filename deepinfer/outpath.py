@@ -55,18 +55,25 @@ def clean_stale_temps(path: str) -> list[str]:
     return removed
 
 
-def check_output(path: str, what: str, create_parents: bool = False) -> str:
+def check_output(path: str, what: str, create_parents: bool = False, inputs: tuple = ()) -> str:
     """Refuse, before any work, a path that cannot take a new regular file -> the absolute path.
 
     Accepted: an existing regular file (it will be replaced) or a new name in an existing, writable
-    directory. Refused: a directory, a device node, FIFO or socket (`-o /dev/full` must never replace the
-    device), a missing parent directory (created only with `create_parents`), a directory this process
-    cannot create files in (tried for real: root passes `os.access` on a read-only filesystem).
-    `what` names the option in the message, e.g. "--out".
+    directory. Refused: a directory, or a name ending in a path separator (a directory meant, even where none
+    exists yet), a device node, FIFO or socket (`-o /dev/full` must never replace the device), a missing parent
+    directory (created only with `create_parents`), a directory this process cannot create files in (tried for
+    real: root passes `os.access` on a read-only filesystem), and one of the command's own `inputs` (`dump -o
+    ref.h5 --follow ref.h5` would replace the file it reads). `what` names the option in the message, e.g.
+    "--out".
     """
     if not path or not str(path).strip():
         raise OutputPathError(f"{what}: the path is empty")
+    if str(path).endswith((os.sep, "/")) or os.path.basename(str(path)) in (".", ".."):
+        raise OutputPathError(f"{what} {path}: names a directory; give a file name")
     p = os.path.abspath(os.path.expanduser(path))
+    for src in inputs:
+        if src and _same_file(p, os.path.abspath(os.path.expanduser(str(src)))):
+            raise OutputPathError(f"{what} {path}: is also an input of this command ({src}); write elsewhere")
     if os.path.lexists(p):
         try:
             st = os.stat(p)
@@ -98,6 +105,15 @@ def check_output(path: str, what: str, create_parents: bool = False) -> str:
         raise OutputPathError(f"{what} {path}: cannot write in {d} ({e.strerror})") from None
     clean_stale_temps(p)
     return p
+
+
+def _same_file(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def check_output_dir(path: str, what: str) -> str:

@@ -41,6 +41,27 @@ def tiny_model_dir() -> str:
     return os.path.join(root, "models", TINY_NAME)
 
 
+def _where() -> str:
+    """Which setting chose the tiny model's root, for an error line."""
+    from deepinfer import settings
+
+    if settings.path("DEEPINFER_HOME"):
+        return "DEEPINFER_HOME"
+    return "XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the home directory (~/.cache)"
+
+
+def _check_home(d: str) -> None:
+    """The tiny model's parent directory exists or can be created (made now, for real: root passes `os.access`
+    where mkdir fails); else a ValueError naming the setting that chose it, before anything is generated."""
+    parent = os.path.dirname(d)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{_where()}: cannot create {parent} for the tiny model ({e.strerror or e})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{_where()}: {parent} is not writable, so the tiny model cannot be created there")
+
+
 def _complete(d: str) -> bool:
     """config.json present and every shard the index names present (our writes are all-or-nothing)."""
     try:
@@ -103,6 +124,7 @@ def ensure_tiny_model(progress: bool = True) -> str:
     if os.path.exists(d):
         # write_checkpoint never leaves a partial directory, so this one was damaged from outside.
         raise CheckpointError(f"{d}: exists but is not a complete checkpoint (index, config.json or a shard missing); delete it to regenerate")
+    _check_home(d)
     cfg = tiny_config()
     if progress:
         from rich.console import Console

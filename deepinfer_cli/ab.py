@@ -76,6 +76,10 @@ def ab_cmd(
 
     if against and against not in BACKENDS:
         raise UserError(f"--against {against!r}: choose one of {', '.join(BACKENDS)}")
+    if device:  # a device this machine does not have is refused before any folder is made or case is built
+        from deepinfer.engine.loader import resolve_device
+
+        resolve_device(device)
     if dump:
         dump = check_output_dir(dump, "--dump")
     note = _prepare_interpreter(backend, bool(compare)) or (_prepare_interpreter(against, False) if against else None)

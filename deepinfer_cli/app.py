@@ -7,6 +7,7 @@ import os
 import typer
 
 from deepinfer_cli import generate
+from deepinfer_cli.usage import OneLineUsageGroup
 
 EXAMPLES = """[bold]Examples[/bold]
 
@@ -40,6 +41,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=OneLineUsageGroup,
 )
 
 

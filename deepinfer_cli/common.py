@@ -33,8 +33,13 @@ FLAGGEMS = typer.Option(None, "--flaggems", help="Enable FlagGems for this comma
 
 def read_prompt(prompt: str | None) -> str:
     """`-` reads the prompt from stdin."""
-    if prompt == "-":
-        return sys.stdin.read().rstrip("\n")
+    if prompt == "-":  # bytes, decoded here: a locale's surrogateescape would fail later, far from the cause
+        raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+        try:
+            return raw.decode("utf-8").rstrip("\n")
+        except UnicodeDecodeError as e:
+            raise UserError(f"PROMPT - (stdin): not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") \
+                from None
     if prompt is None:
         raise typer.BadParameter("a PROMPT argument is required (or - for stdin)")
     return prompt

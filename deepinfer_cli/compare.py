@@ -85,7 +85,7 @@ def compare_cmd(
     Example: deepinfer compare dumps/h200.h5 dumps/cpu-ref.h5 --rtol 2e-2 --atol 1e-2
     """
     if report:
-        check_output(report, "--report")
+        check_output(report, "--report", inputs=(a, b, tolerances))
     default = Tol(rtol=rtol, atol=atol, stat=stat, quantile=quantile, min_overlap=min_overlap).check()
     tols = Tolerances.load(tolerances, default) if tolerances else Tolerances(default)
     rep = compare_dumps(a, b, tols, name_filter, require_all)

@@ -46,6 +46,8 @@ def dist_check_cmd(
     """
     if steps < 0:
         raise UserError(f"--steps {steps}: must be >= 0")
+    if not rtol >= 0:  # also NaN
+        raise UserError(f"--rtol {rtol:g}: must be >= 0")
     if nproc < 0:
         raise UserError(f"--nproc {nproc}: must be >= 0 (0 runs this process as the only rank, or as a torchrun rank)")
 

@@ -14,6 +14,7 @@ from deepinfer.engine.loader import OptionError
 from deepinfer.outpath import OutputPathError
 from deepinfer.ops.registry import BackendError
 from deepinfer.tokenizer import TokenizerError
+from deepinfer_cli.usage import UsageError
 
 KNOWN = (CheckpointError, ConfigError, OptionError, BackendError, TokenizerError, OutputPathError,
          FileNotFoundError, ValueError)
@@ -55,6 +56,11 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130)
+        except UsageError as e:  # typer.BadParameter raised by a command's own check: bad input, one line
+            if debug_enabled():
+                raise
+            plain = getattr(e, "param", None) is None and getattr(e, "param_hint", None) is None
+            raise fail(" ".join((e.message if plain else e.format_message()).split())) from None
         except (UserError, *KNOWN) as e:
             if debug_enabled():
                 raise

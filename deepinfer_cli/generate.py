@@ -248,6 +248,9 @@ def read_input_file(path: str, base: SamplingParams, mode: str) -> list[tuple[st
             lines = f.read().splitlines()
     except OSError as e:
         raise UserError(f"--input-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--input-file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start})") from None
     numbered = [(n, ln) for n, ln in enumerate(lines, 1) if ln.strip()]
     if not numbered:
         raise UserError(f"--input-file {path}: no prompts in the file")

@@ -14,7 +14,7 @@ from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, DEFAULT_TOL, Marg
 from deepinfer.outpath import check_output
 from deepinfer_cli import common
 from deepinfer_cli.console import console
-from deepinfer_cli.errors import handle_errors
+from deepinfer_cli.errors import UserError, handle_errors
 
 
 def render(res: MarginResult, con: Console, token_text=None) -> None:
@@ -71,8 +71,11 @@ def margin_cmd(
     Example: deepinfer margin "北京是" --steps 16 --ref numerics=exact,dtype=float32 --test numerics=official,dtype=bfloat16
     """
     check_thresholds(k, tol, band)
+    if dumps and prompt is not None:
+        raise UserError(f"a prompt ({prompt!r}) and --from-dumps: the dumps carry their own prompt; give one or "
+                        "the other")
     if plot_path:
-        check_output(plot_path, "--plot")
+        check_output(plot_path, "--plot", inputs=tuple(dumps or ()))
     token_text = None
     if dumps:
         res, _ = from_dumps(dumps[0], dumps[1], k, tol, band)

@@ -57,6 +57,8 @@ def stack_cmd(
 
     Example: deepinfer stack --native
     """
+    if not timeout > 0:
+        raise UserError(f"--timeout {timeout:g}: must be > 0 seconds")
     targets: list[tuple[int, str]] = []
     if pids:
         for pid in pids:

@@ -39,6 +39,10 @@ def tune_cmd(
     """
     from deepinfer.debug.tune import measured, tune, write_map
 
+    if device:  # refused before anything is measured
+        from deepinfer.engine.loader import resolve_device
+
+        resolve_device(device)
     check_output(out, "--out")
     err = Console(stderr=True) if not as_json else None
     cands = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None

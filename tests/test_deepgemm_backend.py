@@ -269,8 +269,10 @@ def test_bench_against_deepgemm_is_its_gemms_over_the_main_configuration(emulate
     from deepinfer.bench.run import BenchOptions, peer_configs
 
     o = BenchOptions(preset="tiny", device="cpu", backend="torch", op_map="rms_norm=torch",
-                     against=("deepgemm", "torch:grouped_gemm=deepgemm"))
-    (s1, b1, m1), (s2, b2, m2) = peer_configs(o)
-    assert (s1, b1) == ("deepgemm", "torch")
+                     against=("deepgemm", "torch:grouped_gemm=deepgemm", "deepgemm:policy=fast"))
+    (s1, b1, m1, v1), (s2, b2, m2, v2), (s3, b3, m3, v3) = peer_configs(o)
+    assert (s1, b1, v1) == ("deepgemm", "torch", {})
     assert m1 == {"rms_norm": "torch", "fp8_gemm": "deepgemm", "fp4_gemm": "deepgemm", "grouped_gemm": "deepgemm"}
-    assert (s2, b2, m2) == ("torch:grouped_gemm=deepgemm", "torch", {"grouped_gemm": "deepgemm"})
+    assert (s2, b2, m2, v2) == ("torch:grouped_gemm=deepgemm", "torch", {"grouped_gemm": "deepgemm"}, {})
+    # settings alone leave the library's ops over the main configuration, with the settings around them
+    assert (b3, m3, v3) == ("torch", m1, {"DEEPINFER_POLICY": "fast"})

@@ -401,7 +401,9 @@ def load_state(
     _check_fits(ckpt, sum(_loaded_bytes(ckpt._entry(n), k) for n, (k, _) in want.items()), device)
     out: dict[str, torch.Tensor] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
+    err = Console(stderr=True)
+    # a bar only on a terminal: on a pipe or a log file a transient bar leaves an empty line behind
+    with Progress(*columns, console=err, disable=not progress or not err.is_terminal, transient=True) as bar:
         total = sum(ckpt._entry(n).nbytes for n in want)
         task = bar.add_task(f"loading {os.path.basename(ckpt.model_dir)}", total=total)
         for path, entries in ckpt.by_file().items():

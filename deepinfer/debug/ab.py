@@ -650,6 +650,17 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
     load_backend(backend)
     interp = settings.triton_interpreted() and backend == "triton"
     results, seeds = [], set()
+    bad = []  # every file checked before any case runs: a file that is not a case is bad input (exit 2), not a
+    for f in files:  # failed case
+        try:
+            with DumpReader(os.path.join(directory, f)) as r:
+                if r.attrs.get("ab_format") != AB_FORMAT:
+                    raise DumpError("a dump but not an `ab --dump` case file")
+        except DumpError as e:
+            bad.append(f"{f} ({str(e).strip().splitlines()[0][-120:]})")
+    if bad:
+        raise ValueError(f"--compare {directory}: {len(bad)} of {len(files)} .h5 files are not `ab --dump` case files: "
+                         + "; ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
     for f in files:
         path = os.path.join(directory, f)
         try:

@@ -122,6 +122,9 @@ class Tolerances:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"--tolerances {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--tolerances {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                             f"{e.start})") from None
         rules = []
         if text.lstrip().startswith(("{", "[")):
             try:

@@ -42,8 +42,13 @@ def resolve_device(device: str | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError:
         raise OptionError(f"--device {device!r}: not a device (cpu, cuda, cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise OptionError(f"--device {device!r}: not a device deepinfer runs on (cpu, cuda, cuda:N)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise OptionError(f"--device {device}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise OptionError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
@@ -151,8 +156,13 @@ def load_checkpoint(model: str | None, device: torch.device, progress: bool = Tr
 
 def build_model(cfg: ModelConfig, state: dict, numerics: Numerics, device,
                 expert_range: tuple[int, int] | None = None) -> Transformer:
-    """The model over `state` (its tensors are used, not copied)."""
-    return Transformer(cfg, state, numerics, device, expert_range=expert_range)
+    """The model over `state` (its tensors are used, not copied), whose `allocate` refuses caches past the
+    context or beyond the free memory (`engine.memory.check_model_allocation`)."""
+    from deepinfer.engine.memory import check_model_allocation
+
+    model = Transformer(cfg, state, numerics, device, expert_range=expert_range)
+    model.allocation_check = check_model_allocation
+    return model
 
 
 def load_model(model: str | None = None, numerics: str = "official", dtype: str = "bfloat16",

@@ -179,6 +179,31 @@ def auto_prefill_chunk(cfg: ModelConfig, prompt_len: int, context: int, budget: 
     return CHUNKS[-1]
 
 
+def check_allocation(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool, device,
+                     held: int = 0) -> None:
+    """Refuse (MemoryRefused, with the numbers) caches for `rows` sequences of `max_seq_len` positions past the
+    model's context or beyond the memory `device` has free (`held` bytes of an earlier allocation are given back
+    first): a model built by `engine.loader.build_model` calls this from `allocate`, so every command that runs a
+    model refuses before allocating."""
+    if max_seq_len > cfg.max_position_embeddings:
+        raise MemoryRefused(f"{max_seq_len} positions (prompt plus decode steps) exceed the model's context of "
+                            f"{cfg.max_position_embeddings}: fewer steps or a shorter prompt")
+    need = max(0, cache_bytes(cfg, rows, max_seq_len, dtype, fp8_kv) - held)
+    have = available_bytes(device)
+    if need > 0.9 * have:
+        raise MemoryRefused(f"{rows} sequence(s) of up to {max_seq_len} positions need {fmt_bytes(need)} of caches "
+                            f"and rope tables, but {fmt_bytes(have)} of memory is available on {device}: fewer steps, "
+                            "a shorter prompt or fewer rows")
+
+
+def check_model_allocation(model, rows: int, max_seq_len: int) -> None:
+    """`Transformer.allocation_check`: `check_allocation` for `model`'s config, numerics and device, its current
+    caches counted as given back."""
+    dtype, fp8 = model.numerics.dtype, model.numerics.official
+    held = cache_bytes(model.cfg, model.rows, model.max_seq_len, dtype, fp8) if model.rows else 0
+    check_allocation(model.cfg, rows, max_seq_len, dtype, fp8, model.device, held)
+
+
 def check_fits(cfg: ModelConfig, rows: int, max_seq_len: int, dtype: torch.dtype, fp8_kv: bool, chunk: int,
                device, held: int = 0, prefill_graphs: bool = False) -> None:
     """Refuse (MemoryRefused, with the numbers) a request whose caches plus one prefill chunk's transients

@@ -157,6 +157,7 @@ class Transformer:
             raise ValueError(f"{len(unused)} checkpoint tensors were not used by the model: {sorted(unused)[:5]}")
         self.rope = None
         self.rows = self.max_seq_len = 0
+        self.allocation_check = None  # (model, rows, max_seq_len) -> None or raises: the engine's refusal
 
     def attentions(self):
         return [b.attn for b in self.layers] + [m.block.attn for m in self.mtp]
@@ -194,7 +195,11 @@ class Transformer:
         return [t for _, t in self.named_cache_tensors()]
 
     def allocate(self, rows: int, max_seq_len: int) -> None:
-        """(Re)allocate every layer's cache for `rows` sequences of up to `max_seq_len` tokens."""
+        """(Re)allocate every layer's cache for `rows` sequences of up to `max_seq_len` tokens. The engine's
+        `allocation_check` (set by `engine.loader.build_model`: past the model's context, or beyond the device's
+        free memory, refused with the numbers) runs first, so nothing is allocated for what cannot fit."""
+        if self.allocation_check is not None:
+            self.allocation_check(self, rows, max_seq_len)
         self.rope = RopeTables(self.cfg, max_seq_len, self.device)
         for a in self.attentions():
             a.allocate(rows, max_seq_len, self.device, self.numerics.dtype)

@@ -106,7 +106,11 @@ def load_op_map(path: str, what: str = "--op") -> dict:
     for op, choice in ops.items():
         if op not in REGISTRY:
             raise ValueError(f"{where}: unknown op {op!r}")
-        text = choice if isinstance(choice, str) else "/".join(f"{k}:{v}" for k, v in (choice or {}).items())
+        if not isinstance(choice, (str, dict)) or (isinstance(choice, dict) and not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in choice.items())):
+            raise ValueError(f"{where}: {op}: {choice!r} is not a backend or a phase map (decode: BACKEND, prefill: "
+                             "BACKEND)")
+        text = choice if isinstance(choice, str) else "/".join(f"{k}:{v}" for k, v in choice.items())
         c = _parse_choice(text, f"{where}: {op}")
         if set([c] if isinstance(c, str) else c.values()) - set(tuned):
             raise ValueError(f"{where}: {op} names a backend that was not a candidate")

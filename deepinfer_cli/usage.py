@@ -1,0 +1,56 @@
+"""Usage errors (a missing argument, an unknown option, a value of the wrong type) as one line, exit 2.
+
+Click prints a usage error as a boxed block of five lines. The app's group runs Click in non-standalone mode and
+prints such an error as `error: <what> (see `deepinfer CMD --help`)` instead, the form every other bad input
+takes (`deepinfer_cli.errors`); `--debug` keeps Click's own block. Running with no arguments still prints the
+help."""
+
+from __future__ import annotations
+
+import sys
+
+from typer import Abort
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 carries its own copy of Click, whose exceptions are not click's
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
+try:
+    from typer._click.exceptions import NoArgsIsHelpError
+except ImportError:
+    try:
+        from click.exceptions import NoArgsIsHelpError
+    except ImportError:  # click < 8.2 prints the help itself and never raises this
+        class NoArgsIsHelpError(Exception):
+            pass
+
+
+class OneLineUsageGroup(TyperGroup):
+    """The app's top-level group (`typer.Typer(cls=...)`): Click's `main` with one-line usage errors."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:  # a caller that handles Click's exceptions itself
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except UsageError as e:
+            from deepinfer_cli.errors import debug_enabled
+
+            if debug_enabled():
+                e.show()
+            else:
+                where = e.ctx.command_path if e.ctx is not None else (prog_name or "deepinfer")
+                msg = " ".join(e.format_message().split())
+                print(f"error: {msg} (see `{where} --help`)", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except Abort:
+            print("Aborted!", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
