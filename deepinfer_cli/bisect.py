@@ -43,6 +43,8 @@ def bisect_cmd(
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be at least 1")
     rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
+    common.check_spec_here("--ref", ref, rs)
+    common.check_spec_here("--test", test, ts)
     for k in ("dtype", "device"):
         if (rs.get(k) or None) != (ts.get(k) or None):
             raise ValueError(f"--ref and --test differ in {k} ({rs.get(k)} / {ts.get(k)}): bisect switches "

@@ -72,3 +72,18 @@ def setup_spec(model: str | None, spec: dict, progress: bool = True) -> LoadedMo
     """`setup` for a `--ref` / `--test` SPEC (`deepinfer.debug.margin.parse_spec`), its kv= applied."""
     return setup(model, spec["backend"], False, spec["numerics"], spec["dtype"], spec["device"], progress=progress,
                  op_map=spec.get("ops") or None, kv=spec.get("kv"), experts=spec.get("experts"))
+
+def check_spec_here(opt: str, raw: str, spec: dict) -> None:
+    """A SPEC's device and backend exist on this machine, refused naming the option that gave them (not a
+    `--device` the user never passed) before either side loads."""
+    import re
+
+    from deepinfer.engine.loader import resolve_device
+    from deepinfer.ops.registry import BACKENDS
+
+    if spec.get("backend") and spec["backend"] not in BACKENDS:
+        raise UserError(f"{opt} {raw}: unknown backend {spec['backend']!r}; choose one of {', '.join(BACKENDS)}")
+    try:
+        resolve_device(spec.get("device"))
+    except ValueError as e:
+        raise UserError(f"{opt} {raw}: {re.sub(r'^--device [^:]+(:[0-9]+)?: ', '', str(e))}") from None

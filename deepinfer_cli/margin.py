@@ -85,6 +85,9 @@ def margin_cmd(
         rs, ts = parse_spec(ref, "--ref"), parse_spec(test, "--test")
         from deepinfer.engine.loader import preset_name, resolve_device
 
+        common.check_spec_here("--ref", ref, rs)
+        common.check_spec_here("--test", test, ts)
+
         if preset_name(model) is not None and resolve_device(rs["device"]) != resolve_device(ts["device"]):
             raise ValueError(f"--model {model}: random weights are generated per device type, so --ref and --test "
                              "must name the same device to compare one set of weights")
@@ -114,3 +117,4 @@ def margin_cmd(
 
 def register(app: typer.Typer) -> None:
     app.command("margin")(margin_cmd)
+

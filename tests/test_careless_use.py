@@ -169,3 +169,20 @@ def test_a_bad_deepinfer_home_is_named(home, says, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_HOME", home.replace("{tmp}", str(tmp_path)))
     line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1"]))
     assert line.startswith("error: DEEPINFER_HOME:") and says in line
+
+
+def test_a_directory_or_a_file_where_the_other_is_meant(tmp_path, tiny_dir):
+    assert "is a directory, not a dump file" in _one_line(runner.invoke(app, ["show", str(tmp_path)]))
+    f = tmp_path / "model.txt"
+    f.write_text("x")
+    assert f"--model {f}: is a file" in _one_line(runner.invoke(app, ["generate", "x", "--model", str(f)]))
+
+
+@pytest.mark.parametrize("cmd", ["margin", "bisect"])
+@pytest.mark.parametrize("opt, spec, says", [("--test", "device=cuda:7", "--test device=cuda:7: "),
+                                             ("--ref", "backend=nope", "--ref backend=nope: unknown backend 'nope'")])
+def test_a_spec_error_names_its_option(cmd, opt, spec, says, tiny_dir):
+    if "cuda" in spec and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    line = _one_line(runner.invoke(app, [cmd, "北京是", opt, spec, "--steps", "1"]))
+    assert says in line and "--device cuda" not in line

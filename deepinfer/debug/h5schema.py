@@ -175,6 +175,8 @@ class DumpReader:
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise DumpError(f"{self.path}: no such file")
+        if os.path.isdir(self.path):
+            raise DumpError(f"{self.path}: is a directory, not a dump file")
         try:
             self._f = h5py.File(self.path, "r")
         except OSError as e:

@@ -108,6 +108,9 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> str:
     if preset_name(model) is not None:
         raise OptionError(f"--model {model}: random weights have no checkpoint directory, and this command reads "
                           "one (give a checkpoint directory)")
+    if os.path.isfile(model):
+        raise OptionError(f"--model {model}: is a file; give the checkpoint's directory (config.json and its "
+                          "safetensors shards)")
     if not os.path.isdir(model):
         raise OptionError(f"--model {model}: no such directory")
     return model
