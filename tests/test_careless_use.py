@@ -186,3 +186,8 @@ def test_a_spec_error_names_its_option(cmd, opt, spec, says, tiny_dir):
         pytest.skip("this machine has a cuda:7")
     line = _one_line(runner.invoke(app, [cmd, "北京是", opt, spec, "--steps", "1"]))
     assert says in line and "--device cuda" not in line
+
+
+def test_a_bad_preset_is_refused_before_the_first_progress_line():
+    line = _one_line(runner.invoke(app, ["bench", "--preset", "bogus", "--device", "cpu"]))
+    assert "--preset 'bogus'" in line

@@ -258,6 +258,10 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     graphs = _graphs(device, opts, ops.backend)
+    if not opts.model:  # a bad --preset is refused before the first progress line
+        from deepinfer.presets import preset_config
+
+        preset_config(opts.preset or "tiny")
     log(f"building the model on {device} ...")
     cfg, model, state, source, t_weights = build(opts, device, numerics)
     if opts.speculate:
