@@ -223,7 +223,8 @@ def drift_cell(d: dict | None) -> str:
     """`deepinfer.bench.drift`'s record in one cell: relative error, top-1 agreement, the largest flipped margin."""
     if not d:
         return "-"
-    flips = f", {d['flips']} flips (main margin <= {d['max_flip_margin']:.3g})" if d["flips"] else ""
+    margin = f" (main margin <= {d['max_flip_margin']:.3g})" if d.get("max_flip_margin") is not None else ""
+    flips = f", {d['flips']} flips{margin}" if d["flips"] else ""
     return f"rel {d['rel_err']:.2e}, top-1 {d['top1_agree']:.0%} of {d['positions']}{flips}"
 
 

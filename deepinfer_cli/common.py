@@ -36,7 +36,7 @@ def read_prompt(prompt: str | None) -> str:
     if prompt == "-":  # bytes, decoded here: a locale's surrogateescape would fail later, far from the cause
         raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
         try:
-            return raw.decode("utf-8").rstrip("\n")
+            return raw.decode("utf-8").replace("\r\n", "\n").rstrip("\n")  # as text mode read it
         except UnicodeDecodeError as e:
             raise UserError(f"PROMPT - (stdin): not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") \
                 from None

@@ -34,8 +34,7 @@ class OneLineUsageGroup(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except NoArgsIsHelpError as e:
-            e.show()
+        except NoArgsIsHelpError as e:  # the framework has printed the help already
             sys.exit(e.exit_code)
         except UsageError as e:
             from deepinfer_cli.errors import debug_enabled

@@ -359,3 +359,45 @@ def test_bench_against_bad_settings_one_line():
                       ("torch:DEEPINFER_TL_FP4", "choose DEEPINFER_TL_FP4=bf16|fold|fp8")):
         res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--batch", "1", "--against", spec])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (spec, res.output)
+
+
+def test_drift_cell_with_only_nan_flips():
+    """A kernel that gives NaN everywhere it flips still prints a cell (no margin to name), never a crash."""
+    from deepinfer.bench.drift import drift
+    from deepinfer_cli.bench import drift_cell
+
+    main = torch.randn(4, 10)
+    test = main.clone()
+    test[1] = float("nan")
+    d = drift(test, main)
+    assert d["flips"] == 1 and d["max_flip_margin"] is None
+    assert "1 flips" in drift_cell(d) and "margin" not in drift_cell(d)
+
+
+def test_an_entrys_tuned_map_is_checked_under_its_own_policy(tmp_path, monkeypatch):
+    """`--against torch:@fast.yaml,policy=fast`: the map measured under fast is read under the entry's policy."""
+    from deepinfer.bench.run import parse_against
+    from deepinfer.debug.tune import tune, write_map
+
+    monkeypatch.delenv("DEEPINFER_POLICY", raising=False)
+    m = tmp_path / "fast.yaml"
+    write_map(str(m), tune("torch", ["torch"], "rms_norm$", "tiny", 0, "cpu", "fast"))
+    backend, op_map, values = parse_against(f"torch:@{m},policy=fast")
+    assert op_map == {"rms_norm": "torch"} and values == {"DEEPINFER_POLICY": "fast"}
+    with pytest.raises(ValueError, match="policy"):
+        parse_against(f"torch:@{m}")  # the run's official policy refuses a fast map
+
+
+def test_drift_logits_are_the_heads_of_the_last_positions():
+    """prefill_logits computes the head on the last positions only, equal to those rows of all-position logits."""
+    from deepinfer.bench.drift import prefill_logits
+    from deepinfer.bench.workload import random_prompts
+
+    cfg = tiny_config()
+    model = Transformer(cfg, random_state(cfg, torch.device("cpu"), 0), Numerics("exact", torch.float32), "cpu")
+    got = prefill_logits(model, cfg, 70, torch.device("cpu"), 0)
+    model.allocate(1, 71)
+    full, _ = model.prefill(random_prompts(cfg, 1, 70, 0), rows=torch.zeros(1, dtype=torch.long), all_logits=True)
+    assert got.shape == (64, cfg.vocab_size) and not got.isnan().any()
+    # fp32 GEMMs of 64 and of 70 rows may block the K sum differently: equal to fp32 reordering, not bit for bit
+    torch.testing.assert_close(got, full[0, -64:].float(), rtol=1e-5, atol=1e-5)

@@ -59,7 +59,7 @@ def test_a_commands_own_bad_parameter_is_bad_input_not_a_bug(tiny_dir):
 @pytest.mark.parametrize("cmd", [["ab", "--backend", "torch", "--shapes", "tiny"],
                                  ["tune", "-o", "{tmp}/m.yaml", "--shapes", "tiny", "--candidates", "torch",
                                   "--baseline", "torch"]])
-@pytest.mark.parametrize("device", ["tpu", "cuda:7"])
+@pytest.mark.parametrize("device", ["tpu", "meta", "cuda:7"])
 def test_ab_and_tune_refuse_a_missing_device(cmd, device, tmp_path):
     if device.startswith("cuda") and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
@@ -191,3 +191,12 @@ def test_a_spec_error_names_its_option(cmd, opt, spec, says, tiny_dir):
 def test_a_bad_preset_is_refused_before_the_first_progress_line():
     line = _one_line(runner.invoke(app, ["bench", "--preset", "bogus", "--device", "cpu"]))
     assert "--preset 'bogus'" in line
+
+
+def test_a_crlf_prompt_on_stdin_reads_as_text_mode_did(monkeypatch):
+    import io
+
+    from deepinfer_cli.common import read_prompt
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("北京\r\n是\r\n".encode())))
+    assert read_prompt("-") == "北京\n是"

@@ -155,7 +155,9 @@ def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
         if not eq or val.lower() not in choices:
             raise ValueError(f"--against {spec!r}: {part!r}: choose {key}={'|'.join(c for c in choices if c)}")
         values[name] = val.lower()
-    return backend, parse_op_map(",".join(op_parts), f"--against {spec!r}:"), values
+    with settings.applied(values):  # a tuned map is checked against the entry's own policy, not the run's
+        op_map = parse_op_map(",".join(op_parts), f"--against {spec!r}:")
+    return backend, op_map, values
 
 
 def peer_configs(opts: BenchOptions) -> list[tuple[str, str, dict, dict]]:
@@ -217,6 +219,7 @@ def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches
         d.update(ratio=d["ms_per_step"] / m["floor"]["floor_ms"], vs_main=d["ms_per_step"] / m["ms_per_step"])
         rows.append(d)
     return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "settings": dict(values),
+            "settings_in_effect": {n: settings.choice(n) for n in settings.PER_CALL},
             "fp8_prefill_gemm": _fp8_prefill_gemm(device), "fallbacks": sorted(ops.fallbacks),
             "prefill": pf, "drift": dr, "prefill_graphs": pf_graphs, "decode": rows}
 

@@ -45,9 +45,9 @@ def available_bytes(device: str | torch.device = "cpu") -> int:
     """Free memory for this process: CUDA's free bytes on a GPU; on a CPU the smallest of MemAvailable,
     the cgroup's limit and the address-space rlimit (a `ulimit -v` is a limit too)."""
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # the device's free bytes, and what torch's allocator holds cached but unused: ours
         free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
+        return int(free) + max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
     cands = []
     try:
         with open("/proc/meminfo") as f:

@@ -69,7 +69,7 @@ for phase in $PHASES; do
       # the later phases
       for v in "DG_JIT_USE_NVRTC=0" "DG_JIT_USE_NVRTC=1" "DG_USE_PYTORCH_CUBLASLT_HANDLE=1"; do
         env $v DG_JIT_DEBUG=1 DG_JIT_PRINT_COMPILER_COMMAND=1 timeout 90 python3 -X faulthandler - \
-          > "$OUT/dg_selftest_${v%%=*}.log" 2>&1 <<'PY'
+          > "$OUT/dg_selftest_${v/=/_}.log" 2>&1 <<'PY'
 import torch, deep_gemm
 torch.manual_seed(0)
 M, N, K = 128, 256, 512
@@ -85,7 +85,7 @@ ref = a.float() @ b.float().t()
 print("max rel err", float((d.float() - ref).abs().max() / ref.abs().max()), flush=True)
 PY
         vrc=$?
-        echo "$v rc=$vrc $(grep -E "max rel err|Segmentation|Error" "$OUT/dg_selftest_${v%%=*}.log" | head -1)"
+        echo "$v rc=$vrc $(grep -E "max rel err|Segmentation|Error" "$OUT/dg_selftest_${v/=/_}.log" | head -1)"
       done > "$OUT/dg_selftest.log"
       works=$(grep -m1 -oE "^DG_[A-Z_]+=[01] rc=0" "$OUT/dg_selftest.log" | cut -d' ' -f1)
       [ -n "$works" ] && export "$works" && echo "later phases run with $works" >> "$OUT/dg_selftest.log"

@@ -60,7 +60,8 @@ for phase in "$@"; do
     rc=$?
     if [ $rc -eq 0 ]; then
       left=$(( LIMIT - ($(date +%s) - t_start) ))
-      timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
+      DEEPINFER_POLICY="${TUNE_POLICY:-official}" timeout "$left" python -m deepinfer bench --preset flash-slice:4 \
+        --batch 1,8 --prompt-len 4096 --gen-len 32 \
         --backend triton --op "@$OUT/map.yaml" --against triton --device cuda --json > "$OUT/bench_tuned.json" \
         2>> "$OUT/$phase.log"
       rc=$?
