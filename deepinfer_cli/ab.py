@@ -98,7 +98,9 @@ def ab_cmd(
     else:
         rep = run_ab(backend, ref, ops_regex, shapes, seed, dump, do_bench, device, progress, against)
     vendor = _vendor_note(rep)
-    note = "\n".join(n for n in (note, vendor) if n) or None
+    untimed = ("--bench: nothing was timed: timings need a CUDA device, and this run is on "
+               f"{rep.device}" if do_bench and not str(rep.device).startswith("cuda") else None)
+    note = "\n".join(n for n in (note, vendor, untimed) if n) or None
     if as_json:
         d = rep.to_dict()
         d["note"] = note
