@@ -200,3 +200,9 @@ def test_a_crlf_prompt_on_stdin_reads_as_text_mode_did(monkeypatch):
 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("北京\r\n是\r\n".encode())))
     assert read_prompt("-") == "北京\n是"
+
+
+def test_verify_makes_no_folder_for_a_missing_device(tmp_path, tiny_dir):
+    pytest.importorskip("transformers")
+    line = _one_line(runner.invoke(app, ["verify", "--out-dir", str(tmp_path / "v"), "--device", "cuda:7"]))
+    assert "cuda:7" in line and not (tmp_path / "v").exists()

@@ -68,9 +68,9 @@ def verify(model_dir: str | None, prompt_ids: list[int], steps: int, out_dir: st
     from deepinfer.outpath import check_output_dir
 
     require_transformers()
+    dev = resolve_device(device)  # before the folder is made: a bad device leaves nothing behind
     check_output_dir(out_dir, "--out-dir")
     ops.configure("torch")
-    dev = resolve_device(device)
     num = resolve_numerics("exact", "float32")
     cfg, state, _, _ = load_checkpoint(model_dir, dev, progress, numerics=num)  # read once: both engines hold it
     run = run_dump(build_model(cfg, state, num, dev), prompt_ids, steps)
