@@ -22,8 +22,10 @@ DRIFT_POSITIONS = 64
 def prefill_logits(model, cfg, P: int, device, seed: int) -> torch.Tensor:
     """The timed prompt (row 0, `random_prompts(cfg, 1, P, seed)`) prefilled once, eagerly, under the current
     dispatch and settings -> its last min(P, DRIFT_POSITIONS) positions' logits [n, V] float32 (the head runs
-    on those positions' hidden states only: never [P, V] of logits)."""
-    model.allocate(1, P + 1)
+    on those positions' hidden states only: never [P, V] of logits). Row 0 is overwritten from position 0; the
+    caches are allocated only where the current allocation cannot hold the prompt."""
+    if model.rows < 1 or model.max_seq_len < P + 1:
+        model.allocate(1, P + 1)
     ids = random_prompts(cfg, 1, P, seed).to(device)
     row = torch.zeros(1, dtype=torch.long, device=device)
     n = min(P, DRIFT_POSITIONS)

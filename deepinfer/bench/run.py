@@ -204,7 +204,6 @@ def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
     dr = drift(prefill_logits(model, cfg, opts.prompt_len, device, opts.seed), main_logits) \
         if main_logits is not None else None
-    model.allocate(1, opts.prompt_len + 1)
     floor_pf = main["prefill"]["floor"]["floor_ms"]
     pf.update(ratio=pf["ttft_ms"] / floor_pf, vs_main=pf["ttft_ms"] / main["prefill"]["ttft_ms"])
     pf_graphs = _prefill_graphs(model, cfg, opts, device, graphs, {**pf, "floor": main["prefill"]["floor"]}, log) \
