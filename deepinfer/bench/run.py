@@ -132,10 +132,13 @@ def _fp8_prefill_gemm(device: torch.device) -> str | None:
 
 def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
     """An `--against` entry: `triton`, `triton:grouped_gemm=tilelang,...`, with settings among the entries
-    (`triton:grouped_gemm=tilelang,policy=fast,DEEPINFER_TL_ATTN=plain`: `policy` is DEEPINFER_POLICY) ->
-    (backend, op map, settings). An unknown backend or op, a setting not read per call (`settings.PER_CALL`) or
-    a bad value is a ValueError naming the valid ones."""
+    (`triton:grouped_gemm=tilelang,policy=fast,DEEPINFER_TL_ATTN=plain`: `policy` is DEEPINFER_POLICY) and the
+    routed experts' form (`experts=fp8`: requantised per 128 x 128 block for this entry, DeepGEMM's form) ->
+    (backend, op map, settings, with "experts" among them where given). An unknown backend or op, a setting not
+    read per call (`settings.PER_CALL`) or a bad value is a ValueError naming the valid ones."""
     from deepinfer.ops.registry import BACKENDS, parse_op_map
+
+    from deepinfer.quant.requant import EXPERT_FORMS
 
     backend, _, rest = (x.strip() for x in spec.partition(":"))
     if backend not in BACKENDS:
@@ -144,6 +147,11 @@ def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
     parts = [rest] if rest.startswith("@") and "," not in rest else [p.strip() for p in rest.split(",")]
     for part in filter(None, parts):
         key, eq, val = (x.strip() for x in part.partition("="))
+        if key == "experts":  # the routed experts' form for this entry (`deepinfer.engine.expert_form`)
+            if val.lower() not in EXPERT_FORMS:
+                raise ValueError(f"--against {spec!r}: {part!r}: choose experts={'|'.join(EXPERT_FORMS)}")
+            values["experts"] = val.lower()
+            continue
         name = "DEEPINFER_POLICY" if key == "policy" else key
         if not name.startswith("DEEPINFER_"):
             op_parts.append(part)
@@ -155,7 +163,8 @@ def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
         if not eq or val.lower() not in choices:
             raise ValueError(f"--against {spec!r}: {part!r}: choose {key}={'|'.join(c for c in choices if c)}")
         values[name] = val.lower()
-    with settings.applied(values):  # a tuned map is checked against the entry's own policy, not the run's
+    per_call = {n: v for n, v in values.items() if n != "experts"}
+    with settings.applied(per_call):  # a tuned map is checked against the entry's own policy, not the run's
         op_map = parse_op_map(",".join(op_parts), f"--against {spec!r}:")
     return backend, op_map, values
 
@@ -191,9 +200,19 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
     `spec`), against the same floors as the main rows (`main`: the report so far) -> {spec, backend, op_map,
     settings, fallbacks, prefill, drift, decode}; the dispatch is left on it (the caller restores the main one),
     the settings are put back. drift: against `main_logits` (`deepinfer.bench.drift`), where given."""
-    with settings.applied(values or {}):
-        return _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values or {},
-                             main_logits)
+    from deepinfer.engine.expert_form import held_as
+
+    values = dict(values or {})
+    form = values.pop("experts", None)
+    with settings.applied(values), held_as(model, form or "fp4", log) as reports:
+        out = _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values,
+                            main_logits)
+    if form:
+        out["experts"] = form
+        out["requant"] = {"stacks": len(reports), "lossy_stacks": sum(not r.lossless for r in reports),
+                          "max_rel_err": max((r.rel_err for r in reports), default=0.0),
+                          "max_span_log2": max((r.max_span_log2 for r in reports), default=0)}
+    return out
 
 
 def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values, main_logits) -> dict:
@@ -232,6 +251,29 @@ def _prefill_graphs(model, cfg, opts: BenchOptions, device, graphs: bool, eager:
     g = time_prefill(model, cfg, opts.prompt_len, device, opts.seed, graphs=True)
     g.update(ratio=g["ttft_ms"] / eager["floor"]["floor_ms"], vs_eager=g["ttft_ms"] / eager["ttft_ms"])
     return g
+
+
+def check_expert_forms(model: Transformer, cfg: ModelConfig, opts: BenchOptions, peers, numerics, batches,
+                       device) -> None:
+    """Refuse (MemoryRefused, with the numbers) an `experts=fp8` entry whose FP8 expert stacks, held beside the
+    FP4 ones while it runs (`engine.expert_form.held_as`), would not fit with the largest decode batch's caches,
+    before anything is timed: otherwise the main rows would be measured and then lost to an out-of-memory error."""
+    from deepinfer.engine.expert_form import fp8_bytes
+    from deepinfer.engine.memory import MemoryRefused, available_bytes, cache_bytes, fmt_bytes
+
+    specs = [spec for spec, *_, values in peers if values.get("experts") == "fp8"]
+    if not specs:
+        return
+    extra = fp8_bytes(model)
+    from deepinfer.bench.workload import WARMUP_STEPS
+
+    caches = cache_bytes(cfg, max(batches) + 1, opts.prompt_len + WARMUP_STEPS + opts.gen_len + 1, numerics.dtype,
+                         numerics.official)
+    have = available_bytes(device)
+    if extra + caches > 0.9 * have:
+        raise MemoryRefused(f"--against {specs[0]}: the experts' per-128 FP8 form needs {fmt_bytes(extra)} beside "
+                            f"the FP4 one, with {fmt_bytes(caches)} of caches, but {fmt_bytes(have)} is available on "
+                            f"{device}: a smaller preset, fewer or smaller batches, or leave experts=fp8 out")
 
 
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
@@ -273,6 +315,9 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
             check_speculate(model, opts.speculate)
         except ValueError as e:
             raise OptionError(str(e)) from None
+    if opts.peer != "transformers":
+        state = None  # the model holds what it uses; the stacked experts are its own copies, so this frees them
+    check_expert_forms(model, cfg, opts, peers, numerics, batches, device)
     held = (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
     mb = model_bytes(cfg, model)
     log("measuring device bandwidth and matmul rate ...")

@@ -66,16 +66,19 @@ def requant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> tuple[Tensor, 
         raise ValueError(f"requant_fp4 {name}: K = {k} is not a multiple of {BLOCK}")
     flat_p = packed.reshape(-1, n, kh)
     flat_s = scale.reshape(-1, n, k // GROUP)
-    ws, ss = [], []
+    nb, kb = math.ceil(n / BLOCK), k // BLOCK
+    # written matrix by matrix into the outputs: no list of copies to stack (a flash layer's stacked w1|w3 is
+    # 4.3 GB as FP8, which a stack would need twice)
+    w = torch.empty(flat_p.size(0), n, k, dtype=torch.float8_e4m3fn, device=packed.device)
+    sc = torch.empty(flat_p.size(0), nb, kb, dtype=torch.float32, device=packed.device)
     blocks = lossy_blocks = lossy = 0
     max_abs, err2, ref2, span = 0.0, 0.0, 0.0, 0
-    for p, s in zip(flat_p, flat_s):
+    for i, (p, s) in enumerate(zip(flat_p, flat_s)):
         w8, sb = fp4_to_fp8_block(p, s)
         before = dequant_fp4(p, s)
         after = dequant_fp8_block(w8, sb)
         diff = (after - before).abs()
         changed = diff != 0
-        nb, kb = math.ceil(n / BLOCK), k // BLOCK
         pad = nb * BLOCK - n
         per_block = torch.nn.functional.pad(changed, (0, 0, 0, pad)).view(nb, BLOCK, kb, BLOCK).any(3).any(1)
         blocks += nb * kb
@@ -88,10 +91,10 @@ def requant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> tuple[Tensor, 
         grp = torch.nn.functional.pad(sf, (0, 0, 0, pad), value=1.0).view(nb, BLOCK, kb, BLOCK // GROUP)
         top = grp.amax(dim=(1, 3), keepdim=True)
         span = max(span, int(torch.log2(top / grp).max()))
-        ws.append(w8)
-        ss.append(scale_f32(sb))
-    w = torch.stack(ws).view(*lead, n, k)
-    sc = torch.stack(ss).view(*lead, math.ceil(n / BLOCK), k // BLOCK)
+        w[i].copy_(w8)
+        sc[i].copy_(scale_f32(sb))
+        del w8, before, after, diff, changed
+    w, sc = w.view(*lead, n, k), sc.view(*lead, nb, kb)
     rep = RequantReport(name, (*lead, n, k), blocks, lossy_blocks, lossy, max_abs,
                         math.sqrt(err2 / ref2) if ref2 else 0.0, span)
     return w, sc, rep
