@@ -315,8 +315,9 @@ def bench_cmd(
                                       "against the same floors (repeatable): a backend (triton), or a backend "
                                       "with a per-op map (triton:grouped_gemm=tilelang,sparse_attn_fp8=tilelang), "
                                       "with settings read per call among the entries (triton:policy=fast, "
-                                      "triton:grouped_gemm=tilelang,DEEPINFER_TL_FP4=fold); each reports its drift "
-                                      "from the main configuration's logits."),
+                                      "triton:grouped_gemm=tilelang,DEEPINFER_TL_FP4=fold), or with the routed "
+                                      "experts requantised to per-128 FP8 for the entry (triton:experts=fp8); each "
+                                      "reports its drift from the main configuration's logits."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     record_to: str = typer.Option(None, "--record", help="Append a row to this markdown file "
                                   "(e.g. docs/perf-log.md)."),
