@@ -15,6 +15,7 @@ from deepinfer.engine import guided
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.graphs import GraphCaptureError
 from deepinfer.engine.speculative import check_speculate
+from deepinfer.quant.requant import EXPERT_FORMS
 from deepinfer_cli import common
 from deepinfer_cli.console import console
 from deepinfer_cli.errors import UserError, fail, handle_errors
@@ -66,6 +67,9 @@ def generate_cmd(
                                       "(long prompts continue over several steps while the others keep "
                                       "decoding); 0: whole prompts. Default: whole prompts when they fit in "
                                       "memory, else a chunk sized from the free memory."),
+    experts: str = typer.Option(None, "--experts", help="The routed experts' form: fp4 as the release stores them "
+                                "(default), or fp8 requantised per 128 x 128 block at load (DeepGEMM's form, the "
+                                "field notes' engine's: twice the experts' bytes; a lossy tensor is said)."),
     speculate: int = typer.Option(None, "--speculate", help="MTP speculative decoding: K draft tokens per step "
                                   "from the checkpoint's MTP block, verified in one forward (greedy: the same "
                                   "tokens; sampled: the same distribution, by rejection sampling). Off by default."),
@@ -80,6 +84,8 @@ def generate_cmd(
         raise UserError(f"--max-batch {max_batch}: must be at least 1")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
+    if experts is not None and experts not in EXPERT_FORMS:
+        raise UserError(f"--experts {experts}: choose {' or '.join(EXPERT_FORMS)}")
     constraint = guided.from_options(json_schema, regex, grammar, choice)  # checked before any model load
     if speculate is not None and speculate < 1:
         raise UserError(f"--speculate {speculate}: must be at least 1 (draft tokens per step)")
@@ -99,7 +105,7 @@ def generate_cmd(
         raise UserError(f"--speculate {speculate} with a guided constraint (--json-schema / --regex / --grammar / "
                         "--choice, or an input-file row's): speculative decoding does not apply the mask yet; use one")
     lm = common.setup(model, backend, strict, numerics, dtype, device, progress=not as_json, flaggems=flaggems,
-                      op_map=op_map)
+                      op_map=op_map, experts=experts)
     if speculate:
         try:
             check_speculate(lm.model, speculate)

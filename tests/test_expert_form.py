@@ -134,3 +134,47 @@ def test_bench_refuses_fp8_experts_that_cannot_fit_before_timing(monkeypatch):
                                                    backend="torch", dtype="float32",
                                                    against=("torch:experts=fp8",)))
     assert timed == []
+
+
+def test_build_bytes_with_fp8_experts_are_what_the_model_holds():
+    """model_build_bytes(experts="fp8"), counted independently: the requantised state's bytes as loaded and the
+    model's FP8 expert stacks as its own copies."""
+    from deepinfer.engine import memory
+    from deepinfer.engine.loader import build_model
+    from deepinfer.quant.requant import requant_experts
+
+    cfg = tiny_config()
+    state = random_state(cfg, torch.device("cpu"), 0)
+    assert all(r.lossless for r in requant_experts(state))
+    loaded, own = memory.model_build_bytes(cfg, True, torch.bfloat16, "fp8")
+    assert loaded == sum(t.numel() * t.element_size() for t in state.values())
+    model = build_model(cfg, state, Numerics("official", torch.bfloat16), torch.device("cpu"))
+    stacks = [t for _, st in _stacks(model) for t in (st.weight, st.scale)]
+    assert all(st.fmt == "fp8" for _, st in _stacks(model))
+    assert own == sum(t.numel() * t.element_size() for t in stacks)
+    l4, o4 = memory.model_build_bytes(cfg, True, torch.bfloat16)
+    assert loaded > l4 and own > o4
+
+
+def test_generate_with_fp8_experts(tiny_dir, monkeypatch):
+    """`generate --experts fp8`: the tiny model's tokens as with FP4 experts (lossless requantisation, the torch
+    reference); a bad form is one line, exit 2; the up-front memory refusal counts the FP8 form."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from deepinfer.engine import memory
+    from deepinfer_cli.app import app
+
+    runner = CliRunner()
+    args = ["generate", "北京是中国的", "-n", "6", "--json", "--device", "cpu"]
+    a = runner.invoke(app, args)
+    b = runner.invoke(app, args + ["--experts", "fp8"])
+    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
+    ta, tb = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (a, b))
+    assert ta["token_ids"] == tb["token_ids"] and ta["logprobs"] == tb["logprobs"]
+    r = runner.invoke(app, args + ["--experts", "fp16"])
+    assert r.exit_code == 2 and r.output.strip() == "error: --experts fp16: choose fp4 or fp8", r.output
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1 << 20)
+    r = runner.invoke(app, args + ["--experts", "fp8"])
+    assert r.exit_code == 2 and "with experts=fp8 needs about" in r.output, r.output

@@ -117,7 +117,7 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> str:
 
 
 def _preset_state(model: str, device: torch.device, numerics: Numerics | None,
-                  expert_range: tuple[int, int] | None) -> tuple[ModelConfig, dict]:
+                  expert_range: tuple[int, int] | None, experts: str | None = None) -> tuple[ModelConfig, dict]:
     """(cfg, random official-format state) of `preset:NAME`, refused before any work where it cannot fit."""
     from deepinfer.engine.random_weights import random_state
     from deepinfer.presets import PresetError, preset_config
@@ -129,19 +129,21 @@ def _preset_state(model: str, device: torch.device, numerics: Numerics | None,
     except PresetError as e:
         raise OptionError(str(e).replace(f"--preset {preset_name(model)!r}", f"--model {model}", 1)) from None
     # without a model's numerics (probe requant, dump --engine transformers) the release's bf16 model is the estimate
-    check_model_fits(cfg, numerics or resolve_numerics("official", "bfloat16"), device, f"--model {model}")
+    check_model_fits(cfg, numerics or resolve_numerics("official", "bfloat16"), device, f"--model {model}", experts)
     return cfg, random_state(cfg, device, 0)
 
 
 def load_checkpoint(model: str | None, device: torch.device, progress: bool = True,
                     expert_range: tuple[int, int] | None = None,
-                    numerics: Numerics | None = None) -> tuple[ModelConfig, dict, str, str]:
+                    numerics: Numerics | None = None, experts: str | None = None
+                    ) -> tuple[ModelConfig, dict, str, str]:
     """Open and validate a checkpoint (None: deepinfer-tiny) and read its tensors onto `device` ->
     (cfg, official-format state, model directory, layout). A transformers-layout checkpoint without the
     MTP block gets a config without it (transformers drops MTP). numerics: the model about to be built, whose
-    memory is checked against the device's before anything is read (`check_model_fits`)."""
+    memory is checked against the device's before anything is read (`check_model_fits`), with the routed experts
+    in the form `experts` ("fp8": requantised at load) where given."""
     if preset_name(model) is not None:
-        cfg, state = _preset_state(model, device, numerics, expert_range)
+        cfg, state = _preset_state(model, device, numerics, expert_range, experts)
         return cfg, state, model, "official"
     model_dir = resolve_model_dir(model, progress)
     ckpt = open_checkpoint(model_dir)
@@ -152,7 +154,7 @@ def load_checkpoint(model: str | None, device: torch.device, progress: bool = Tr
     if model in (None, "", "deepinfer-tiny"):
         cfg = cfg.replace(name="deepinfer-tiny")
     if numerics is not None and expert_range is None:
-        check_model_fits(cfg, numerics, device, f"--model {model_dir}")
+        check_model_fits(cfg, numerics, device, f"--model {model_dir}", experts)
     state = load_state(ckpt, cfg, device, progress=progress, expert_range=expert_range)
     return cfg, state, model_dir, ckpt.layout
 
@@ -184,7 +186,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
         raise OptionError(f"experts={experts}: choose {' or '.join(EXPERT_FORMS)}")
     num = resolve_numerics(numerics, dtype, kv)
     dev = resolve_device(device)
-    cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range, num)
+    cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range, num, experts)
     if experts == "fp8":
         lossy = [r for r in requant_experts(state) if not r.lossless]
         if lossy:

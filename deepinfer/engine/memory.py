@@ -84,14 +84,17 @@ def _vm_size() -> int:
 _ROUTED = re.compile(r".*\.experts\.\d+\.w[123]\.weight")
 
 
-def model_build_bytes(cfg: ModelConfig, official: bool, dtype: torch.dtype) -> tuple[int, int]:
+def model_build_bytes(cfg: ModelConfig, official: bool, dtype: torch.dtype, experts: str | None = None
+                      ) -> tuple[int, int]:
     """(weights as loaded, the model's own copies) in bytes, for building `cfg` from a checkpoint or random weights.
 
     Loaded (`load_state`, `random_state`): FP8 weights 1 byte, FP4 half a byte, their scales decoded to float32,
     floats as the release stores them (bf16, fp32 for sinks, ape, hc_*, the router bias), int tables int64; the
     caller keeps them while the model is built. The model's copies: official numerics restack the routed experts
     (w1|w3 and w2, scales back to raw ue8m0 bytes); exact numerics dequantise every FP8 / FP4 weight to `dtype`.
-    An upper bound up to the small stacked projections, checked against a build's peak RSS (docs/perf-log.md)."""
+    An upper bound up to the small stacked projections, checked against a build's peak RSS (docs/perf-log.md).
+    experts="fp8" (official numerics): the routed FP4 experts requantised per 128 x 128 block at load
+    (`load_model(experts="fp8")`), 1 byte a weight and an fp32 scale per block, both as loaded and stacked."""
     from deepinfer.checkpoint.schema import expected_tensors, fp32_in_release
 
     el = torch.empty((), dtype=dtype).element_size()
@@ -101,10 +104,16 @@ def model_build_bytes(cfg: ModelConfig, official: bool, dtype: torch.dtype) -> t
         ss = spec.scale_shape()
         ns = math.prod(ss) if ss else 0
         if spec.kind in ("fp8", "fp4"):
+            routed = _ROUTED.fullmatch(name)
+            if official and routed and spec.kind == "fp4" and experts == "fp8":
+                n8 = n + 4 * math.ceil(spec.shape[0] / 128) * math.ceil(spec.shape[1] / 128)
+                loaded += n8
+                own += n8
+                continue
             loaded += (n if spec.kind == "fp8" else n // 2) + 4 * ns
             if not official:
                 own += n * el
-            elif _ROUTED.fullmatch(name):
+            elif routed:
                 own += n // 2 + ns if spec.kind == "fp4" else n + 4 * ns
         elif spec.kind == "int":
             loaded += 8 * n
@@ -113,15 +122,15 @@ def model_build_bytes(cfg: ModelConfig, official: bool, dtype: torch.dtype) -> t
     return loaded, own
 
 
-def check_model_fits(cfg: ModelConfig, numerics, device, what: str) -> None:
+def check_model_fits(cfg: ModelConfig, numerics, device, what: str, experts: str | None = None) -> None:
     """Refuse (MemoryRefused, with the numbers) building a model that cannot fit in the memory `device` has free,
     before any weight is read or generated: a CPU run is refused, not killed by the kernel. `what` names the model
     (a preset, a checkpoint)."""
-    loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype)
+    loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype, experts)
     have = available_bytes(device)
     if loaded + own > 0.9 * have:
         raise MemoryRefused(
-            f"{what} in {numerics.name} numerics needs about {fmt_bytes(loaded + own)} on {device} to build "
+            f"{what} in {numerics.name} numerics{' with experts=fp8' if experts == 'fp8' else ''} needs about {fmt_bytes(loaded + own)} on {device} to build "
             f"({fmt_bytes(loaded)} of weights as loaded, {fmt_bytes(own)} of the model's own copies), but "
             f"{fmt_bytes(have)} is available; use a smaller model or preset, or a device with more memory")
 
