@@ -91,6 +91,8 @@ PY
       [ -n "$works" ] && export "$works" && echo "later phases run with $works" >> "$OUT/dg_selftest.log"
       # a crash in DeepGEMM's host code (2026-12-06: before any JIT compile, nvcc and NVRTC alike): where, from
       # cuda-gdb, which also debugs host code (the image has no gdb)
+      # no variant ran: which step of the host path fails first (tools/device/dg_bisect.py, a child per step)
+      [ -z "$works" ] && timeout 400 python3 tools/device/dg_bisect.py >> "$OUT/dg_selftest.log" 2>&1
       if grep -q "rc=139" "$OUT/dg_selftest.log"; then
         sed -n "/^import torch, deep_gemm$/,/^print(\"max rel err/p" "$0" > /tmp/dg_self.py
         timeout 120 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary deep_gemm" --args python3 /tmp/dg_self.py \
