@@ -292,6 +292,55 @@ def test_grouped_gemm_one_token_rows_as_a_stride0_view(fmt):
                                            out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
+# (fmt, tokens T, experts E, N, K): decode-sized blocks (BM 16) and prefill-sized ones (T * k / E > 80: BM 128, the
+# FP4 path's A conversion and N-fast grid, the FP8 TMA kernel)
+TOPK_CASES = [("fp4", 5, 8, 128, 512), ("fp4", 120, 8, 128, 256), ("fp8", 5, 8, 128, 256), ("fp8", 120, 8, 128, 256),
+              ("float", 9, 4, 64, 64)]
+
+
+@pytest.mark.parametrize("fmt,T,E,N,K", TOPK_CASES)
+def test_grouped_gemm_topk_reads_each_token_row_for_its_pairs(fmt, T, E, N, K):
+    """grouped_gemm(topk=k) with one A row per token (the model's prefill and batch > 1 decode: no [T*k, K] copy)
+    gives the same bits as the rows repeated k times, padding rows (-1) 0; the reference agrees; and A's rows are
+    what the kernel read (a token's row changed changes exactly its k pairs)."""
+    _triton()
+    g = torch.Generator().manual_seed(11)
+    k = 6
+    P = T * k
+    e = _routing(g, P, E, n_pad=min(5, P // 4), busy=1, busy_rows=P // 3)
+    x = torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())
+    w, w_s = _weights(g, fmt, E, N, K)
+    if fmt == "float":
+        a, a_s = x, None
+    else:
+        a, a_s = act_quant(x, 128)
+    a, e, w = a.to(DEV), e.to(DEV), w.to(DEV)
+    a_s = None if a_s is None else a_s.to(DEV)
+    w_s = None if w_s is None else w_s.to(DEV)
+    rep = lambda t: None if t is None else t.repeat_interleave(k, 0)  # noqa: E731
+    d = REGISTRY["grouped_gemm"]
+    impl = d.impls["triton"]
+    got = impl(a, a_s, e, w, w_s, out_dtype=torch.float32, topk=k)
+    want = impl(rep(a), rep(a_s), e, w, w_s, out_dtype=torch.float32)
+    assert got.shape == (P, N) and torch.equal(got, want)
+    assert (got[e < 0] == 0).all() and (got[e >= 0] != 0).any()
+    torch.testing.assert_close(d.ref(a, a_s, e, w, w_s, out_dtype=torch.float32, topk=k),
+                               d.ref(rep(a), rep(a_s), e, w, w_s, out_dtype=torch.float32), rtol=0, atol=0)
+    if fmt == "fp4":  # the producer's split form of the token rows, read the same way
+        mg = _triton()
+        assert torch.equal(impl(a, a_s, e, w, w_s, out_dtype=torch.float32, a_split=mg.a_bf16_split(a, a_s),
+                                topk=k), got)
+    a2 = a.clone()
+    a2[1] = a[2]  # token 1's row: only pairs k..2k-1 (and not their padding rows) move
+    moved = (impl(a2, a_s, e, w, w_s, out_dtype=torch.float32, topk=k) != got).any(-1)
+    live = e >= 0
+    assert moved[k:2 * k].any() and not moved[:k].any() and not moved[2 * k:].any() and not moved[~live].any()
+    with pytest.raises((AssertionError, ValueError)):
+        impl(a[:-1], None if a_s is None else a_s[:-1], e, w, w_s, out_dtype=torch.float32, topk=k)
+    with pytest.raises(ValueError, match="e has"):
+        d.ref(a[:-1], None if a_s is None else a_s[:-1], e, w, w_s, out_dtype=torch.float32, topk=k)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("fmt,P,E,N,K,n_pad,busy,adt,odt", CASES)
 def test_grouped_gemm_triton_vs_reference(seed, fmt, P, E, N, K, n_pad, busy, adt, odt):
@@ -530,3 +579,46 @@ def test_triton_compute_experts_has_no_host_sync(tiny_dir, numerics, monkeypatch
         moe(xt, ids)  # the whole MoE call: router, dispatch, experts, shared expert
     assert torch.equal(got, expect)
 
+
+
+def test_moe_passes_token_rows_with_topk_beyond_one_token(monkeypatch):
+    """Past one token (prefill, batch > 1 decode) the routed w1|w3 GEMM gets the tokens' act_quant rows once and
+    topk = k (no [T*k, D] copy); one token keeps its stride-0 view; w2 gets per-pair rows. The tokens equal
+    those of the rows repeated by hand (what the model computed before)."""
+    import deepinfer.model.moe as moe_mod
+    from deepinfer.engine.loader import load_model
+
+    calls = []
+    real = moe_mod.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def grouped_gemm(self, a, a_s, e, w, w_s, out_dtype=torch.bfloat16, a_split=None, topk=1):
+            calls.append((a.size(0), e.numel(), topk, a.stride(0)))
+            return real.grouped_gemm(a, a_s, e, w, w_s, out_dtype=out_dtype, a_split=a_split, topk=topk)
+
+    ops.configure("torch")
+    m = load_model(None, numerics="official", dtype="float32", device="cpu", progress=False).model
+    k = m.cfg.n_activated_experts
+    m.allocate(2, 32)
+    ids = torch.randint(2, m.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(moe_mod, "ops", Spy())
+    logits, _ = m.prefill(ids, rows=torch.tensor([0]))
+    w13 = calls[0::2]
+    assert w13 and all(c == (9, 9 * k, k, c[3]) for c in w13), w13
+    assert all(c[:3] == (9 * k, 9 * k, 1) for c in calls[1::2])
+    calls.clear()
+    m.decode(ids[:, :1], torch.tensor([9]), rows=torch.tensor([0]))
+    assert calls[0][:3] == (k, k, 1) and calls[0][3] == 0  # one token: its k rows as a stride-0 view
+
+    def repeated(a, a_s, e, w, w_s, out_dtype=torch.bfloat16, a_split=None, topk=1):
+        rep = (lambda t: t.repeat_interleave(topk, 0)) if topk > 1 else (lambda t: t)
+        return real.grouped_gemm(rep(a), None if a_s is None else rep(a_s), e, w, w_s, out_dtype=out_dtype)
+
+    m2 = load_model(None, numerics="official", dtype="float32", device="cpu", progress=False).model
+    m2.allocate(2, 32)
+    monkeypatch.setattr(Spy, "grouped_gemm", lambda self, *a, **kw: repeated(*a, **kw))
+    want, _ = m2.prefill(ids, rows=torch.tensor([0]))
+    assert torch.equal(logits, want)

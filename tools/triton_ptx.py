@@ -33,6 +33,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 def _sig(fn, types: dict, consts: dict) -> ASTSource:
     names = fn.arg_names
+    # constexpr parameters with a default the wrapper does not pass (e.g. TOPK = 1) compile at that default
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     return ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
 
@@ -40,6 +42,13 @@ def _sig(fn, types: dict, consts: dict) -> ASTSource:
 def _ints(*names):
     return dict.fromkeys(names, "i32")
 
+
+_GG_FP4_TYPES = {
+    "a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "c_ptr": "*bf16", "p_ptr": "*fp32",
+    "cnt_ptr": "*i32", "rows_ptr": "*i64", "bexp_ptr": "*i64",
+    **_ints("P", "E", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT", "SA_R")}
+_GG_FP4_CONSTS = {"BM": 128, "BN": 64, "SPLIT": False, "DOT_BF16": True, "SCALE_E8M0": True, "ASM": True,
+                  "IDENT": False, "EVEN": True, "FOLD": False, "A_BF16": True, "N_FAST": True}
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -60,6 +69,18 @@ CASES = {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i32", "bexp_ptr": "*i32", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
         {"BM": 64, "BN": 128}),
+    # the prefill FP4 expert GEMM as the model calls it (A converted, N tiles fastest, raw ue8m0 scales)
+    "gg_fp4": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES, _GG_FP4_CONSTS),
+    # the same and the FP8 kernels reading one A row per token for its 6 pairs (grouped_gemm topk)
+    "gg_fp4_topk": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES, {**_GG_FP4_CONSTS, "TOPK": 6}),
+    "gg_fp8_topk": lambda: _sig(moe_grouped._gg_fp8_kernel, {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
+        "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W")},
+        {"BM": 16, "BN": 128, "BK": 128, "TOPK": 6}),
+    "gg_fp8_tma_topk": lambda: _sig(moe_prefill._gg_fp8_tma_kernel, {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
+        "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
+        {"BM": 128, "BN": 128, "TOPK": 6}),
 }
 
 _DEBUG = re.compile(r"^\s*(\.loc|\.file)\b.*$|//.*$", re.M)

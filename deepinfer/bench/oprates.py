@@ -51,9 +51,9 @@ def op_shape(name: str, args: tuple) -> str:
     if name in ("fp8_gemm", "fp4_gemm", "linear"):
         a, w = args[0], args[2] if name != "linear" else args[1]
         return f"{a.numel() // max(a.size(-1), 1)}x{w.size(0)}x{a.size(-1)}"
-    if name == "grouped_gemm":
-        a, w = args[0], args[3]
-        return f"{a.size(0)}x{w.size(1)}x{a.size(1)} E{w.size(0)}"
+    if name == "grouped_gemm":  # P pairs (e's rows; with topk > 1 a holds one row per token)
+        a, e, w = args[0], args[2], args[3]
+        return f"{e.numel()}x{w.size(1)}x{a.size(1)} E{w.size(0)}"
     if name == "fp8_grouped_linear":
         x, w = args[0], args[1]
         return f"{x.size(0)}x{w.size(0) // x.size(1)}x{x.size(2)} G{x.size(1)}"

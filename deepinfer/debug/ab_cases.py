@@ -634,7 +634,8 @@ def build_apply_token_bitmask(d: Dims, phase: str, g, device):
 
 def build_grouped_gemm(d: Dims, phase: str, g, device):
     """Routed experts' w1 (N=moe_inter, K=dim) and w2 (N=dim, K=moe_inter) over all E experts, FP4
-    (random codes, power-of-two scales); 1/16 of the rows are padding (-1)."""
+    (random codes, power-of-two scales); 1/16 of the rows are padding (-1). expert_w1_topk: w1 as the model
+    calls it beyond one token, one A row per token read by its top-k pairs (`topk`)."""
     B, S = _bs(d, phase)
     P, E = B * S * d.topk, d.n_experts
     e = torch.randint(0, E, (P,), generator=g)
@@ -645,6 +646,12 @@ def build_grouped_gemm(d: Dims, phase: str, g, device):
         w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
         w_s = torch.exp2(torch.randint(-12, -6, (E, N, K // 32), generator=g).float())
         out.append(Variant(nm, tuple(t.to(device) for t in (a, a_s, e, w, w_s)), {"out_dtype": torch.bfloat16}))
+    T = B * S
+    if T > 1:
+        a, a_s = act_quant(_act(g, (T, d.dim), torch.device("cpu")), 128)
+        w, w_s = out[0].args[3], out[0].args[4]
+        out.append(Variant("expert_w1_topk", (*(t.to(device) for t in (a, a_s)), out[0].args[2], w, w_s),
+                           {"out_dtype": torch.bfloat16, "topk": d.topk}))
     return out
 
 

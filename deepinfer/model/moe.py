@@ -117,12 +117,14 @@ class StackedLinear:
         """The GEMM input as `Linear` feeds it: act_quant per 128 for FP8/FP4 weights, x as is for float."""
         return (x, None) if self.fmt == "float" else ops.act_quant(x, 128)
 
-    def __call__(self, a: tuple, e: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, a: tuple, e: torch.Tensor, out_dtype: torch.dtype, topk: int = 1) -> torch.Tensor:
         """Row p of the (quantised) input through expert e[p]'s matrix: -> [P, N] out_dtype (e = -1: 0).
         a: (x, None) for float weights, (q, s) as act_quant gives it, or (q, s, its bf16 split form) from a
-        producer that wrote that too (`swiglu_quant(split=True)`; FP4 weights read it)."""
+        producer that wrote that too (`swiglu_quant(split=True)`; FP4 weights read it). topk: a holds one row
+        per token for its topk consecutive pairs (row p reads a[p // topk]; `grouped_gemm`'s topk)."""
+        kw = {"topk": topk} if topk != 1 else {}
         return ops.grouped_gemm(a[0], a[1], e, self.weight, self.scale, out_dtype=out_dtype,
-                                a_split=a[2] if len(a) > 2 else None)
+                                a_split=a[2] if len(a) > 2 else None, **kw)
 
 
 class RoutedExperts:
@@ -181,13 +183,14 @@ class RoutedExperts:
         return (self.w13 if self.fused else self.w1).fmt
 
     def run(self, a: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, e: torch.Tensor,
-            dt: torch.dtype) -> torch.Tensor:
-        """`__call__` from the rows' w1 / w3 input as `quantize_input` gives it (a [P, D] [+ scales]) -> [P, D] dt."""
+            dt: torch.dtype, topk: int = 1) -> torch.Tensor:
+        """`__call__` from the rows' w1 / w3 input as `quantize_input` gives it (a [P, D] [+ scales], or with topk
+        > 1 one row per token for its topk consecutive pairs: [P / topk, D]) -> [P, D] dt."""
         if self.fused:
-            h13 = self.w13(a, e, dt)
+            h13 = self.w13(a, e, dt, topk)
             h1, h3 = h13[:, :self.inter], h13[:, self.inter:]
         else:
-            h1, h3 = self.w1(a, e, dt), self.w3(a, e, dt)
+            h1, h3 = self.w1(a, e, dt, topk), self.w3(a, e, dt, topk)
         if self.w2.fmt != "float":  # weighted before w2, as the official code; w2's act_quant in the same kernel
             # (and for FP4 experts the bf16 form their GEMM reads: no conversion launch before it)
             return self.w2(ops.swiglu_quant(h1, h3, self.limit, weight=w, out_dtype=dt, split=self.w2.fmt == "fp4"),
@@ -262,17 +265,19 @@ class MoE:
                        xq: tuple | None = None) -> torch.Tensor:
         """All experts are local: pairs = every token's top-k. -> [T, k, D] in xt's dtype (summed later, with
         the shared expert, by `moe_combine`). xq (xt's act_quant, the shared expert's input): the pairs' w1 /
-        w3 input is its rows repeated -- the same bytes as quantising the repeated rows, without the
-        [T*k, D] copy of xt in its dtype and the k-fold act_quant (flash prefill: 200 MB bf16 per layer)."""
+        w3 input is its rows, each read by its k pairs (`grouped_gemm`'s topk) -- the same bytes as quantising
+        the repeated rows, without the [T*k, D] copy of xt in its dtype, the k-fold act_quant (flash prefill:
+        200 MB bf16 per layer) or a k-fold copy of the quantised rows (100 MB as FP8)."""
         T, k = idx.shape
         e = idx.reshape(-1)
         e = e - self.expert_offset if self.expert_offset else e
         if xq is not None and self.experts.quantised_input:
             if T == 1:  # one token (batch-1 decode): its k rows as a stride-0 view, no copy kernels
                 a = tuple(t.reshape(1, -1).expand(k, -1) for t in xq)  # (q, s[, split form])
-            else:
-                a = tuple(t.reshape(T, -1).repeat_interleave(k, dim=0) for t in xq[:2])
-            out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
+                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
+            else:  # the tokens' rows, each read by its k pairs in the GEMM: no [T*k, D] copy (grouped_gemm topk)
+                a = tuple(t.reshape(T, -1) for t in xq[:2])
+                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype, topk=k)
         else:
             out = self.compute_experts(xt.repeat_interleave(k, dim=0), weights.reshape(-1), e)
         return out.view(T, k, -1)

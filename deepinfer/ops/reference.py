@@ -873,8 +873,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 @defop("grouped_gemm", tol={"float32": (1e-5, 1e-5)})
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
-                 a_split: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row expert GEMM: C[p] = A[p] · W[e[p]]ᵀ (the routed experts' w1 / w3 / w2 in one call).
+                 a_split: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
+    """Per-row expert GEMM: C[p] = A[p // topk] · W[e[p]]ᵀ (the routed experts' w1 / w3 / w2 in one call).
 
     a [P, K]: float8_e4m3fn with a_s [P, K/128] f32 (act_quant), or a float dtype with a_s None.
     a_split: optional, `bf16_split(a, a_s)` when a's producer wrote it too (`swiglu_quant(split=True)`); the
@@ -883,8 +883,15 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     w [E, N, K] float8_e4m3fn + w_s [E, ceil(N/128), ceil(K/128)] f32 (fp8_gemm per expert), or
     [E, N, K/2] int8 e2m1 pairs + w_s [E, N, K/32] f32 or ue8m0 bytes (fp4_gemm per expert), or [E, N, K] float + None
     (linear per expert, in a's dtype). -> [P, N] out_dtype.
+    topk: a holds one row per token, feeding its topk consecutive pairs (a [T, K], a_s and a_split likewise, e
+    [T * topk]; vLLM's fused_moe gathers its A rows the same way): the same result as a, a_s repeated topk times
+    row by row, without the copy (a flash prefill's routed w1|w3 input: 100 MB per layer as FP8).
     Reference: a host-synchronising loop over the experts present (the kernels sort rows by expert).
     """
+    if topk != 1:
+        from deepinfer.quant.grouped import repeat_rows
+
+        a, a_s = repeat_rows(topk, e, a, a_s)
     P, N = a.size(0), w.size(1)
     out = torch.zeros(P, N, dtype=out_dtype, device=a.device)
     # on a CPU every expert's weight is dequantised once and kept (`_keep`: what fp8_gemm / fp4_gemm compute

@@ -52,3 +52,12 @@ def moe_align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tens
     block_expert = torch.searchsorted(blk_end, torch.arange(nb, device=dev, dtype=torch.int64), right=True)
     block_expert = torch.where(block_expert < E, block_expert, torch.full_like(block_expert, -1))
     return sorted_rows, block_expert
+
+
+def repeat_rows(topk: int, e: torch.Tensor, *ts: torch.Tensor | None) -> tuple:
+    """`grouped_gemm(topk=)`'s inputs in the per-pair form: each tensor's rows [T, ...] repeated topk times row by
+    row ([T * topk, ...]; None stays None), for a kernel that gathers A per pair. e [T * topk] is checked."""
+    for t in ts:
+        if t is not None and t.size(0) * topk != e.numel():
+            raise ValueError(f"grouped_gemm: e has {e.numel()} rows, a {t.size(0)} x topk {topk}")
+    return tuple(None if t is None else t.repeat_interleave(topk, 0) for t in ts)

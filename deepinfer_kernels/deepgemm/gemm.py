@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.ops.registry import REGISTRY, implement
-from deepinfer.quant.grouped import moe_align
+from deepinfer.quant.grouped import moe_align, repeat_rows
 
 from ._common import dg, f32_block_scales, off_contract, requantised, sm90, why
 
@@ -91,8 +91,10 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
 @implement("grouped_gemm", "deepgemm")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
-                 a_split: torch.Tensor | None = None) -> torch.Tensor:
+                 a_split: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
     ref = REGISTRY["grouped_gemm"].ref
+    if topk != 1:  # DeepGEMM's layouts take A per pair: the tokens' rows repeated for their topk pairs
+        a, a_s, a_split = repeat_rows(topk, e, a, a_s, a_split)
     P, K = a.shape
     fp4 = w.dtype in (torch.int8, torch.uint8)
     if P == 0:

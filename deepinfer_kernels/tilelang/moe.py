@@ -29,6 +29,7 @@ from deepinfer import settings
 from deepinfer.ops import ops
 from deepinfer.ops.registry import REGISTRY, implement
 from deepinfer.quant.formats import scale_f32
+from deepinfer.quant.grouped import repeat_rows
 
 from . import grouped_fp4
 from ._common import build, expert_blocks, tl_dtype
@@ -183,7 +184,9 @@ def _run(a, a_s, e, w, w_s, out_dtype, op, a_split=None):
 @implement("grouped_gemm", "tilelang")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
-                 a_split: torch.Tensor | None = None) -> torch.Tensor:
+                 a_split: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
+    if topk != 1:  # these kernels gather A per pair: the tokens' rows repeated for their topk pairs
+        a, a_s, a_split = repeat_rows(topk, e, a, a_s, a_split)
     c = _run(a, a_s, e, w, w_s, out_dtype, "grouped_gemm", a_split)
     return c if c is not None else REGISTRY["grouped_gemm"].ref(a, a_s, e, w, w_s, out_dtype, a_split)
 

@@ -173,8 +173,9 @@ def _block_m(P: int, E: int) -> int:
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # BK == 128 and BN divides 128: one A scale per (row, K block), one W scale per (N tile, K block)
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr = 1):
+    # BK == 128 and BN divides 128: one A scale per (row, K block), one W scale per (N tile, K block);
+    # TOPK: pair p reads A's row p // TOPK (a token's row feeds its TOPK pairs)
     pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -182,6 +183,7 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     if ex < 0:
         return
     rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
+    ar = rows // TOPK
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
     ws_base = ws_ptr + ex * NS_W * KS_W + ((pid_n * BN) // 128) * KS_W
@@ -189,9 +191,9 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     for kb in range(0, tl.cdiv(K, BK)):
         k = kb * BK + rk
         mk = k < K
-        a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
         w = tl.load(w_base + rn[None, :] * K + k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
-        sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
+        sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
         sw = tl.load(ws_base + kb)
         acc += tl.dot(a, w, max_num_imprecise_acc=0) * (sa[:, None] * sw)
     tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -270,7 +272,8 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, SA_R, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
-                   EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr):
+                   EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr,
+                   TOPK: tl.constexpr = 1):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -294,6 +297,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # prefill tiles, offline sm_90). N_FAST (prefill): the grid has the N tiles varying fastest, so the
     # programs of one block, which read the same A rows, run together and find them in L2.
     # N_FAST: the grid's first axis is the N tile (prefill), else the block.
+    # TOPK: A holds one row per token, feeding its TOPK consecutive pairs: pair p reads A's row p // TOPK
+    # (vLLM's fused_moe gather), so the k-fold copy of the tokens' rows is never made.
     pdl_wait()
     tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
     if N_FAST:
@@ -315,6 +320,7 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     else:
         rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     mr = rows < P
+    ar = rows // TOPK
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mn = rn < N
     jb = tl.arange(0, 64)
@@ -332,14 +338,14 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
         k = kb * 128 + rk
         g = kb * 4 + g4
         if A_BF16:  # K % 128 == 0: only the padded rows are masked
-            a_e = tl.load(a_ptr + rows[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
-            a_o = tl.load(a_ptr + rows[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
+            a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
+            a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
         else:
-            sa = tl.load(as_ptr + rows * KS_A + kb, mask=mr, other=0.0)
+            sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
             if EVEN:
-                a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+                a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
             else:
-                a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
+                a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
             a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
         if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): no weight masks
             byte = tl.load(w_base + rn[:, None] * KH + kh[None, :])
@@ -440,7 +446,8 @@ pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of 
 
 @triton.jit
 def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     TOPK: tl.constexpr = 1):
     pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -448,13 +455,14 @@ def _gg_float_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K,
     if ex < 0:
         return
     rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
+    ar = rows // TOPK
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + rk
         mk = k < K
-        a = tl.load(a_ptr + rows[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
         w = tl.load(w_base + rn[None, :] * K + k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
         w = w.to(a_ptr.dtype.element_ty)
         if IEEE:
@@ -494,8 +502,10 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
 @implement("grouped_gemm", "triton")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
-                 a_split: torch.Tensor | None = None) -> torch.Tensor:
-    P, K = a.shape
+                 a_split: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
+    T, K = a.shape
+    P = e.numel()  # pairs; with topk > 1 row p of the output reads A's row p // topk (no k-fold copy of A)
+    assert P == T * topk, f"grouped_gemm: e has {P} rows, a {T} x topk {topk}"
     E, N = w.size(0), w.size(1)
     fp4 = w.dtype in (torch.int8, torch.uint8)
     ident = fp4 and P <= IDENT_MAX_P and N > 0 and E > 0
@@ -520,11 +530,11 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         assert a.dtype == torch.float8_e4m3fn and w.size(2) == K, "grouped_gemm fp8: a [P, K] fp8, w [E, N, K]"
         a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
         if moe_prefill.usable(a, w, BM):  # prefill: TMA weight tiles, promotion per 128-K block
-            return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM)
+            return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM, topk)
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
             a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128,
-            **pdl())
+            TOPK=topk, **pdl())
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
@@ -534,7 +544,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         a_bf16 = K % 128 == 0 and (A_BF16_DECODE or BM >= A_BF16_MIN_BM)
         if a_bf16 and a_split is not None:  # the producer wrote the converted form (`swiglu_quant(split=True)`)
             assert a_split.shape == a.shape and a_split.dtype == torch.bfloat16, \
-                "grouped_gemm: a_split must be a's [P, K] bf16 split form"
+                "grouped_gemm: a_split must be a's [T, K] bf16 split form"
             # rows K apart, or one token's k rows as a stride-0 view (batch-1 decode): read in place
             a = a_split if a_split.stride(-1) == 1 and a_split.stride(0) in (0, K) else a_split.contiguous()
         elif a_bf16:  # A and its scales converted once, read through their row strides (one token's k rows may
@@ -549,12 +559,12 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             a.stride(0) if a_bf16 else K,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
-            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast,
+            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, TOPK=topk,
             num_warps=nw, num_stages=ns, **pdl())
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         a = a.contiguous()
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
         _gg_float_kernel[(nb, triton.cdiv(N, BN))](
-            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, **pdl())
+            a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, TOPK=topk, **pdl())
     return c
