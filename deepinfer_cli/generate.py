@@ -84,6 +84,7 @@ def generate_cmd(
         raise UserError(f"--max-batch {max_batch}: must be at least 1")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 0 (0: whole prompts)")
+    experts = experts.strip().lower() if experts is not None else None
     if experts is not None and experts not in EXPERT_FORMS:
         raise UserError(f"--experts {experts}: choose {' or '.join(EXPERT_FORMS)}")
     constraint = guided.from_options(json_schema, regex, grammar, choice)  # checked before any model load
