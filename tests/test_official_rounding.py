@@ -97,8 +97,9 @@ def _record(monkeypatch, name):
 
 def test_indexer_fp4_blocks_of_32(monkeypatch, tiny_dir):
     """model.py, Indexer / Compressor(rotate=True): `fp4_act_quant(..., 32)` on the Hadamard-rotated indexer
-    queries and keys: FP4 e2m1 with one power-of-two scale per 32."""
-    blocks = _record(monkeypatch, "fp4_fake_quant")
+    queries and keys: FP4 e2m1 with one power-of-two scale per 32 -- here the rotation's own op,
+    `hadamard(x, fp4_block=32)` (one launch), at every call: queries and keys, prefill and decode."""
+    blocks = _record(monkeypatch, "hadamard")
     assert blocks and set(blocks) == {32}, blocks
 
 

@@ -255,6 +255,37 @@ def test_hadamard(seed, n, dtype):
     check("hadamard", *run_both("hadamard", x))
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("shape,dtype", [((3, 7, 128), torch.bfloat16), ((2, 5, 64, 128), torch.float32),
+                                         ((70, 128), torch.bfloat16), ((4, 64), torch.float16),
+                                         ((9, 32), torch.float32)])
+def test_hadamard_then_fp4_in_one_kernel(seed, shape, dtype):
+    """hadamard(x, fp4_block=32), the indexer's rotation and FP4 rounding in one launch: the same bits as the
+    Triton hadamard followed by fp4_fake_quant (its output as rounded to x's dtype, then the FP4 step), the FP4
+    step exactly the reference's on that output, and within a rounding step of the whole reference."""
+    g = gen(seed)
+    x = randn(g, *shape, dtype=dtype) * 3
+    x.view(-1, shape[-1])[1] *= 1e-30  # a row at the FP4 scale floor
+    tri = REGISTRY["hadamard"].impls["triton"]
+    with poisoned():
+        fused = tri(x, 32)
+        h = tri(x)
+        two = REGISTRY["fp4_fake_quant"].impls["triton"](h, 32)
+    assert fused.shape == x.shape and fused.dtype == dtype and not torch.isnan(fused).any()
+    assert torch.equal(fused, two)
+    assert torch.equal(fused, REGISTRY["fp4_fake_quant"].ref(h, 32))
+    assert not torch.equal(fused, h)  # the FP4 step ran
+    ref = REGISTRY["hadamard"].ref(x, 32)
+    assert ref.shape == fused.shape
+    # the rotations agree within fp32 sum order; an FP4 rounding may flip where they differ: by at most the
+    # largest grid step of the group (2 x its power-of-two scale), twice where the group's scale itself flipped
+    hb = REGISTRY["hadamard"].ref(x).float().unflatten(-1, (-1, 32))
+    scale = torch.exp2(torch.ceil(torch.log2(hb.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0**-126) / 6)))
+    diff = (fused.float() - ref.float()).unflatten(-1, hb.shape[-2:])
+    assert (diff.abs() <= 4 * scale).all()
+    assert (fused == ref).float().mean() > 0.98
+
+
 # -------------------------------------------------------------------------------------------- GEMMs
 def _pow2(g, *shape, lo=-6, hi=2):
     return torch.exp2(torch.randint(lo, hi, shape, generator=g).float()).to(DEV)

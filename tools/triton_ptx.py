@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deepinfer_kernels.triton import moe_grouped, moe_prefill, sampling, speculative  # noqa: E402
+from deepinfer_kernels.triton import moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -81,6 +81,14 @@ CASES = {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
         {"BM": 128, "BN": 128, "TOPK": 6}),
+    # the indexer's rotation (bf16, 128 dims), alone and with its FP4 rounding in the same kernel
+    "hadamard": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+                                                      "scale": "fp32"},
+                             {"N": 128, "LOGN": 7, "BM": 64, "ITERS": 1, "SPLIT": False, "NATIVE": True}),
+    "hadamard_fp4": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+                                                          "scale": "fp32"},
+                                 {"N": 128, "LOGN": 7, "BM": 64, "ITERS": 1, "SPLIT": False, "NATIVE": True,
+                                  "FP4": 32}),
 }
 
 _DEBUG = re.compile(r"^\s*(\.loc|\.file)\b.*$|//.*$", re.M)

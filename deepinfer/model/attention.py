@@ -105,10 +105,8 @@ class Indexer:
         q = rope_tail_(q, self.rd, cos, sin)
         # The Hadamard rotation is orthogonal (scores unchanged), so `exact` applies it too: the tapped
         # q/keys are then in the same basis in both numerics and compare element by element.
-        q = ops.hadamard(q)
-        if self.numerics.official:
-            q = ops.fp4_fake_quant(q, 32)
-        return q
+        # official: then FP4-rounded per 32, in the same op (one launch)
+        return ops.hadamard(q, 32) if self.numerics.official else ops.hadamard(q)
 
     def __call__(self, x: torch.Tensor, qr: tuple, ctx: StepContext, name: str, w: torch.Tensor | None = None,
                  early: Branch | None = None) -> torch.Tensor:

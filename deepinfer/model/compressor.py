@@ -50,10 +50,8 @@ class Compressor:
         """pooled [B, W, d] (f32 or the compute dtype), cos/sin [B, W, rd/2] of the windows' first positions
         -> entries [B, W, d] in the compute dtype."""
         kv = ops.rms_norm_rope(pooled.to(self.numerics.dtype), self.norm, self.eps, cos, sin, self.rd)
-        if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation
-            kv = ops.hadamard(kv)
-            if self.numerics.official:
-                kv = ops.fp4_fake_quant(kv, 32)
+        if self.rotate:  # indexer keys: Hadamard (both numerics, see Indexer), then FP4 simulation (one op)
+            kv = ops.hadamard(kv, 32) if self.numerics.official else ops.hadamard(kv)
         elif self.kv_qat and not self.fp8_cache:  # float layout: the FP8 QAT of the no-RoPE dims
             kv = torch.cat([ops.fp8_fake_quant(kv[..., :-self.rd], 64), kv[..., -self.rd:]], -1)
         return kv

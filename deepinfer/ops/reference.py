@@ -134,10 +134,15 @@ def _hadamard_matrix(n: int, device: str) -> torch.Tensor:
 
 
 @defop("hadamard")
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform of the last dim (size a power of two), x's dtype out."""
+def hadamard(x: torch.Tensor, fp4_block: int = 0) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of the last dim (size a power of two), x's dtype out.
+
+    fp4_block > 0: then `fp4_fake_quant(·, fp4_block)` of that output, as the official indexer rotates and
+    FP4-rounds its queries and keys (`rotate_activation`, then the FP4 simulation): one op, so a kernel backend
+    does both in one pass (one launch fewer per use)."""
     h = _hadamard_matrix(x.size(-1), str(x.device))
-    return (x.float() @ h).to(x.dtype)
+    y = (x.float() @ h).to(x.dtype)
+    return fp4_fake_quant(y, fp4_block) if fp4_block else y
 
 
 # -------------------------------------------------------------------------------------------- GEMMs

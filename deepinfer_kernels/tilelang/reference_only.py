@@ -12,7 +12,9 @@ _MODEL_PY = "DeepSeek's inference/model.py computes it in PyTorch"
 
 REFERENCE_ONLY: dict[str, str] = {
     "rms_norm": f"{_MODEL_PY} (RMSNorm); the fused norm + FP8 quant is a kernel here (rms_norm_quant)",
-    "hadamard": "model.py calls the fast_hadamard_transform CUDA package, not a TileLang kernel",
+    "hadamard": ("model.py calls the fast_hadamard_transform CUDA package, not a TileLang kernel; the indexer's "
+                 "FP4 rounding, part of this op (fp4_block), then runs in the reference too (the same values as "
+                 "this backend's fp4_fake_quant kernel)"),
     "linear": f"{_MODEL_PY} (F.linear of the bf16 weights: the head, the compressors, the gate)",
     "fp8_grouped_linear": f"{_MODEL_PY} (wo_a: convert.py dequantises it, then a bmm over the groups)",
     "rope": f"{_MODEL_PY} (apply_rotary_emb)",

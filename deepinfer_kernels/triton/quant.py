@@ -134,11 +134,13 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 @triton.jit
 def _hadamard_kernel(x_ptr, y_ptr, M, scale, N: tl.constexpr, LOGN: tl.constexpr, BM: tl.constexpr,
-                     ITERS: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+                     ITERS: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr, FP4: tl.constexpr = 0):
     # y = (x @ S_N) * N^-0.5 with S_N[i, j] = (-1)^popcount(i & j) (Sylvester order), built once per
     # program in registers and reused for ITERS row blocks. NATIVE: bf16/fp16 x ±1 in the input dtype
     # (exact products, fp32 accumulate). Otherwise tf32 dots, exact too: bf16/fp16 values are exact in
     # tf32, and an fp32 input is first split into three tf32-exact pieces (SPLIT).
+    # FP4 > 0: then the FP4 fake quant per FP4 columns of the output as rounded to its dtype (what
+    # fp4_fake_quant reads after hadamard), in registers: `hadamard(x, fp4_block)`.
     pdl_wait()
     pid = tl.program_id(0)
     i = tl.arange(0, N)
@@ -164,14 +166,25 @@ def _hadamard_kernel(x_ptr, y_ptr, M, scale, N: tl.constexpr, LOGN: tl.constexpr
             y = tl.dot(r - x2, h, y, input_precision="tf32")
         else:
             y = tl.dot(x.to(tl.float32), h, input_precision="tf32")
-        tl.store(y_ptr + rows[:, None] * N + i[None, :], (y * scale).to(y_ptr.dtype.element_ty),
-                 mask=rows[:, None] < M)
+        if FP4 > 0:
+            yb = tl.reshape((y * scale).to(y_ptr.dtype.element_ty).to(tl.float32), [BM, N // FP4, FP4])
+            amax = tl.maximum(tl.max(tl.abs(yb), 2), 6.0 * 2.0**-126)
+            s = pow2_ceil(tl.math.div_rn(amax, 6.0))[:, :, None]
+            yb = fp4_round(tl.minimum(tl.maximum(yb / s, -6.0), 6.0)) * s
+            tl.store(y_ptr + rows[:, None] * N + i[None, :], tl.reshape(yb, [BM, N]).to(y_ptr.dtype.element_ty),
+                     mask=rows[:, None] < M)
+        else:
+            tl.store(y_ptr + rows[:, None] * N + i[None, :], (y * scale).to(y_ptr.dtype.element_ty),
+                     mask=rows[:, None] < M)
 
 
 @implement("hadamard", "triton")
-def hadamard(x: torch.Tensor) -> torch.Tensor:
+def hadamard(x: torch.Tensor, fp4_block: int = 0) -> torch.Tensor:
     N = x.size(-1)
     assert N & (N - 1) == 0, f"Hadamard size {N} is not a power of two"
+    if fp4_block and (N < 16 or fp4_block & (fp4_block - 1)):  # the two kernels in turn (fp4_fake_quant checks
+        return fp4_fake_quant(hadamard(x), fp4_block)         # that the block divides N)
+    assert not fp4_block or N % fp4_block == 0, f"hadamard: fp4_block {fp4_block} does not divide the last dim {N}"
     xc = x.contiguous()
     y = torch.empty_like(xc)
     M = xc.numel() // max(N, 1)
@@ -191,6 +204,6 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     nblk = triton.cdiv(M, BM)
     iters = 8 if nblk >= 8 * 264 else (4 if nblk >= 4 * 264 else 1)  # amortise building S_N per program
     _hadamard_kernel[(triton.cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
-                                                    ITERS=iters, SPLIT=split, NATIVE=native,
+                                                    ITERS=iters, SPLIT=split, NATIVE=native, FP4=fp4_block,
                                                     num_warps=8 if N >= 128 else 4, **pdl())
     return y
