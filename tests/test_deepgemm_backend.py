@@ -134,7 +134,11 @@ def test_registration_and_the_reference_only_list(emulated):
     from deepinfer.debug.probes import _static_by_design, _static_impls
 
     impl, ref = _static_impls("deepgemm"), _static_by_design("deepgemm")
-    assert impl == {"fp8_gemm", "fp4_gemm", "grouped_gemm"} and not impl & set(ref)
+    from deepinfer.ops.registry import COMPOSED
+
+    # its three GEMMs, and the FP8 Linear on an unquantised input composed from its fp8_gemm
+    assert impl == {"fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm"} and not impl & set(ref)
+    assert COMPOSED["deepgemm"] == {"act_quant_fp8_gemm": ("act_quant", "fp8_gemm")}
     assert set(REGISTRY) - impl - set(ref) == set() and all(len(w) > 20 for w in ref.values())
 
 
@@ -272,7 +276,9 @@ def test_bench_against_deepgemm_is_its_gemms_over_the_main_configuration(emulate
                      against=("deepgemm", "torch:grouped_gemm=deepgemm", "deepgemm:policy=fast"))
     (s1, b1, m1, v1), (s2, b2, m2, v2), (s3, b3, m3, v3) = peer_configs(o)
     assert (s1, b1, v1) == ("deepgemm", "torch", {})
-    assert m1 == {"rms_norm": "torch", "fp8_gemm": "deepgemm", "fp4_gemm": "deepgemm", "grouped_gemm": "deepgemm"}
+    # act_quant_fp8_gemm: the FP8 Linear on an unquantised input, composed from DeepGEMM's fp8_gemm
+    assert m1 == {"rms_norm": "torch", "fp8_gemm": "deepgemm", "fp4_gemm": "deepgemm", "grouped_gemm": "deepgemm",
+                  "act_quant_fp8_gemm": "deepgemm"}
     assert (s2, b2, m2, v2) == ("torch:grouped_gemm=deepgemm", "torch", {"grouped_gemm": "deepgemm"}, {})
     # settings alone leave the library's ops over the main configuration, with the settings around them
     assert (b3, m3, v3) == ("torch", m1, {"DEEPINFER_POLICY": "fast"})

@@ -123,9 +123,19 @@ def test_kv_nope_fp8_blocks_of_64(monkeypatch, tiny_dir):
 
 
 def test_activation_blocks_of_128(monkeypatch, tiny_dir):
-    """kernel.py act_quant with block_size 128 before every FP8 / FP4 GEMM (Linear's forward)."""
+    """kernel.py act_quant with block_size 128 before every FP8 / FP4 GEMM (Linear's forward): a Linear whose
+    input no producer quantised (wo_b) runs `act_quant_fp8_gemm`, whose act_quant is per 128 (a block of 64 or
+    32 gives other scales on an input whose 128-blocks hold halves 1000x apart)."""
     blocks = _record(monkeypatch, "act_quant")
-    assert blocks and set(blocks) <= {128, 64} and 128 in blocks, blocks
+    assert set(blocks) <= {128, 64}, blocks
+    assert _record(monkeypatch, "act_quant_fp8_gemm")  # called (its second argument, the weight, is recorded)
+    from deepinfer.ops.reference import act_quant, act_quant_fp8_gemm, fp8_gemm
+
+    x = _q(5, (3, 256)).float()
+    w = (_q(6, (128, 256)).float() * 50).to(torch.float8_e4m3fn)
+    w_s = torch.ones(1, 2)
+    got = act_quant_fp8_gemm(x, w, w_s, torch.float32)
+    assert torch.equal(got, fp8_gemm(*act_quant(x, 128), w, w_s, torch.float32))
 
 
 def test_ue8m0_scales_round_up_to_a_power_of_two():

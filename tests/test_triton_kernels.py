@@ -291,6 +291,35 @@ def _pow2(g, *shape, lo=-6, hi=2):
     return torch.exp2(torch.randint(lo, hi, shape, generator=g).float()).to(DEV)
 
 
+@pytest.mark.parametrize("M,N,K,dtype", [(1, 192, 512, torch.float32), (5, 130, 384, torch.float16),
+                                         (17, 64, 256, torch.float32), (64, 128, 1024, torch.float16),
+                                         (100, 256, 256, torch.float32)])
+def test_act_quant_fp8_gemm_quantises_a_as_it_loads(M, N, K, dtype):
+    """wo_b's FP8 Linear on its unquantised input: at decode sizes (M <= 64) the split-K kernel act_quants each
+    [BM, 128] block of A as it loads it -- the same bits as Triton's act_quant then fp8_gemm (same q, same
+    scales, same dots); M 100 runs those two. Blocks a million times apart in one row, a row at the amax floor."""
+    g = gen(3)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-10, 10, (M, K // 128), generator=g).float()
+                                                    ).repeat_interleave(128, -1)
+    x[0, :128] = 1e-7  # amax floored at 1e-4
+    x = x.to(dtype).to(DEV)
+    w = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)
+    w_s = _pow2(g, -(-N // 128), K // 128)
+    tri = REGISTRY["act_quant_fp8_gemm"].impls["triton"]
+    with poisoned():
+        got = tri(x, w, w_s, torch.float32)
+        q, s = REGISTRY["act_quant"].impls["triton"](x, 128)
+        two = REGISTRY["fp8_gemm"].impls["triton"](q, s, w, w_s, torch.float32)
+    assert torch.equal(got, two)
+    ref = REGISTRY["act_quant_fp8_gemm"].ref(x, w, w_s, torch.float32)
+    sab = abs_products("fp8_gemm", q, s, w, w_s, out_dtype=torch.float32)
+    if COMPILED and M > 64:
+        assert_tensor_core_bound(got, ref, sab)
+    else:  # fp32 sums of the same exact products in another order (blocks far apart: relative to sum |a w|)
+        assert ((got - ref).abs() <= 4 * K ** 0.5 * 2.0 ** -24 * sab).all()
+    assert not torch.equal(got, REGISTRY["fp8_gemm"].ref(q, s * 2, w, w_s, torch.float32))  # the scales count
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("M,N,K,out_dtype", [(5, 130, 320, torch.float32), (17, 64, 256, torch.bfloat16),
                                              (1, 200, 128, torch.float32), (130, 200, 320, torch.float32)])

@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deepinfer_kernels.triton import moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
+from deepinfer_kernels.triton import gemm, moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -49,6 +49,11 @@ _GG_FP4_TYPES = {
     **_ints("P", "E", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT", "SA_R")}
 _GG_FP4_CONSTS = {"BM": 128, "BN": 64, "SPLIT": False, "DOT_BF16": True, "SCALE_E8M0": True, "ASM": True,
                   "IDENT": False, "EVEN": True, "FOLD": False, "A_BF16": True, "N_FAST": True}
+
+_FP8_DECODE_TYPES = {
+    "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", "p_ptr": "*fp32",
+    "cnt_ptr": "*i32", **_ints("M", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT")}
+_FP8_DECODE_CONSTS = {"BM": 16, "BN": 64, "BK": 128, "GROUP_M": 1, "SPLIT": True}
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -81,6 +86,11 @@ CASES = {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
         {"BM": 128, "BN": 128, "TOPK": 6}),
+    # the decode FP8 GEMM (split-K), and with A act_quant'ed as it is loaded (act_quant_fp8_gemm: wo_b)
+    "fp8_gemm_decode": lambda: _sig(gemm._fp8_gemm_kernel, _FP8_DECODE_TYPES, _FP8_DECODE_CONSTS),
+    "act_quant_fp8_gemm": lambda: _sig(gemm._fp8_gemm_kernel, {**_FP8_DECODE_TYPES, "a_ptr": "*bf16",
+                                                               "as_ptr": "*bf16"},
+                                       {**_FP8_DECODE_CONSTS, "QUANT_A": True}),
     # the indexer's rotation (bf16, 128 dims), alone and with its FP4 rounding in the same kernel
     "hadamard": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
                                                       "scale": "fp32"},

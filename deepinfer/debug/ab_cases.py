@@ -164,6 +164,7 @@ COMPARE: dict[str, CompareSpec] = {
     "kv_store": CompareSpec(inplace=(0,)),
     "compress_decode": CompareSpec(inplace=(5, 6)),  # the pooled entry, then both states
     "fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 2), tc_rel=TC_REL),  # (a, a_s, w, w_s)
+    "act_quant_fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 1), tc_rel=TC_REL),  # (x, w, w_s)
     "grouped_gemm": CompareSpec(abs_args=_abs_gemm(0, 3), tc_rel=TC_REL),  # (a, a_s, e, w, w_s)
     # fp32 sums over K = 4096 / 7168 in another order than the reference's: outputs that cancel (the
     # activations' 1e-2..1e2 block spread) miss rtol 1e-5 of their own value; the bound is fp32_sum_rel(K)
@@ -258,6 +259,14 @@ def build_fp8_gemm(d: Dims, phase: str, g, device):
         a, a_s, w, w_s = _fp8_operands(g, M, N, K, device)
         out.append(Variant(nm, (a, a_s, w, w_s), {"out_dtype": torch.bfloat16}))
     return out
+
+
+def build_act_quant_fp8_gemm(d: Dims, phase: str, g, device):
+    """wo_b as the model calls it: the bf16 wo_a output, quantised per 128 inside the op."""
+    B, S = _bs(d, phase)
+    K = d.o_groups * d.o_lora
+    return [Variant("wo_b", (_act(g, (B * S, K), device), *_fp8_weight(g, d.dim, K, device)),
+                    {"out_dtype": torch.bfloat16})]
 
 
 def build_fp8_grouped_linear(d: Dims, phase: str, g, device):

@@ -160,6 +160,22 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     return (af @ wf.t()).to(out_dtype)
 
 
+@defop("act_quant_fp8_gemm", tol={"float32": (1e-5, 1e-5)})
+def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An FP8 Linear on an activation not yet quantised: fp8_gemm(*act_quant(x, 128), w, w_s) in one op, so a
+    kernel backend may quantise A's 128-blocks as it loads them (no launch, no q / s round trip between the
+    two: at decode the act_quant before wo_b is a launch on the critical path of every layer).
+    x [M, K] float (K % 128 == 0), w [N, K] e4m3, w_s [ceil(N/128), K/128] -> [M, N] out_dtype."""
+    return _act_quant_fp8_gemm(_REF, x, w, w_s, out_dtype)
+
+
+@composition("act_quant_fp8_gemm", ("act_quant", "fp8_gemm"))
+def _act_quant_fp8_gemm(p, x, w, w_s, out_dtype=torch.bfloat16) -> torch.Tensor:
+    q, s = p["act_quant"](x, 128)
+    return p["fp8_gemm"](q, s, w, w_s, out_dtype)
+
+
 @defop("fp4_gemm", tol={"float32": (1e-5, 1e-5)})
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -59,6 +59,7 @@ from deepinfer.quant.grouped import grouped_bmm
 from . import gemm_vendor
 from ._common import INTERPRET as _INTERPRET
 from ._common import dot_f32, e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
+from ._common import quant_e4m3_rows
 from ._common import sms as _sms
 
 
@@ -112,8 +113,11 @@ def _store_out(acc, c_ptr, p_ptr, cnt_ptr, rm, rn, M, N, SPLIT: tl.constexpr):
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, K, KS_A, KS_W, KB_PER_SPLIT,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr):
-    # BK == 128: one scale per K block for A (per row) and for W (per 128x128 block)
+                     SPLIT: tl.constexpr, QUANT_A: tl.constexpr = False):
+    # BK == 128: one scale per K block for A (per row) and for W (per 128x128 block).
+    # QUANT_A: A comes unquantised (a float dtype, as_ptr unused) and each [BM, 128] block is act_quant'ed as it
+    # is loaded (`quant_e4m3_rows`, act_quant's kernel's rule): the same q and scales, so the same sums as
+    # act_quant then this kernel (`act_quant_fp8_gemm`), without the launch between them.
     pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -127,7 +131,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
         k = kb * BK + rk
         a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
-        sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
+        if QUANT_A:
+            a, sa = quant_e4m3_rows(a.to(tl.float32))
+        else:
+            sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + n_blk * KS_W + kb)
         acc += tl.dot(a, w, max_num_imprecise_acc=0) * (sa[:, None] * sw)
     _store_out(acc, c_ptr, p_ptr, cnt_ptr, rm, rn, M, N, SPLIT)
@@ -198,6 +205,29 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns,
                            **pdl())
+    return c
+
+
+@implement("act_quant_fp8_gemm", "triton")
+def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decode sizes (the split-K kernel, M <= 64): A quantised per 128-block as the kernel loads it. Larger M
+    (cuBLASLt, the TMA kernel: their operands come from memory as e4m3) and shapes off the kernel's contract:
+    act_quant, then fp8_gemm."""
+    M, K = x.shape
+    N = w.size(0)
+    if M == 0 or N == 0 or K % 128 or M > 64 or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+        from .quant import act_quant
+
+        return fp8_gemm(*act_quant(x, 128), w, w_s, out_dtype)
+    x, w, w_s = x.contiguous(), w.contiguous(), w_s.float().contiguous()
+    c = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    BM, BN, GM, splits, per, nw, ns = _config(M, N, K, x.device)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    part, cnt = split_buffers(c, splits, grid[0])
+    _fp8_gemm_kernel[grid](x, x, w, w_s, c, part, cnt, M, N, K, K // 128, w_s.size(1), per,
+                           BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, QUANT_A=True, num_warps=nw,
+                           num_stages=ns, **pdl())
     return c
 
 
