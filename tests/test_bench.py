@@ -263,6 +263,13 @@ def test_op_flops_count_useful_work_only():
     assert op_shape("linear", (torch.zeros(2, 3, 256), torch.zeros(10, 256))) == "6x10x256"
     assert op_shape("grouped_gemm", (a, None, e, torch.zeros(4, 32, 128), None)) == "6x32x256 E4"
     assert op_shape("sparse_attn", (q, None, None, idx, 1.0)) == "5t 8h D64 K3"
+    # one A row per token for its 3 pairs (topk): the pairs are the GEMM's rows
+    a2 = torch.zeros(2, 256)
+    assert op_shape("grouped_gemm", (a2, None, e, torch.zeros(4, 32, 128), None)) == "6x32x256 E4"
+    assert op_flops("grouped_gemm", (a2, None, e, torch.zeros(4, 32, 128), None), {"topk": 3}) == 2 * 4 * 256 * 32
+    # the FP8 Linear on an unquantised input (x, w, w_s)
+    assert op_flops("act_quant_fp8_gemm", (a, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
+    assert op_shape("act_quant_fp8_gemm", (a, torch.zeros(64, 256), None)) == "6x64x256"
 
 
 @pytest.mark.gpu

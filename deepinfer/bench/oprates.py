@@ -29,6 +29,8 @@ def op_flops(name: str, args: tuple, kwargs: dict) -> float:
     """Useful FLOPs of one call (float: reads index tensors, so call after the pass)."""
     if name in ("fp8_gemm", "fp4_gemm"):
         return _gemm_flops(args[0], args[2].size(0))
+    if name == "act_quant_fp8_gemm":  # x [M, K] (quantised inside), w [N, K]
+        return _gemm_flops(args[0], args[1].size(0))
     if name == "linear":
         return _gemm_flops(args[0], args[1].size(0))
     if name == "fp8_grouped_linear":  # x [T, G, K], w [G·R, K]: each group T x R x K
@@ -48,8 +50,8 @@ def op_flops(name: str, args: tuple, kwargs: dict) -> float:
 def op_shape(name: str, args: tuple) -> str:
     """The call's problem size as text: M x N x K for GEMMs (P rows x N x K over E experts for the grouped
     one), tokens x heads x D over K slots for attention, tokens x heads x D over T keys for the indexer."""
-    if name in ("fp8_gemm", "fp4_gemm", "linear"):
-        a, w = args[0], args[2] if name != "linear" else args[1]
+    if name in ("fp8_gemm", "fp4_gemm", "linear", "act_quant_fp8_gemm"):
+        a, w = args[0], args[1] if name in ("linear", "act_quant_fp8_gemm") else args[2]
         return f"{a.numel() // max(a.size(-1), 1)}x{w.size(0)}x{a.size(-1)}"
     if name == "grouped_gemm":  # P pairs (e's rows; with topk > 1 a holds one row per token)
         a, e, w = args[0], args[2], args[3]
@@ -67,9 +69,9 @@ def op_shape(name: str, args: tuple) -> str:
 
 
 OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "fp8_grouped_linear", "linear", "sparse_attn", "sparse_attn_fp8",
-       "indexer_scores")
+       "indexer_scores", "act_quant_fp8_gemm")
 
-FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm")
+FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm")
 """Ops held against the measured FP8 matmul rate (the issue's yardstick, even where a kernel runs bf16
 MMAs); every other op against the bf16 rate. `summarize` and `ab --bench` both use this."""
 
