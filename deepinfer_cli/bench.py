@@ -248,6 +248,11 @@ def _print_against(report: dict, con: Console) -> None:
                   drift_cell(a.get("drift")))
     con.print(t)
     for a in report["against"]:
+        rq = a.get("requant")
+        if rq:  # experts=fp8: what the requantisation changed (`deepinfer.engine.expert_form`)
+            con.print(f"{a['spec']}: routed experts requantised to per-128 FP8: {rq['stacks']} stacks, "
+                      f"{rq['lossy_stacks']} lossy (largest rel err {rq['max_rel_err']:.2e}), group scales within "
+                      f"2^{rq['max_span_log2']} of their block's largest", highlight=False)
         if a.get("fallbacks"):
             con.print(f"{a['spec']}: ops on the torch reference: {', '.join(a['fallbacks'])}", highlight=False)
         for d in a["decode"]:

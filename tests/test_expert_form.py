@@ -178,3 +178,15 @@ def test_generate_with_fp8_experts(tiny_dir, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1 << 20)
     r = runner.invoke(app, args + ["--experts", "fp8"])
     assert r.exit_code == 2 and "with experts=fp8 needs about" in r.output, r.output
+
+
+def test_bench_prints_the_requantisation_of_an_fp8_entry():
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "--batch", "1", "--prompt-len", "8", "--gen-len", "2", "--device", "cpu",
+                                 "--against", "torch:experts=fp8"])
+    assert r.exit_code == 0, r.output
+    line = [ln for ln in r.output.splitlines() if ln.startswith("torch:experts=fp8: routed experts requantised")]
+    assert len(line) == 1 and "0 lossy" in line[0] and "within 2^" in line[0], r.output
