@@ -9,7 +9,8 @@
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
 #         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
-#   policy: flash-slice:4 prefill 4096 (eager and as a graph), decode B=1 and 8, official against the fast policy
+#   policy: flash-slice:4 prefill 4096 (eager and as a graph), decode B=1, 8, 32, 64 (POLICY_BATCHES), official
+#         against the fast policy
 #         (`--against triton:policy=fast`; with the experts requantised to per-128 FP8, DeepGEMM's form, on the
 #         TMA FP8 grouped GEMM: `triton:experts=fp8,policy=fast`; and with TileLang's prefill kernels where
 #         tilelang is carried), each entry's drift from the official logits in the same run ($OUT/bench_policy.json)
@@ -71,10 +72,12 @@ for phase in "$@"; do
   elif [ "$phase" = policy ]; then
     peers=(--against triton:policy=fast --against triton:experts=fp8,policy=fast)
     python -c "import tilelang" 2>/dev/null && peers+=(--against "triton:grouped_gemm=tilelang,sparse_attn=tilelang,policy=fast")
-    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
-      --backend triton --device cuda --prefill-graphs "${peers[@]}" --json > "$OUT/bench_policy.json" 2> "$OUT/$phase.log"
+    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch "${POLICY_BATCHES:-1,8,32,64}" \
+      --prompt-len 4096 --gen-len 32 --backend triton --device cuda --prefill-graphs "${peers[@]}" --json \
+      > "$OUT/bench_policy.json" 2> "$OUT/$phase.log"
     rc=$?
-    summary=$(python tools/device/summarize.py entries "$OUT/bench_policy.json")
+    summary="$(python tools/device/summarize.py entries "$OUT/bench_policy.json") || targets: $(python \
+      tools/device/summarize.py targets "$OUT/bench_policy.json")"
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"

@@ -5,6 +5,7 @@
     python tools/device/summarize.py tune TUNE.json BENCH.json     # the tuned map, then `against` (tuned vs triton)
     python tools/device/summarize.py entries BENCH.json            # every configuration of a run, with its drift
     python tools/device/summarize.py margin A.json [B.json ...]    # each margin's verdict and logits error
+    python tools/device/summarize.py targets BENCH.json            # issue 49's targets, met or missed by how much
 
 A file that is missing or holds no report gives "no report (why)" in its place: the table always gets its row.
 """
@@ -62,6 +63,54 @@ def entries(b: dict) -> str:
     return " || ".join(out)
 
 
+TARGETS = {"ttft_official": 2.0, "ttft_fast": 1.6, "host_share": 0.10, "decode_b1": 1.6, "decode": 1.7}
+"""Issue 49's targets, as multiples of the floors the same run measured (host share: of the TTFT)."""
+
+
+def _verdict(what: str, got: float, target: float) -> str:
+    if got != got:  # nan: not measured
+        return f"{what}: not measured (target {target:g})"
+    return f"{what} {got:.2f} " + ("(met, target " + f"{target:g})" if got <= target else
+                                  f"(target {target:g}: missed by {got - target:.2f})")
+
+
+def _best_ttft(r: dict) -> tuple[float, str]:
+    """The smaller TTFT ratio of a configuration's eager prefill and its graph, with which."""
+    pf, pg = r["prefill"], r.get("prefill_graphs") or {}
+    cands = [(pf["ratio"], "eager")]
+    if isinstance(pg.get("ratio"), (int, float)) and pg["ratio"] == pg["ratio"]:
+        cands.append((pg["ratio"], "graph"))
+    return min(cands)
+
+
+def targets(b: dict) -> str:
+    """Issue 49's targets against one bench run: the main configuration's TTFT (official numerics) and decode
+    rows, the best `policy=fast` entry's TTFT, the prefill's host share. Every figure is a multiple of the floor
+    measured in that run; a target with no row is "not measured"."""
+    if "prefill" not in b:
+        return f"no report ({b.get('error')})"
+    out = []
+    t, how = _best_ttft(b)
+    out.append(_verdict(f"TTFT {b.get('numerics')} ({how})", t, TARGETS["ttft_official"]))
+    fast = [a for a in b.get("against", []) if (a.get("settings_in_effect") or a.get("settings") or {})
+            .get("DEEPINFER_POLICY") == "fast"]
+    if fast:
+        (t, how), spec = min((_best_ttft(a), a["spec"]) for a in fast)
+        out.append(_verdict(f"TTFT fast ({spec}, {how})", t, TARGETS["ttft_fast"]))
+    else:
+        out.append(_verdict("TTFT fast", NAN, TARGETS["ttft_fast"]))
+    pg = b.get("prefill_graphs") or {}
+    src = pg if pg.get("host_issue_ms") is not None else b["prefill"]
+    share = src["host_issue_ms"] / src["ttft_ms"] if src.get("ttft_ms") else NAN
+    out.append(f"host issue {share:.1%} of TTFT " + ("(met" if share <= TARGETS["host_share"] else "(missed")
+               + f", target {TARGETS['host_share']:.0%})")
+    for d in b["decode"]:
+        if d["batch"] <= 64:
+            out.append(_verdict(f"decode B={d['batch']}", d["ratio"],
+                                TARGETS["decode_b1"] if d["batch"] == 1 else TARGETS["decode"]))
+    return "; ".join(out)
+
+
 def tune(t: dict, b: dict) -> str:
     moved = {k: v for k, v in (t.get("ops") or {}).items() if v != "triton"}
     line = f"map: {len(t.get('ops') or {})} ops, off triton: {moved}"
@@ -90,7 +139,9 @@ def main(argv: list[str]) -> str:
         return tune(last(args[0]), last(args[1]))
     if kind == "margin":
         return margin(args)
-    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin)")
+    if kind == "targets":
+        return targets(last(args[0]))
+    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin | targets)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""The one-line summaries the GPU scripts print last (tools/device/summarize.py): issue 49's targets read from a
+bench report, met or missed by how much, and a report that is missing named, not crashed on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location("summarize", Path(__file__).parent.parent / "tools/device/summarize.py")
+summarize = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(summarize)
+
+
+def _report():
+    dec = [{"batch": b, "ms_per_step": r * 0.5, "ratio": r} for b, r in ((1, 1.74), (8, 1.69), (64, 1.71))]
+    return {
+        "numerics": "official@60d8d707",
+        "prefill": {"ttft_ms": 42.7, "ratio": 3.35, "host_issue_ms": 18.2},
+        "prefill_graphs": {"ttft_ms": 42.5, "ratio": 3.33, "host_issue_ms": 0.28},
+        "decode": dec,
+        "against": [
+            {"spec": "triton:policy=fast", "settings": {"DEEPINFER_POLICY": "fast"},
+             "prefill": {"ttft_ms": 30.0, "ratio": 2.35}, "prefill_graphs": {"ratio": 2.30}, "decode": dec},
+            {"spec": "triton:experts=fp8,policy=fast", "settings": {"DEEPINFER_POLICY": "fast"},
+             "prefill": {"ttft_ms": 20.0, "ratio": 1.57}, "prefill_graphs": {"ratio": float("nan")}, "decode": dec},
+            {"spec": "triton:grouped_gemm=tilelang", "settings": {},
+             "prefill": {"ttft_ms": 10.0, "ratio": 0.8}, "decode": dec},
+        ],
+    }
+
+
+def test_targets_name_each_one_met_or_missed_by_how_much():
+    line = summarize.targets(_report())
+    parts = line.split("; ")
+    assert parts[0] == "TTFT official@60d8d707 (graph) 3.33 (target 2: missed by 1.33)"
+    # the best fast entry, its eager row where its graph did not measure; a non-fast entry is not counted
+    assert parts[1] == "TTFT fast (triton:experts=fp8,policy=fast, eager) 1.57 (met, target 1.6)"
+    assert parts[2] == "host issue 0.7% of TTFT (met, target 10%)"
+    assert parts[3:] == ["decode B=1 1.74 (target 1.6: missed by 0.14)", "decode B=8 1.69 (met, target 1.7)",
+                         "decode B=64 1.71 (target 1.7: missed by 0.01)"]
+
+
+def test_targets_without_a_fast_entry_or_a_report(tmp_path):
+    r = _report()
+    r["against"] = []
+    assert "TTFT fast: not measured (target 1.6)" in summarize.targets(r)
+    bad = tmp_path / "bench.json"
+    bad.write_text("")
+    assert summarize.main(["targets", str(bad)]).startswith("no report (")
+    ok = tmp_path / "ok.json"
+    ok.write_text("progress\n" + json.dumps(_report()) + "\n")
+    assert summarize.main(["targets", str(ok)]).startswith("TTFT official")
