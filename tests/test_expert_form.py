@@ -190,3 +190,16 @@ def test_bench_prints_the_requantisation_of_an_fp8_entry():
     assert r.exit_code == 0, r.output
     line = [ln for ln in r.output.splitlines() if ln.startswith("torch:experts=fp8: routed experts requantised")]
     assert len(line) == 1 and "0 lossy" in line[0] and "within 2^" in line[0], r.output
+
+
+def test_fp8_experts_need_official_numerics(tiny_dir):
+    """Exact numerics hold the experts dequantised: experts=fp8 has nothing to requantise and is refused, at load
+    and as a bench entry, before any timing."""
+    from deepinfer.bench.run import BenchOptions, run_bench
+    from deepinfer.engine.loader import OptionError, load_model
+
+    with pytest.raises(OptionError, match="experts=fp8 with exact numerics"):
+        load_model(None, numerics="exact", dtype="float32", device="cpu", progress=False, experts="fp8")
+    with pytest.raises(OptionError, match="holds no FP4 routed experts"):
+        run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=8, gen_len=2, backend="torch",
+                               numerics="exact", dtype="float32", against=("torch:experts=fp8",)))

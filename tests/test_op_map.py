@@ -39,6 +39,38 @@ def test_each_op_resolves_to_its_own_backend():
     assert d.fallbacks == {}
 
 
+def test_a_fused_op_left_out_of_the_map_follows_its_mapped_parts(monkeypatch):
+    """`--op fp8_gemm=triton` on the torch backend: act_quant_fp8_gemm (act_quant then fp8_gemm, wo_b's Linear) is
+    not in the map, so it runs composed from its parts as mapped -- Triton's fp8_gemm after the torch act_quant --
+    not wholly on the backend (a map naming fp8_gemm reaches every FP8 GEMM). A fused op the map names, or one
+    none of whose parts it names, resolves as before; a phase-split part makes the fused op follow the phase."""
+    import torch
+
+    import deepinfer_kernels.triton  # noqa: F401  (registers the implementations)
+
+    seen = []
+    real = REGISTRY["fp8_gemm"].impls["triton"]
+    monkeypatch.setitem(REGISTRY["fp8_gemm"].impls, "triton", lambda *a, **k: seen.append(1) or real(*a, **k))
+    d = Dispatcher().configure("torch", False, {"fp8_gemm": "triton"})
+    x = torch.randn(3, 256)
+    w, ws = (torch.randn(128, 256) * 30).to(torch.float8_e4m3fn), torch.ones(1, 2)
+    y = d.resolve("act_quant_fp8_gemm")(x, w, ws, torch.float32)
+    assert seen == [1] and d.fallbacks == {}
+    torch.testing.assert_close(y, REGISTRY["act_quant_fp8_gemm"].ref(x, w, ws, torch.float32), rtol=1e-5, atol=1e-4)
+    assert Dispatcher().configure("torch", False, {"act_quant_fp8_gemm": "torch", "fp8_gemm": "triton"}).resolve(
+        "act_quant_fp8_gemm") is REGISTRY["act_quant_fp8_gemm"].ref
+    assert Dispatcher().configure("triton", False, {"sparse_attn": "torch"}).resolve(
+        "act_quant_fp8_gemm") is REGISTRY["act_quant_fp8_gemm"].impls["triton"]
+    d = Dispatcher().configure("torch", False, "fp8_gemm=decode:triton/prefill:torch")
+    seen.clear()
+    d.phase = "prefill"
+    d.resolve("act_quant_fp8_gemm")(x, w, ws, torch.float32)
+    assert seen == []
+    d.phase = "decode"
+    d.resolve("act_quant_fp8_gemm")(x, w, ws, torch.float32)
+    assert seen == [1]
+
+
 def test_a_mapped_backend_without_the_op_falls_back_visibly_or_refuses_under_strict(monkeypatch, capsys):
     monkeypatch.delitem(REGISTRY["swiglu"].impls, "triton")
     d = Dispatcher().configure("torch", False, "swiglu=triton")

@@ -264,9 +264,22 @@ def check_expert_forms(model: Transformer, cfg: ModelConfig, opts: BenchOptions,
     specs = [spec for spec, *_, values in peers if values.get("experts") == "fp8"]
     if not specs:
         return
-    extra = fp8_bytes(model)
     from deepinfer.bench.workload import WARMUP_STEPS
+    from deepinfer.engine.loader import OptionError
 
+    extra = fp8_bytes(model)
+    if not extra:
+        raise OptionError(f"--against {specs[0]}: this model holds no FP4 routed experts to requantise ({numerics.name} "
+                          "numerics; exact numerics dequantise them at load): experts=fp8 applies to official numerics")
+
+    def grouped_on_deepgemm(backend: str, op_map: dict) -> bool:
+        g = op_map.get("grouped_gemm", backend)
+        return "deepgemm" in (set(g.values()) if isinstance(g, dict) else {g})
+
+    # DeepGEMM keeps its own per-128 FP8 copy of each FP4 expert stack it ran (`deepgemm._common.requantised`), for
+    # the rest of the process: an entry sending grouped_gemm there holds that much more by the time this one runs
+    if any(grouped_on_deepgemm(b, m) for _, b, m, _ in peers):
+        extra *= 2
     caches = cache_bytes(cfg, max(batches) + 1, opts.prompt_len + WARMUP_STEPS + opts.gen_len + 1, numerics.dtype,
                          numerics.official)
     have = available_bytes(device)

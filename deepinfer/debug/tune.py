@@ -114,9 +114,11 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
 
 def _measure_all(baseline, cands, ops_regex, dims, seed, dev, policy, on_cuda, timer, progress):
     """Every op and phase on every candidate -> ([OpChoice], op names)."""
-    from deepinfer.ops.registry import backend_facts
+    from deepinfer.ops.registry import COMPOSITIONS, backend_facts
 
     per_128k = {b: set(backend_facts(b, torch.device(dev)).get("per_128k_ops", ())) for b in cands}
+    for b, ops_b in per_128k.items():  # a fused op built on a per-128 part promotes as that part does
+        ops_b |= {f for f, (parts, _) in COMPOSITIONS.items() if ops_b & set(parts)}
     interp = settings.triton_interpreted() and "triton" in cands and not on_cuda
     names = ab._select_ops(ops_regex)
     choices: list[OpChoice] = []

@@ -185,6 +185,9 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
     if experts not in (None, *EXPERT_FORMS):
         raise OptionError(f"experts={experts}: choose {' or '.join(EXPERT_FORMS)}")
     num = resolve_numerics(numerics, dtype, kv)
+    if experts == "fp8" and not num.official:
+        raise OptionError(f"experts=fp8 with {num.name} numerics: exact numerics dequantise the experts at load, so "
+                          "there is no FP4 form to requantise; experts=fp8 applies to official numerics")
     dev = resolve_device(device)
     cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range, num, experts)
     if experts == "fp8":

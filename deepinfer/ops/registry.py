@@ -371,6 +371,7 @@ class Dispatcher:
         self._seen: set[tuple[str, int | None]] | None = None
         self._counts: dict[str, int] | None = None  # op -> calls, while `count_calls` is on
         self._siting = False  # sites, recording or counting is on: the one check `resolve` makes on its fast path
+        self._composed_by_map: set[str] = set()
 
     def configure(self, backend: str | None = None, strict: bool | None = None,
                   op_map: dict[str, str] | str | None = None) -> "Dispatcher":
@@ -387,6 +388,12 @@ class Dispatcher:
             load_backend(b)
         self.backend, self.strict, self.op_map = backend, strict, dict(op_map)
         self._phased = {op for op, v in self.op_map.items() if isinstance(v, dict)}
+        # a fused op the map leaves out while mapping one of its parts runs composed from the parts as mapped
+        # (`resolve`): `--op fp8_gemm=deepgemm` reaches the FP8 GEMM inside act_quant_fp8_gemm too
+        _ensure_reference()
+        self._composed_by_map = {f for f, (parts, _) in COMPOSITIONS.items()
+                                 if f not in self.op_map and set(parts) & set(self.op_map)}
+        self._phased |= {f for f in self._composed_by_map if set(COMPOSITIONS[f][0]) & self._phased}
         self._cache.clear()
         self.fallbacks.clear()
         self.used.clear()
@@ -474,6 +481,16 @@ class Dispatcher:
         _ensure_reference()
         if name not in REGISTRY:
             raise AttributeError(f"no op named {name!r}")
+        if name in self._composed_by_map:
+            parts, comp = COMPOSITIONS[name]
+            p = {part: self.resolve(part) for part in parts}
+
+            def fn(*args, _p=p, _comp=comp, **kwargs):
+                return _comp(_p, *args, **kwargs)
+
+            self.used.add(name)
+            self._cache[key] = fn
+            return fn
         d = REGISTRY[name]
         b = self.backend_of(name)
         fn = d.impls.get(b)
