@@ -147,7 +147,7 @@ def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
     parts = [rest] if rest.startswith("@") and "," not in rest else [p.strip() for p in rest.split(",")]
     for part in filter(None, parts):
         key, eq, val = (x.strip() for x in part.partition("="))
-        if key == "experts":  # the routed experts' form for this entry (`deepinfer.engine.expert_form`)
+        if key.lower() == "experts":  # the routed experts' form for this entry (`deepinfer.engine.expert_form`)
             if val.lower() not in EXPERT_FORMS:
                 raise ValueError(f"--against {spec!r}: {part!r}: choose experts={'|'.join(EXPERT_FORMS)}")
             values["experts"] = val.lower()
