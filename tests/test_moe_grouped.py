@@ -292,6 +292,33 @@ def test_grouped_gemm_one_token_rows_as_a_stride0_view(fmt):
                                            out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("P", [1, 6, 8])
+def test_grouped_gemm_fp8_one_block_per_row(P, monkeypatch):
+    """FP8 experts at <= IDENT_MAX_P rows (batch-1 decode, e.g. experts=fp8) run one block per row, unsorted, as FP4
+    does: no align or zero-fill launches. Rows of -1 or of an expert past E (another rank's) are exactly 0; the
+    rest equal the sorted path's bits (the same rows one more than IDENT_MAX_P apart) and the reference."""
+    mg = _triton()
+    assert P <= mg.IDENT_MAX_P
+    g = torch.Generator().manual_seed(7)
+    E, N, K = 8, 192, 384
+    a, a_s = act_quant(torch.randn(mg.IDENT_MAX_P + 1, K, generator=g) * 3, 128)
+    e = torch.randint(0, E, (mg.IDENT_MAX_P + 1,), generator=g)
+    if P > 1:
+        e[0], e[P - 1] = -1, E + 2
+    w, w_s = _weights(g, "fp8", E, N, K)
+    a, a_s, e, w, w_s = (t.to(DEV) for t in (a, a_s, e, w, w_s))
+    d = REGISTRY["grouped_gemm"]
+    sorted_ = d.impls["triton"](a, a_s, e, w, w_s, out_dtype=torch.float32)[:P]  # 9 rows: the sorted path
+    monkeypatch.setattr(mg, "align", lambda *a, **k: pytest.fail("one block per row needs no sort"))
+    monkeypatch.setattr(mg, "_zero_dead_rows", lambda *a, **k: pytest.fail("nor a zero-fill launch"))
+    got = d.impls["triton"](a[:P], a_s[:P], e[:P], w, w_s, out_dtype=torch.float32)
+    dead = (e[:P] < 0) | (e[:P] >= E)
+    assert (got[dead] == 0).all() and (got[~dead] != 0).any()
+    assert torch.equal(got, sorted_)
+    ref = d.ref(a[:P], a_s[:P], torch.where(dead, -1, e[:P]), w, w_s, out_dtype=torch.float32)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 # (fmt, tokens T, experts E, N, K): decode-sized blocks (BM 16) and prefill-sized ones (T * k / E > 80: BM 128, the
 # FP4 path's A conversion and N-fast grid, the FP8 TMA kernel)
 TOPK_CASES = [("fp4", 5, 8, 128, 512), ("fp4", 120, 8, 128, 256), ("fp8", 5, 8, 128, 256), ("fp8", 120, 8, 128, 256),

@@ -65,7 +65,7 @@ CASES = {
         **_ints("V")}, {"BLOCK": 2048}),
     "gg_fp8": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
-        "rows_ptr": "*i32", "bexp_ptr": "*i32", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W")},
+        "rows_ptr": "*i32", "bexp_ptr": "*i32", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
         {"BM": 64, "BN": 128, "BK": 128}),
     "gg_float": lambda: _sig(moe_grouped._gg_float_kernel, {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32", "bexp_ptr": "*i32",
@@ -80,8 +80,12 @@ CASES = {
     "gg_fp4_topk": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES, {**_GG_FP4_CONSTS, "TOPK": 6}),
     "gg_fp8_topk": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
-        "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W")},
+        "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
         {"BM": 16, "BN": 128, "BK": 128, "TOPK": 6}),
+    "gg_fp8_ident": lambda: _sig(moe_grouped._gg_fp8_kernel, {
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
+        "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True}),
     "gg_fp8_tma_topk": lambda: _sig(moe_prefill._gg_fp8_tma_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},

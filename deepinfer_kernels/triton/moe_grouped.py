@@ -159,7 +159,7 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
 
 
 IDENT_MAX_P = 8
-"""Up to this many (row, expert) pairs the FP4 GEMM runs one block per row, unsorted: a decode step at
+"""Up to this many (row, expert) pairs the FP4 and FP8 GEMMs run one block per row, unsorted: a decode step at
 batch 1 (top-6) saves the align launches (serial, on the critical path); a repeated expert among so few rows
 costs at most one extra read of its weights."""
 
@@ -172,17 +172,28 @@ def _block_m(P: int, E: int) -> int:
 
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr = 1):
+def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W, E,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr = 1,
+                   IDENT: tl.constexpr = False):
     # BK == 128 and BN divides 128: one A scale per (row, K block), one W scale per (N tile, K block);
-    # TOPK: pair p reads A's row p // TOPK (a token's row feeds its TOPK pairs)
+    # TOPK: pair p reads A's row p // TOPK (a token's row feeds its TOPK pairs). IDENT (a handful of rows, e.g.
+    # one token's top-k): block b is row b alone and bexp_ptr is e itself -- no sort, as the FP4 kernel.
     pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if ex < 0:
+    if (ex < 0) | (ex >= E):
+        if IDENT:  # row pid_m has no local expert: its output row is 0 (c is not zero-filled)
+            rz = pid_n * BN + tl.arange(0, BN)
+            tl.store(c_ptr + pid_m * N + rz, tl.zeros([BN], tl.float32).to(c_ptr.dtype.element_ty), mask=rz < N)
         return
-    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
+    if IDENT:
+        rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
+        mr = rows < P
+        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        mn = rn < N
+    else:
+        rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
     ar = rows // TOPK
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
@@ -508,7 +519,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     assert P == T * topk, f"grouped_gemm: e has {P} rows, a {T} x topk {topk}"
     E, N = w.size(0), w.size(1)
     fp4 = w.dtype in (torch.int8, torch.uint8)
-    ident = fp4 and P <= IDENT_MAX_P and N > 0 and E > 0
+    ident = (fp4 or w.dtype == torch.float8_e4m3fn) and P <= IDENT_MAX_P and N > 0 and E > 0
     # rows with e = -1 (no local expert) are 0: IDENT programs store them, sorted blocks never see them
     # (`_zero_dead_rows` does)
     c = torch.empty(P, N, dtype=out_dtype, device=a.device)
@@ -533,8 +544,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM, topk)
         BN = 64 if N <= 64 else 128
         _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
-            a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), BM=BM, BN=BN, BK=128,
-            TOPK=topk, **pdl())
+            a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), E, BM=BM, BN=BN, BK=128,
+            TOPK=topk, IDENT=ident, **pdl())
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
