@@ -9,7 +9,7 @@ its A rows, streams that expert's W tiles over K once for the whole block (fp32 
 scatters the results to the rows' original positions. Rows with e = -1 belong to no block; one small
 launch zeroes just those rows (`_zero_dead_rows`; IDENT launches, below, store them as 0 themselves), so
 the output is never zero-filled whole. Nothing calls .item()/.tolist()/nonzero/unique, so a decode
-step that routes through here can be captured in a CUDA graph. FP4 with at most `IDENT_MAX_P` rows (one
+step that routes through here can be captured in a CUDA graph. FP4 or FP8 with at most `IDENT_MAX_P` rows (one
 token's top-k) skips the sort: block p is row p.
 
 Numerics per weight format (same as `gemm.py` / `linear.py`, whose references the op's reference loops):
