@@ -201,6 +201,7 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
     settings, fallbacks, prefill, drift, decode}; the dispatch is left on it (the caller restores the main one),
     the settings are put back. drift: against `main_logits` (`deepinfer.bench.drift`), where given."""
     from deepinfer.engine.expert_form import held_as
+    from deepinfer.quant.requant import summary as requant_summary
 
     values = dict(values or {})
     form = values.pop("experts", None)
@@ -208,10 +209,7 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
         out = _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches, log, values,
                             main_logits)
     if form:
-        out["experts"] = form
-        out["requant"] = {"stacks": len(reports), "lossy_stacks": sum(not r.lossless for r in reports),
-                          "max_rel_err": max((r.rel_err for r in reports), default=0.0),
-                          "max_span_log2": max((r.max_span_log2 for r in reports), default=0)}
+        out["experts"], out["requant"] = form, requant_summary(reports)
     return out
 
 
@@ -258,15 +256,14 @@ def check_expert_forms(model: Transformer, cfg: ModelConfig, opts: BenchOptions,
     """Refuse (MemoryRefused, with the numbers) an `experts=fp8` entry whose FP8 expert stacks, held beside the
     FP4 ones while it runs (`engine.expert_form.held_as`), would not fit with the largest decode batch's caches,
     before anything is timed: otherwise the main rows would be measured and then lost to an out-of-memory error."""
+    from deepinfer.bench.workload import WARMUP_STEPS
     from deepinfer.engine.expert_form import fp8_bytes
+    from deepinfer.engine.loader import OptionError
     from deepinfer.engine.memory import MemoryRefused, available_bytes, cache_bytes, fmt_bytes
 
     specs = [spec for spec, *_, values in peers if values.get("experts") == "fp8"]
     if not specs:
         return
-    from deepinfer.bench.workload import WARMUP_STEPS
-    from deepinfer.engine.loader import OptionError
-
     extra = fp8_bytes(model)
     if not extra:
         raise OptionError(f"--against {specs[0]}: this model holds no FP4 routed experts to requantise ({numerics.name} "

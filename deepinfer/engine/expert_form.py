@@ -16,11 +16,10 @@ caller can refuse before any work).
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
-from deepinfer.quant.requant import EXPERT_FORMS, RequantReport, requant_fp4
+from deepinfer.quant.requant import EXPERT_FORMS, RequantReport, announce_lossy, requant_fp4
 
 
 def _stacks(model) -> list[tuple[str, object]]:
@@ -64,12 +63,7 @@ def held_as(model, form: str, log=lambda msg: None):
                 saved.append((st, st.weight, st.scale, st.fmt))
                 st.weight, st.scale, st.fmt = w8, sc, "fp8"
                 reports.append(rep)
-            lossy = [r for r in reports if not r.lossless]
-            if lossy:
-                w = max(lossy, key=lambda r: r.rel_err)
-                print(f"deepinfer: experts=fp8 changed values in {len(lossy)} of {len(reports)} expert stacks (worst "
-                      f"{w.name}: {w.lossy_values} values, rel err {w.rel_err:.3g}; `deepinfer probe requant`)",
-                      file=sys.stderr)
+            announce_lossy(reports, "expert stacks")
         yield reports
     finally:
         for st, w, s, fmt in reversed(saved):

@@ -180,7 +180,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
     cache's form where it differs from the release's (`resolve_numerics`); experts: "fp8" holds the FP4 routed
     experts requantised per 128 x 128 block (`deepinfer.quant.requant`, DeepGEMM's form: twice their bytes; a
     change in any value is said on stderr with its measured error), None / "fp4" as stored."""
-    from deepinfer.quant.requant import EXPERT_FORMS, requant_experts
+    from deepinfer.quant.requant import EXPERT_FORMS, announce_lossy, requant_experts
 
     if experts not in (None, *EXPERT_FORMS):
         raise OptionError(f"experts={experts}: choose {' or '.join(EXPERT_FORMS)}")
@@ -191,11 +191,7 @@ def load_model(model: str | None = None, numerics: str = "official", dtype: str 
     dev = resolve_device(device)
     cfg, state, model_dir, layout = load_checkpoint(model, dev, progress, expert_range, num, experts)
     if experts == "fp8":
-        lossy = [r for r in requant_experts(state) if not r.lossless]
-        if lossy:
-            w = max(lossy, key=lambda r: r.rel_err)
-            print(f"deepinfer: experts=fp8 changed values in {len(lossy)} expert tensors (worst {w.name}: rel err "
-                  f"{w.rel_err:.3g}; `deepinfer probe requant`)", file=sys.stderr)
+        announce_lossy(requant_experts(state), "expert tensors")
     net = build_model(cfg, state, num, dev, expert_range)
     del state
     return LoadedModel(cfg, net, V4Tokenizer.from_model_dir(model_dir), model_dir, layout)

@@ -16,6 +16,7 @@ drift a per-128 path carries is measured where it is born, never assumed.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -98,6 +99,23 @@ def requant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> tuple[Tensor, 
     rep = RequantReport(name, (*lead, n, k), blocks, lossy_blocks, lossy, max_abs,
                         math.sqrt(err2 / ref2) if ref2 else 0.0, span)
     return w, sc, rep
+
+
+def announce_lossy(reports: list[RequantReport], what: str) -> None:
+    """One stderr line where any of `reports` changed values (how many of them, the worst with its error), never
+    silent; nothing where every one is lossless. `what` names the reports' kind ("expert tensors", "stacks")."""
+    lossy = [r for r in reports if not r.lossless]
+    if lossy:
+        w = max(lossy, key=lambda r: r.rel_err)
+        print(f"deepinfer: experts=fp8 changed values in {len(lossy)} of {len(reports)} {what} (worst {w.name}: "
+              f"{w.lossy_values} values, rel err {w.rel_err:.3g}; `deepinfer probe requant`)", file=sys.stderr)
+
+
+def summary(reports: list[RequantReport]) -> dict:
+    """What a set of requantisations changed, for a report: {stacks, lossy_stacks, max_rel_err, max_span_log2}."""
+    return {"stacks": len(reports), "lossy_stacks": sum(not r.lossless for r in reports),
+            "max_rel_err": max((r.rel_err for r in reports), default=0.0),
+            "max_span_log2": max((r.max_span_log2 for r in reports), default=0)}
 
 
 EXPERT_FORMS = ("fp4", "fp8")

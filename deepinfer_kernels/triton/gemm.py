@@ -57,6 +57,7 @@ from deepinfer.ops.registry import implement
 from deepinfer.quant.grouped import grouped_bmm
 
 from . import gemm_vendor
+from .quant import act_quant
 from ._common import INTERPRET as _INTERPRET
 from ._common import dot_f32, e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import quant_e4m3_rows
@@ -217,8 +218,6 @@ def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
     M, K = x.shape
     N = w.size(0)
     if M == 0 or N == 0 or K % 128 or M > 64 or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
-        from .quant import act_quant
-
         return fp8_gemm(*act_quant(x, 128), w, w_s, out_dtype)
     x, w, w_s = x.contiguous(), w.contiguous(), w_s.float().contiguous()
     c = torch.empty(M, N, dtype=out_dtype, device=x.device)
