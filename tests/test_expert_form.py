@@ -59,7 +59,7 @@ def test_held_as_fp8_swaps_every_stack_and_puts_the_fp4_ones_back():
     assert fp8_bytes(model) == need
 
 
-def test_held_as_fp8_computes_with_the_fp8_weights_and_restores_on_an_error():
+def test_held_as_fp8_computes_with_the_fp8_weights_and_restores_on_an_error(capsys):
     """Lossless requantisation gives the FP4 path's numbers exactly (fp32 reference); a weight made lossy on
     purpose (one group scale 2^-20 of its block's largest) changes them inside the block only, and is said."""
     cfg = tiny_config()
@@ -77,6 +77,8 @@ def test_held_as_fp8_computes_with_the_fp8_weights_and_restores_on_an_error():
     with pytest.raises(RuntimeError, match="boom"):
         with held_as(model, "fp8") as reports:
             assert sum(not r.lossless for r in reports) == 1
+            err = capsys.readouterr().err  # said, never silent
+            assert "experts=fp8 changed values in 1 of" in err and "experts.w2" in err, err
             got = ex(x, w, e)
             assert not torch.equal(got, lossy_ref)
             assert torch.isfinite(got).all()
