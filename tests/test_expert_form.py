@@ -205,3 +205,26 @@ def test_fp8_experts_need_official_numerics(tiny_dir):
     with pytest.raises(OptionError, match="holds no FP4 routed experts"):
         run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=8, gen_len=2, backend="torch",
                                numerics="exact", dtype="float32", against=("torch:experts=fp8",)))
+
+
+def test_the_memory_check_counts_deepgemms_own_fp8_copies(monkeypatch):
+    """An entry sending grouped_gemm to DeepGEMM leaves DeepGEMM's per-128 FP8 copy of every expert stack held for
+    the rest of the process: an experts=fp8 entry that fits alone is refused beside it, with the doubled need."""
+    from deepinfer.bench import run as bench_run
+    from deepinfer.engine import expert_form, memory
+
+    cfg, model = _model()
+    opts = bench_run.BenchOptions(preset="tiny", batches=(1,), prompt_len=8, gen_len=2)
+    need = 1 << 30
+    caches = memory.cache_bytes(cfg, 2, 8 + 40, torch.float32, True)
+    monkeypatch.setattr(expert_form, "fp8_bytes", lambda m: need)
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": int((1.5 * need + caches) / 0.9))
+    fp8 = ("torch:experts=fp8", "torch", {}, {"experts": "fp8"})
+    num = Numerics("official", torch.float32)
+    bench_run.check_expert_forms(model, cfg, opts, [fp8], num, [1], "cpu")  # fits alone
+    for dg in (("deepgemm", "torch", {"grouped_gemm": "deepgemm"}, {}),
+               ("torch:grouped_gemm=decode:torch/prefill:deepgemm", "torch",
+                {"grouped_gemm": {"decode": "torch", "prefill": "deepgemm"}}, {})):
+        with pytest.raises(memory.MemoryRefused, match=r"needs 2\.0 GiB beside the FP4 one"):
+            bench_run.check_expert_forms(model, cfg, opts, [dg, fp8], num, [1], "cpu")
+    bench_run.check_expert_forms(model, cfg, opts, [("triton", "triton", {}, {}), fp8], num, [1], "cpu")

@@ -216,6 +216,21 @@ def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
     assert c.candidates["torch"].drift == 0.0 and c.candidates["triton"].to_dict()["drift"] is not None
 
 
+def test_a_fused_op_inherits_its_parts_per_128k_promotion(monkeypatch):
+    """act_quant_fp8_gemm is act_quant then fp8_gemm: where a backend's fp8_gemm promotes per 128-K block (its
+    `per_128k_ops` fact names only fp8_gemm), the fused op is kept out under `official` too."""
+    from deepinfer.ops import registry
+
+    real = registry.backend_facts
+    monkeypatch.setattr(registry, "backend_facts", lambda b, dev: {**real(b, dev), "per_128k_ops": ["fp8_gemm"]}
+                        if b == "triton" else real(b, dev))
+    t = {("act_quant_fp8_gemm", "torch"): 5.0, ("act_quant_fp8_gemm", "triton"): 1.0}
+    off = tune("triton", ["torch", "triton"], "act_quant_fp8_gemm$", "tiny", 0, "cpu", "official", timer=_timer(t))
+    c = next(c for c in off["choices"] if c.op == "act_quant_fp8_gemm")
+    assert not c.candidates["triton"].eligible and "per 128-K block" in c.candidates["triton"].reason
+    assert off["ops"]["act_quant_fp8_gemm"] == "torch"
+
+
 def test_tune_measures_under_its_policy(monkeypatch):
     """The kernels are measured under the policy's own defaults (`settings.FAST_DEFAULTS`): under fast, Triton's
     prefill fp8_gemm is the per-128 one (its fact says so) and the environment is put back afterwards."""
