@@ -341,13 +341,25 @@ def split_buffers(c: torch.Tensor, splits: int, tiles: int) -> tuple[torch.Tenso
 
 
 @triton.jit
-def expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM: tl.constexpr, BN: tl.constexpr):
+def expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM: tl.constexpr, BN: tl.constexpr, IDENT: tl.constexpr = False):
     """Rows and columns of one (expert block pid_m, N tile pid_n) program of a grouped GEMM over
     `moe_align`'s layout: rows [BM] int64 (the block's sorted A rows; >= P is padding), their mask mr [BM],
-    the tile's columns rn [BN] int64 and mask mn [BN]. The caller loads the block's expert first and returns
-    on -1 (an unused block)."""
-    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    the tile's columns rn [BN] int64 and mask mn [BN]. IDENT (a handful of unsorted rows): block pid_m is row
+    pid_m alone, the rest padding, rows_ptr unread. The caller loads the block's expert first and returns on -1
+    (an unused block; under IDENT after `zero_row_tile`)."""
+    if IDENT:
+        rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
+    else:
+        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     mr = rows < P
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mn = rn < N
     return rows, mr, rn, mn
+
+
+@triton.jit
+def zero_row_tile(c_ptr, row, pid_n, N, BN: tl.constexpr):
+    """Output row `row`'s columns of N tile pid_n stored as 0: an IDENT block whose row has no local expert (the
+    output is not zero-filled beforehand)."""
+    rz = pid_n * BN + tl.arange(0, BN)
+    tl.store(c_ptr + row * N + rz, tl.zeros([BN], tl.float32).to(c_ptr.dtype.element_ty), mask=rz < N)

@@ -67,7 +67,7 @@ from deepinfer.ops.registry import implement
 
 from . import moe_prefill
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
-from ._common import expert_block_tile, store_bf16_split, unit_last_stride, weight_scale_arg
+from ._common import expert_block_tile, store_bf16_split, unit_last_stride, weight_scale_arg, zero_row_tile
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (the row layout, shared)
@@ -183,17 +183,10 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if (ex < 0) | (ex >= E):
-        if IDENT:  # row pid_m has no local expert: its output row is 0 (c is not zero-filled)
-            rz = pid_n * BN + tl.arange(0, BN)
-            tl.store(c_ptr + pid_m * N + rz, tl.zeros([BN], tl.float32).to(c_ptr.dtype.element_ty), mask=rz < N)
+        if IDENT:
+            zero_row_tile(c_ptr, pid_m, pid_n, N, BN)
         return
-    if IDENT:
-        rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
-        mr = rows < P
-        rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-        mn = rn < N
-    else:
-        rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN)
+    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN, IDENT)
     ar = rows // TOPK
     rk = tl.arange(0, BK)
     w_base = w_ptr + ex * N * K
@@ -320,20 +313,12 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
         pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if (ex < 0) | (ex >= E):
-        if IDENT:  # row pid_m has no local expert: its output row is 0 (c is not zero-filled)
-            if tl.program_id(2) == 0:
-                rz = pid_n * BN + tl.arange(0, BN)
-                tl.store(c_ptr + pid_m * N + rz, tl.zeros([BN], tl.float32).to(c_ptr.dtype.element_ty),
-                         mask=rz < N)
+        if IDENT:
+            if tl.program_id(2) == 0:  # one K split stores the zeros
+                zero_row_tile(c_ptr, pid_m, pid_n, N, BN)
         return
-    if IDENT:
-        rows = tl.where(tl.arange(0, BM) == 0, pid_m, P).to(tl.int64)
-    else:
-        rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    mr = rows < P
+    rows, mr, rn, mn = expert_block_tile(rows_ptr, pid_m, pid_n, P, N, BM, BN, IDENT)
     ar = rows // TOPK
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    mn = rn < N
     jb = tl.arange(0, 64)
     g4 = tl.arange(0, 4)
     rk = tl.arange(0, 128)
