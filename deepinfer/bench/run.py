@@ -266,8 +266,9 @@ def check_expert_forms(model: Transformer, cfg: ModelConfig, opts: BenchOptions,
         return
     extra = fp8_bytes(model)
     if not extra:
-        raise OptionError(f"--against {specs[0]}: this model holds no FP4 routed experts to requantise ({numerics.name} "
-                          "numerics; exact numerics dequantise them at load): experts=fp8 applies to official numerics")
+        raise OptionError(f"--against {specs[0]}: this model holds no FP4 routed experts to requantise "
+                          f"({numerics.name} numerics; exact numerics dequantise them at load): experts=fp8 applies "
+                          "to official numerics")
 
     def grouped_on_deepgemm(backend: str, op_map: dict) -> bool:
         g = op_map.get("grouped_gemm", backend)

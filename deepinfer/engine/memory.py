@@ -128,9 +128,10 @@ def check_model_fits(cfg: ModelConfig, numerics, device, what: str, experts: str
     (a preset, a checkpoint)."""
     loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype, experts)
     have = available_bytes(device)
+    form = " with experts=fp8" if experts == "fp8" else ""
     if loaded + own > 0.9 * have:
         raise MemoryRefused(
-            f"{what} in {numerics.name} numerics{' with experts=fp8' if experts == 'fp8' else ''} needs about {fmt_bytes(loaded + own)} on {device} to build "
+            f"{what} in {numerics.name} numerics{form} needs about {fmt_bytes(loaded + own)} on {device} to build "
             f"({fmt_bytes(loaded)} of weights as loaded, {fmt_bytes(own)} of the model's own copies), but "
             f"{fmt_bytes(have)} is available; use a smaller model or preset, or a device with more memory")
 

@@ -56,8 +56,8 @@ def entries(b: dict) -> str:
         dr = (f"; drift rel {d['rel_err']:.2e}, top-1 {d['top1_agree']:.0%}, flips {d['flips']} "
               f"(main margin <= {d['max_flip_margin']})") if d else ""
         rq = r.get("requant")
-        rq = (f"; experts {r['experts']}: {rq['lossy_stacks']} of {rq['stacks']} stacks lossy, span 2^{rq['max_span_log2']}"
-              if rq else "")
+        rq = (f"; experts {r['experts']}: {rq['lossy_stacks']} of {rq['stacks']} stacks lossy, "
+              f"span 2^{rq['max_span_log2']}" if rq else "")
         out.append(f"{name}: TTFT {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x), graph {pg.get('ttft_ms', NAN):.1f} "
                    f"({pg.get('ratio', NAN):.2f}x, {pg.get('mode')}); {dec}{dr}{rq}")
     return " || ".join(out)
