@@ -270,6 +270,10 @@ def test_op_flops_count_useful_work_only():
     # the FP8 Linear on an unquantised input (x, w, w_s)
     assert op_flops("act_quant_fp8_gemm", (a, torch.zeros(64, 256), None), {}) == 2 * 6 * 64 * 256
     assert op_shape("act_quant_fp8_gemm", (a, torch.zeros(64, 256), None)) == "6x64x256"
+    # the routed w2 on w1|w3's output h [P, 2I] (h, limit, weight, e, w, w_s): K is I, padding rows count 0
+    h, w2 = torch.zeros(6, 512), torch.zeros(4, 32, 256)
+    assert op_flops("swiglu_grouped_gemm", (h, 10.0, None, e, w2, None), {}) == 2 * 4 * 256 * 32
+    assert op_shape("swiglu_grouped_gemm", (h, 10.0, None, e, w2, None)) == "6x32x256 E4"
 
 
 @pytest.mark.gpu

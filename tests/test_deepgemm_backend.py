@@ -136,9 +136,12 @@ def test_registration_and_the_reference_only_list(emulated):
     impl, ref = _static_impls("deepgemm"), _static_by_design("deepgemm")
     from deepinfer.ops.registry import COMPOSED
 
-    # its three GEMMs, and the FP8 Linear on an unquantised input composed from its fp8_gemm
-    assert impl == {"fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm"} and not impl & set(ref)
-    assert COMPOSED["deepgemm"] == {"act_quant_fp8_gemm": ("act_quant", "fp8_gemm")}
+    # its three GEMMs; the FP8 Linear on an unquantised input composed from its fp8_gemm, the routed w2 on w1|w3's
+    # output from its grouped_gemm
+    assert impl == {"fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm", "swiglu_grouped_gemm"} \
+        and not impl & set(ref)
+    assert COMPOSED["deepgemm"] == {"act_quant_fp8_gemm": ("act_quant", "fp8_gemm"),
+                                    "swiglu_grouped_gemm": ("swiglu_quant", "grouped_gemm")}
     assert set(REGISTRY) - impl - set(ref) == set() and all(len(w) > 20 for w in ref.values())
 
 
@@ -276,9 +279,10 @@ def test_bench_against_deepgemm_is_its_gemms_over_the_main_configuration(emulate
                      against=("deepgemm", "torch:grouped_gemm=deepgemm", "deepgemm:policy=fast"))
     (s1, b1, m1, v1), (s2, b2, m2, v2), (s3, b3, m3, v3) = peer_configs(o)
     assert (s1, b1, v1) == ("deepgemm", "torch", {})
-    # act_quant_fp8_gemm: the FP8 Linear on an unquantised input, composed from DeepGEMM's fp8_gemm
+    # act_quant_fp8_gemm: the FP8 Linear on an unquantised input, composed from DeepGEMM's fp8_gemm; likewise the
+    # routed w2 on w1|w3's output (swiglu_grouped_gemm) from its grouped_gemm
     assert m1 == {"rms_norm": "torch", "fp8_gemm": "deepgemm", "fp4_gemm": "deepgemm", "grouped_gemm": "deepgemm",
-                  "act_quant_fp8_gemm": "deepgemm"}
+                  "act_quant_fp8_gemm": "deepgemm", "swiglu_grouped_gemm": "deepgemm"}
     assert (s2, b2, m2, v2) == ("torch:grouped_gemm=deepgemm", "torch", {"grouped_gemm": "deepgemm"}, {})
     # settings alone leave the library's ops over the main configuration, with the settings around them
     assert (b3, m3, v3) == ("torch", m1, {"DEEPINFER_POLICY": "fast"})

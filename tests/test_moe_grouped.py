@@ -626,6 +626,10 @@ def test_moe_passes_token_rows_with_topk_beyond_one_token(monkeypatch):
             calls.append((a.size(0), e.numel(), topk, a.stride(0)))
             return real.grouped_gemm(a, a_s, e, w, w_s, out_dtype=out_dtype, a_split=a_split, topk=topk)
 
+        def swiglu_grouped_gemm(self, h, limit, weight, e, w, w_s, out_dtype=torch.bfloat16):  # w2: per-pair rows
+            calls.append((h.size(0), e.numel(), 1, h.stride(0)))
+            return real.swiglu_grouped_gemm(h, limit, weight, e, w, w_s, out_dtype=out_dtype)
+
     ops.configure("torch")
     m = load_model(None, numerics="official", dtype="float32", device="cpu", progress=False).model
     k = m.cfg.n_activated_experts

@@ -71,6 +71,24 @@ def test_a_fused_op_left_out_of_the_map_follows_its_mapped_parts(monkeypatch):
     assert seen == [1]
 
 
+def test_a_map_naming_the_fused_ops_own_backend_keeps_the_fused_kernel():
+    """A map (a tuned one, say) that sends a part to the backend the fused op runs on anyway -- grouped_gemm=triton on
+    the Triton backend -- leaves the fused kernel in place (swiglu_grouped_gemm's w2 computing its own A, not
+    swiglu_quant then grouped_gemm); per phase, where a phase split sends the part elsewhere only in one."""
+    import deepinfer_kernels.triton  # noqa: F401  (registers the implementations)
+
+    fused = REGISTRY["swiglu_grouped_gemm"].impls["triton"]
+    assert Dispatcher().configure("triton", False, {"grouped_gemm": "triton"}).resolve("swiglu_grouped_gemm") is fused
+    assert Dispatcher().configure("triton", False, {"fp8_gemm": "triton"}).resolve(
+        "act_quant_fp8_gemm") is REGISTRY["act_quant_fp8_gemm"].impls["triton"]
+    d = Dispatcher().configure("triton", False, "grouped_gemm=decode:triton/prefill:torch")
+    d.phase = "decode"
+    assert d.resolve("swiglu_grouped_gemm") is fused
+    d.phase = "prefill"
+    got = d.resolve("swiglu_grouped_gemm")
+    assert got is not fused and got is not REGISTRY["swiglu_grouped_gemm"].ref  # composed: torch's grouped_gemm
+
+
 def test_a_mapped_backend_without_the_op_falls_back_visibly_or_refuses_under_strict(monkeypatch, capsys):
     monkeypatch.delitem(REGISTRY["swiglu"].impls, "triton")
     d = Dispatcher().configure("torch", False, "swiglu=triton")

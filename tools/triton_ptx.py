@@ -90,6 +90,14 @@ CASES = {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
         {"BM": 128, "BN": 128, "TOPK": 6}),
+    # the routed w2 at batch 1 computing its A (SwiGLU + act_quant) from w1|w3's bf16 output (swiglu_grouped_gemm)
+    "gg_fp4_swiglu": lambda: _sig(moe_grouped._gg_fp4_kernel, {**_GG_FP4_TYPES, "as_ptr": "*fp32", "rows_ptr": "*i64"},
+                                  {**_GG_FP4_CONSTS, "BM": 16, "BN": 128, "SPLIT": True, "IDENT": True, "A_BF16": False,
+                                   "N_FAST": False, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}),
+    "gg_fp8_swiglu": lambda: _sig(moe_grouped._gg_fp8_kernel, {
+        "a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
+        "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}),
     # the decode FP8 GEMM (split-K), and with A act_quant'ed as it is loaded (act_quant_fp8_gemm: wo_b)
     "fp8_gemm_decode": lambda: _sig(gemm._fp8_gemm_kernel, _FP8_DECODE_TYPES, _FP8_DECODE_CONSTS),
     "act_quant_fp8_gemm": lambda: _sig(gemm._fp8_gemm_kernel, {**_FP8_DECODE_TYPES, "a_ptr": "*bf16",

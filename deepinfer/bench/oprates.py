@@ -38,6 +38,9 @@ def op_flops(name: str, args: tuple, kwargs: dict) -> float:
     if name == "grouped_gemm":
         a, e, w = args[0], args[2], args[3]
         return 2.0 * float((e >= 0).sum()) * a.size(1) * w.size(1)
+    if name == "swiglu_grouped_gemm":  # h [P, 2I] (w2's K is I), e [P], w [E, N, ·]
+        h, e, w = args[0], args[3], args[4]
+        return 2.0 * float((e >= 0).sum()) * (h.size(1) // 2) * w.size(1)
     if name in ("sparse_attn", "sparse_attn_fp8"):  # q [B, S, H, D], idx [B, S, K]: QK^T, PV over valid entries
         q, idx = args[0], args[3]
         return 4.0 * float((idx >= 0).sum()) * q.size(-2) * q.size(-1)
@@ -56,6 +59,9 @@ def op_shape(name: str, args: tuple) -> str:
     if name == "grouped_gemm":  # P pairs (e's rows; with topk > 1 a holds one row per token)
         a, e, w = args[0], args[2], args[3]
         return f"{e.numel()}x{w.size(1)}x{a.size(1)} E{w.size(0)}"
+    if name == "swiglu_grouped_gemm":
+        h, e, w = args[0], args[3], args[4]
+        return f"{e.numel()}x{w.size(1)}x{h.size(1) // 2} E{w.size(0)}"
     if name == "fp8_grouped_linear":
         x, w = args[0], args[1]
         return f"{x.size(0)}x{w.size(0) // x.size(1)}x{x.size(2)} G{x.size(1)}"
@@ -69,9 +75,9 @@ def op_shape(name: str, args: tuple) -> str:
 
 
 OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "fp8_grouped_linear", "linear", "sparse_attn", "sparse_attn_fp8",
-       "indexer_scores", "act_quant_fp8_gemm")
+       "indexer_scores", "act_quant_fp8_gemm", "swiglu_grouped_gemm")
 
-FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm")
+FP8_CEILING_OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "act_quant_fp8_gemm", "swiglu_grouped_gemm")
 """Ops held against the measured FP8 matmul rate (the issue's yardstick, even where a kernel runs bf16
 MMAs); every other op against the bf16 rate. `summarize` and `ab --bench` both use this."""
 

@@ -664,6 +664,27 @@ def build_grouped_gemm(d: Dims, phase: str, g, device):
     return out
 
 
+def build_swiglu_grouped_gemm(d: Dims, phase: str, g, device):
+    """The routed w2 on w1|w3's output [P, 2·moe_inter] (crossing the ±limit clamp), weighted, over all E FP4 experts;
+    1/16 of the rows padding (-1). At decode (one token's top-k in the batch-1 shapes) the kernel computes A."""
+    B, S = _bs(d, phase)
+    P, E, N, K = B * S * d.topk, d.n_experts, d.dim, d.moe_inter
+    h13 = (torch.randn(P, 2 * K, generator=g) * 6).bfloat16()
+    wt = torch.rand(P, generator=g)
+    e = torch.randint(0, E, (P,), generator=g)
+    e[torch.randperm(P, generator=g)[: P // 16]] = -1
+    w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+    w_s = torch.exp2(torch.randint(-12, -6, (E, N, K // 32), generator=g).float())
+    out = [Variant("expert_w2", (h13.to(device), d.swiglu_limit, wt.to(device), e.to(device), w.to(device),
+                                 w_s.to(device)), {"out_dtype": torch.bfloat16})]
+    if phase == "decode":  # one token's top-k: the fused kernel's size
+        k = d.topk
+        out.append(Variant("expert_w2_one_token", (h13[:k].to(device), d.swiglu_limit, wt[:k].to(device),
+                                                    e[:k].clamp_min(0).to(device), w.to(device), w_s.to(device)),
+                           {"out_dtype": torch.bfloat16}))
+    return out
+
+
 BUILDERS = {name[len("build_"):]: fn for name, fn in globals().items() if name.startswith("build_")}
 
 

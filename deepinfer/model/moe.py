@@ -191,8 +191,11 @@ class RoutedExperts:
             h1, h3 = h13[:, :self.inter], h13[:, self.inter:]
         else:
             h1, h3 = self.w1(a, e, dt, topk), self.w3(a, e, dt, topk)
-        if self.w2.fmt != "float":  # weighted before w2, as the official code; w2's act_quant in the same kernel
-            # (and for FP4 experts the bf16 form their GEMM reads: no conversion launch before it)
+        if self.w2.fmt != "float" and self.fused:  # weighted before w2, as the official code; the SwiGLU and w2's
+            # act_quant in one op with w2 (a kernel may compute them as it loads A: no launch between the GEMMs)
+            return ops.swiglu_grouped_gemm(h13, self.limit, w, e, self.w2.weight, self.w2.scale, out_dtype=dt)
+        if self.w2.fmt != "float":  # w2's act_quant in the SwiGLU's kernel (and for FP4 experts the bf16 form
+            # their GEMM reads: no conversion launch before it)
             return self.w2(ops.swiglu_quant(h1, h3, self.limit, weight=w, out_dtype=dt, split=self.w2.fmt == "fp4"),
                            e, dt)
         return self.w2((ops.swiglu(h1, h3, self.limit, weight=w, out_dtype=dt), None), e, dt)

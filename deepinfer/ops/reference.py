@@ -698,6 +698,31 @@ def _swiglu_quant(p, gate, up, limit, weight=None, out_dtype=torch.bfloat16, blo
                           "swiglu_quant")
 
 
+@defop("swiglu_grouped_gemm", tol={"float32": (1e-5, 1e-5)})
+def swiglu_grouped_gemm(h: torch.Tensor, limit: float, weight: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
+                        w_s: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The routed experts' down projection on their w1|w3 output, in one op: `grouped_gemm(*swiglu_quant(h[:, :I],
+    h[:, I:], limit, weight, out_dtype), e, w, w_s, out_dtype)` -- the clamped SwiGLU weighted by each pair's
+    routing weight, rounded to out_dtype, act_quant per 128, then row p through expert e[p]'s w2.
+
+    h [P, 2I] (gate | up, as the stacked w1|w3 GEMM writes them), weight [P] f32 or None, e [P] int64 local ids
+    (-1: a zero row), w [E, N, I] FP8 with w_s [E, N/128, I/128] f32, or FP4 [E, N, I/2] with w_s [E, N, I/32]
+    (float w2 runs swiglu, then grouped_gemm) -> [P, N] out_dtype. Kernels may compute the activation and its
+    quantisation as they load each A block (no launch between the two GEMMs); the values are the same."""
+    return _swiglu_grouped_gemm(_REF, h, limit, weight, e, w, w_s, out_dtype)
+
+
+@composition("swiglu_grouped_gemm", ("swiglu_quant", "grouped_gemm"))
+def _swiglu_grouped_gemm(p, h, limit, weight, e, w, w_s, out_dtype=torch.bfloat16) -> torch.Tensor:
+    fp4 = w.dtype in (torch.int8, torch.uint8)
+    if not fp4 and w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"swiglu_grouped_gemm: w2 must be FP8 or FP4 expert stacks, not {w.dtype} (a float w2 "
+                         "runs swiglu, then grouped_gemm)")
+    I = h.size(-1) // 2
+    a = p["swiglu_quant"](h[:, :I], h[:, I:], limit, weight=weight, out_dtype=out_dtype, split=fp4)
+    return p["grouped_gemm"](a[0], a[1], e, w, w_s, out_dtype=out_dtype, a_split=a[2] if fp4 else None)
+
+
 @defop("moe_combine")
 def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A MoE layer's output: the sum over k of each token's routed rows plus its shared-expert row, in

@@ -481,7 +481,7 @@ class Dispatcher:
         _ensure_reference()
         if name not in REGISTRY:
             raise AttributeError(f"no op named {name!r}")
-        if name in self._composed_by_map:
+        if name in self._composed_by_map and self._map_moves_a_part(name):
             parts, comp = COMPOSITIONS[name]
             p = {part: self.resolve(part) for part in parts}
 
@@ -508,6 +508,12 @@ class Dispatcher:
         self.used.add(name)
         self._cache[key] = fn
         return fn
+
+    def _map_moves_a_part(self, name: str) -> bool:
+        """Does the map send a part of fused op `name` to another backend than the fused op's own in this phase? If
+        not (a tuned map naming grouped_gemm=triton on the Triton backend), the fused implementation runs."""
+        own = self.backend_of(name)
+        return any(self.backend_of(part) != own for part in COMPOSITIONS[name][0] if part in self.op_map)
 
     def __getattr__(self, name: str) -> Callable:
         if name.startswith("_"):

@@ -22,7 +22,8 @@ from . import gemm  # noqa: F401,E402
 from .reference_only import REFERENCE_ONLY  # noqa: E402
 
 registry.reference_only("deepgemm", REFERENCE_ONLY)
-registry.compose("deepgemm", ("act_quant_fp8_gemm",))  # its fp8_gemm after the reference's act_quant
+# its GEMMs after the reference's act_quant / swiglu_quant
+registry.compose("deepgemm", ("act_quant_fp8_gemm", "swiglu_grouped_gemm"))
 
 
 def facts(device) -> dict:

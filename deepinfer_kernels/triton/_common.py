@@ -258,6 +258,21 @@ def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
 
 
 @triton.jit
+def swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
+    """silu(min(g, limit)) * clamp(u, -limit, limit) [* w] in float32: the one expression of the SwiGLU kernels
+    and of the grouped GEMM that computes it as it loads its A blocks (the same bits in each)."""
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = g / (1.0 + tl.exp(-g)) * u
+    if WEIGHT:
+        y = w.to(tl.float32) * y
+    return y
+
+
+@triton.jit
 def store_act_quant(v, q_row, s_row, o_row, blk, m, NB, QB: tl.constexpr, SPLIT: tl.constexpr):
     """act_quant of R blocks of a row, v [R, QB] float32 (`quant_e4m3_rows`), stored: the codes of block blk[i]
     at q_row + blk[i] * QB, its scale at s_row + blk[i]; SPLIT (QB 128) also the FP4 experts' input form at

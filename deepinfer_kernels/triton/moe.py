@@ -26,7 +26,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from ._common import dot_f32, key_index, p2, pdl, pdl_wait, rows_2d, sms, sort_key, split_k, tf32_exact
-from ._common import store_act_quant, tile_counters, unit_last_stride
+from ._common import store_act_quant, swiglu_f32, tile_counters, unit_last_stride
 
 _SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -276,22 +276,8 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, y_ptr, n, N, SG, SU, limit, CLAMP: tl.co
     c = o % N
     g = tl.load(g_ptr + r * SG + c, mask=m, other=0.0)
     u = tl.load(u_ptr + r * SU + c, mask=m, other=0.0)
-    y = _swiglu_f32(g, u, tl.load(w_ptr + r, mask=m, other=0.0), limit, CLAMP, WEIGHT)
+    y = swiglu_f32(g, u, tl.load(w_ptr + r, mask=m, other=0.0), limit, CLAMP, WEIGHT)
     tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
-    """silu(min(g, limit)) * clamp(u, -limit, limit) [* w] in float32 (both kernels: the same bits)."""
-    g = g.to(tl.float32)
-    u = u.to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    y = g / (1.0 + tl.exp(-g)) * u
-    if WEIGHT:
-        y = w.to(tl.float32) * y
-    return y
 
 
 @triton.jit
@@ -310,7 +296,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, w_ptr, q_ptr, s_ptr, o_ptr, N, NB, SG, SU
     m = blk[:, None] < NB
     g = tl.load(g_ptr + r * SG + cols, mask=m, other=0.0)
     u = tl.load(u_ptr + r * SU + cols, mask=m, other=0.0)
-    y = _swiglu_f32(g, u, tl.load(w_ptr + r), limit, CLAMP, WEIGHT)
+    y = swiglu_f32(g, u, tl.load(w_ptr + r), limit, CLAMP, WEIGHT)
     store_act_quant(y.to(Y_DTYPE).to(tl.float32), q_ptr + r * N, s_ptr + r * NB, o_ptr + r * N, blk, m, NB, QB, SPLIT)
 
 

@@ -66,8 +66,11 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 
 from . import moe_prefill
+from .moe import _TL_DTYPE
+from .moe import swiglu_quant as _swiglu_quant
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
-from ._common import expert_block_tile, store_bf16_split, unit_last_stride, weight_scale_arg, zero_row_tile
+from ._common import expert_block_tile, quant_e4m3_rows, store_bf16_split, swiglu_f32, unit_last_stride
+from ._common import weight_scale_arg, zero_row_tile
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (the row layout, shared)
@@ -174,11 +177,15 @@ def _block_m(P: int, E: int) -> int:
 @triton.jit
 def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N, K, KS_A, NS_W, KS_W, E,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr = 1,
-                   IDENT: tl.constexpr = False):
+                   IDENT: tl.constexpr = False, A_SWIGLU: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
+                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16):
     # BK == 128 and BN divides 128: one A scale per (row, K block), one W scale per (N tile, K block);
     # TOPK: pair p reads A's row p // TOPK (a token's row feeds its TOPK pairs). IDENT (a handful of rows, e.g.
     # one token's top-k): block b is row b alone and bexp_ptr is e itself -- no sort, as the FP4 kernel.
+    # A_SWIGLU: A is w1|w3's output [P, 2K] and as_ptr the routing weights, as in the FP4 kernel
+    # (`_swiglu_quant_a`): each step's e4m3 codes and scales are those `swiglu_quant` would store.
     pdl_wait()
+    tl.static_assert(not (A_SWIGLU and (TOPK != 1 or BK != 128)))
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -195,9 +202,13 @@ def _gg_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, rows_ptr, bexp_ptr, P, N
     for kb in range(0, tl.cdiv(K, BK)):
         k = kb * BK + rk
         mk = k < K
-        a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        w = tl.load(w_base + rn[None, :] * K + k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
-        sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
+        if A_SWIGLU:  # K % 128 == 0 (the wrapper's condition)
+            a, sa = _swiglu_quant_a(a_ptr + ar * 2 * K, as_ptr + ar, k, K, mr, LIMIT, WEIGHT, Y_DTYPE)
+            w = tl.load(w_base + rn[None, :] * K + k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+            w = tl.load(w_base + rn[None, :] * K + k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
+            sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
         sw = tl.load(ws_base + kb)
         acc += tl.dot(a, w, max_num_imprecise_acc=0) * (sa[:, None] * sw)
     tl.store(c_ptr + rows[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -273,11 +284,36 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _swiglu_quant_a(h_rows, w_rows, k, K, mr, LIMIT: tl.constexpr, WEIGHT: tl.constexpr, Y_DTYPE: tl.constexpr):
+    """One [BM, 128] A step of w2 computed from w1|w3's output: rows h_rows (pointers [BM]: gate at + k, up at
+    + K + k), routing weights at w_rows -> (q [BM, 128] e4m3, s [BM]): `swiglu_quant`'s activation, rounding and
+    act_quant rule (`swiglu_f32`, `quant_e4m3_rows`), so the same values. Padded rows (mr false) give 0."""
+    g = tl.load(h_rows[:, None] + k[None, :], mask=mr[:, None], other=0.0)
+    u = tl.load(h_rows[:, None] + K + k[None, :], mask=mr[:, None], other=0.0)
+    if WEIGHT:
+        wr = tl.load(w_rows, mask=mr, other=0.0)[:, None]
+    else:
+        wr = 0.0
+    y = swiglu_f32(g, u, wr, LIMIT, LIMIT > 0, WEIGHT)
+    return quant_e4m3_rows(y.to(Y_DTYPE).to(tl.float32))
+
+
+@triton.jit
+def _swiglu_quant_split(h_rows, w_rows, k, K, mr, LIMIT: tl.constexpr, WEIGHT: tl.constexpr,
+                        Y_DTYPE: tl.constexpr):
+    """`_swiglu_quant_a` as the FP4 GEMM's operands: q x s (exact in bf16) split into the block's even and odd
+    columns, as `store_bf16_split` writes them."""
+    q, s = _swiglu_quant_a(h_rows, w_rows, k, K, mr, LIMIT, WEIGHT, Y_DTYPE)
+    return tl.split(tl.reshape(q.to(tl.float32) * s[:, None], [q.shape[0], 64, 2]))
+
+
+@triton.jit
 def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr, bexp_ptr, P, E, N, K, KS_A, KS_W,
                    KB_PER_SPLIT, SA_R, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
                    EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr,
-                   TOPK: tl.constexpr = 1):
+                   TOPK: tl.constexpr = 1, A_SWIGLU: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
+                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -303,8 +339,13 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # N_FAST: the grid's first axis is the N tile (prefill), else the block.
     # TOPK: A holds one row per token, feeding its TOPK consecutive pairs: pair p reads A's row p // TOPK
     # (vLLM's fused_moe gather), so the k-fold copy of the tokens' rows is never made.
+    # A_SWIGLU (w2 on w1|w3's output, `swiglu_grouped_gemm`): A is that output, rows SA_R apart, gate at column k
+    # and up at K + k, and as_ptr the rows' routing weights (WEIGHT); each [BM, 128] step computes the
+    # clamped SwiGLU (LIMIT > 0), rounds it to Y_DTYPE and act_quants it as `swiglu_quant` does
+    # (`swiglu_f32`, `quant_e4m3_rows`): the same bf16 operands as that op's split form, no launch between.
     pdl_wait()
     tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
+    tl.static_assert(not (A_SWIGLU and (A_BF16 or TOPK != 1)))
     if N_FAST:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -336,6 +377,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
         if A_BF16:  # K % 128 == 0: only the padded rows are masked
             a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
             a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
+        elif A_SWIGLU:  # K % 128 == 0 (the wrapper's condition)
+            a_e, a_o = _swiglu_quant_split(a_ptr + ar * SA_R, as_ptr + ar, k, K, mr, LIMIT, WEIGHT, Y_DTYPE)
         else:
             sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
             if EVEN:
@@ -563,4 +606,51 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
         _gg_float_kernel[(nb, triton.cdiv(N, BN))](
             a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, TOPK=topk, **pdl())
+    return c
+
+
+@implement("swiglu_grouped_gemm", "triton")
+def swiglu_grouped_gemm(h: torch.Tensor, limit: float, weight: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
+                        w_s: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """At a handful of rows (<= IDENT_MAX_P: one token's top-k, the batch-1 decode step) the w2 kernel computes
+    each A step from h as it loads it (A_SWIGLU): the swiglu_quant launch between the routed experts' two GEMMs,
+    on the step's critical path, goes. Its programs each recompute their rows' 128-blocks (6 rows x 128
+    columns per step against 128 x 64 weight bytes). More rows (sorted blocks, prefill): swiglu_quant, then
+    grouped_gemm, whose A is then converted once rather than in each of a block's N-tile programs
+    (`A_BF16_DECODE`)."""
+    P, I = e.numel(), h.size(-1) // 2
+    E, N = w.size(0), w.size(1)
+    fp4 = w.dtype in (torch.int8, torch.uint8)
+    if not fp4 and w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"swiglu_grouped_gemm: w2 must be FP8 or FP4 expert stacks, not {w.dtype} (a float w2 "
+                         "runs swiglu, then grouped_gemm)")
+    fused = (0 < P <= IDENT_MAX_P and E > 0 and N > 0 and I % 128 == 0 and tuple(h.shape) == (P, 2 * I)
+             and out_dtype in _TL_DTYPE and h.dtype.is_floating_point)
+    if not fused:
+        a = _swiglu_quant(h[:, :I], h[:, I:], limit, weight=weight, out_dtype=out_dtype, split=fp4)
+        return grouped_gemm(a[0], a[1], e, w, w_s, out_dtype, a_split=a[2] if fp4 else None)
+    h, w = h.contiguous(), w.contiguous()
+    wt = weight.reshape(-1).float().contiguous() if weight is not None else h  # h: a pointer never read
+    c = torch.empty(P, N, dtype=out_dtype, device=h.device)
+    bexp = e.reshape(-1).long().contiguous()  # IDENT: block p is row p, bexp its expert
+    fuse = dict(A_SWIGLU=True, LIMIT=float(limit) if limit > 0 else 0.0, WEIGHT=weight is not None,
+                Y_DTYPE=_TL_DTYPE[out_dtype])
+    if not fp4:
+        assert w.size(2) == I, "swiglu_grouped_gemm fp8: w [E, N, I] for h [P, 2I]"
+        w_s = w_s.float().contiguous()
+        BN = 64 if N <= 64 else 128
+        _gg_fp8_kernel[(P, triton.cdiv(N, BN))](
+            h, wt, w, w_s, c, bexp, bexp, P, N, I, I // 128, w_s.size(1), w_s.size(2), E, BM=16, BN=BN, BK=128,
+            IDENT=True, **fuse, **pdl())
+        return c
+    assert w.size(2) * 2 == I, "swiglu_grouped_gemm fp4: w [E, N, I/2] for h [P, 2I]"
+    asm = _asm_ok(h.device)
+    fold = asm and _scales_fold(w_s)
+    w_s, e8m0 = weight_scale_arg(w_s)
+    BN, splits, per, nw, ns = _fp4_config(P, N, I, 16, False, h.device)
+    part, cnt = split_buffers(c, splits, P * triton.cdiv(N, BN))
+    _gg_fp4_kernel[(P, triton.cdiv(N, BN), splits)](
+        h, wt, w.view(torch.uint8), w_s, c, part, cnt, bexp, bexp, P, E, N, I, I // 128, w_s.size(2), per, 2 * I,
+        BM=16, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm, IDENT=True,
+        EVEN=N % BN == 0, FOLD=fold, A_BF16=False, N_FAST=False, **fuse, num_warps=nw, num_stages=ns, **pdl())
     return c
