@@ -47,6 +47,32 @@ def test_fused_combine_gives_the_taps_values(numerics, dtype, chunks, tiny_dir):
     assert torch.equal(fused, apart)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_decode_attention_norms_q_itself_with_the_taps_values(backend, tiny_dir):
+    """Official numerics' FP8 cache: a decode step hands wq_b's output to the attention op, which norms and rotates
+    q as it loads it (`q_norm_sparse_attn_fp8`, one op per layer, no q `rms_norm_rope`); under a capture (the q
+    taps) the two ops run. Same tokens' logits, bit for bit (Triton: its interpreter)."""
+    from deepinfer.ops import ops
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ops.configure(backend)
+    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
+    ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(6))
+    ops.count_calls(True)
+    try:
+        fused = _steps(lm.model, ids, n=2)
+    finally:
+        counts = ops.count_calls(False)
+    n_layers = lm.cfg.n_layers
+    assert counts.get("q_norm_sparse_attn_fp8") == 2 * n_layers, counts
+    with capturing(include=r"\.attn\.q$") as cap:  # q tapped: normed apart
+        apart = _steps(lm.model, ids, n=2)
+    assert len(cap.records) == n_layers * 3
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, apart)
+
+
 def test_fork_needs_the_runners_lanes(monkeypatch):
     """An enabled fork outside `Lanes.issuing` stays on the current stream; inside, it takes the lane's stream
     (stream creation faked: no CUDA here)."""

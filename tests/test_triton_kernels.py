@@ -741,6 +741,41 @@ def test_sparse_attn_fp8_out_rope(seed, B, S, H, D, rd, K, dtype):
     assert not torch.equal(out[..., -rd:], TK.attention.sparse_attn_fp8(q, packed, sink, idx, D ** -0.5, rd)[..., -rd:])
 
 
+@pytest.mark.parametrize("form", ["official_q", "transformers_q"])
+@pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 1, 16, 128, 64, 300, torch.float32),  # split: decode
+                                                (1, 1, 24, 256, 64, 170, torch.float16),
+                                                (2, 3, 5, 128, 64, 13, torch.bfloat16),  # one split
+                                                (3, 1, 16, 160, 32, 200, torch.float16)])  # D off a tile: two ops
+def test_q_norm_sparse_attn_fp8_normalises_q_as_it_loads_it(form, B, S, H, D, rd, K, dtype):
+    """Decode's q head norm and RoPE inside the attention's q load: against the reference (the two ops), and
+    against Triton's rms_norm_rope then sparse_attn_fp8 -- the same bits in the interpreter; on a GPU the per-head
+    sum of squares is reduced in another order (the fp32 sum, official_q then rounds it to q's dtype)."""
+    g = gen(7)
+    N = 50
+    q = randn(g, B, S, H, D, dtype=torch.float32) * torch.exp2(torch.randint(-6, 7, (B, S, H, 1), generator=g)
+                                                               .float()).to(DEV)
+    q = q.to(dtype)
+    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
+    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
+    idx = torch.randint(-1, N, (B, S, K), generator=g).to(DEV)
+    ang = torch.rand(B, S, rd // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    sink = randn(g, H, scale=3.0)
+    args = (q, packed, sink, idx, D ** -0.5, rd, 1e-6, form, (cos, sin))
+    out, ref = run_both("q_norm_sparse_attn_fp8", *args)
+    check("q_norm_sparse_attn_fp8", out, ref, tol_override={"float32": (1e-5, 1e-5), "float16": (2e-2, 1e-2),
+                                                            "bfloat16": (2e-2, 1e-2)})
+    qn = TK.norm.rms_norm_rope(q, None, 1e-6, cos, sin, rd, form=form)
+    two = TK.attention.sparse_attn_fp8(qn, packed, sink, idx, D ** -0.5, rd, out_rope=(cos, sin))
+    if COMPILED:
+        check("q_norm_sparse_attn_fp8", out, two)
+    else:
+        assert torch.equal(out, two)
+    # q as given (not normed) is another attention: the norm did run
+    assert not torch.allclose(out.float(), TK.attention.sparse_attn_fp8(q, packed, sink, idx, D ** -0.5, rd,
+                                                                        out_rope=(cos, sin)).float(), atol=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 def _hc_inputs(g, hc, D, dtype, n_mix, S=3):
     x = randn(g, 2, S, hc, D, dtype=dtype)

@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deepinfer_kernels.triton import gemm, moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
+from deepinfer_kernels.triton import attention, gemm, moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -54,6 +54,12 @@ _FP8_DECODE_TYPES = {
     "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", "p_ptr": "*fp32",
     "cnt_ptr": "*i32", **_ints("M", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT")}
 _FP8_DECODE_CONSTS = {"BM": 16, "BN": 64, "BK": 128, "GROUP_M": 1, "SPLIT": True}
+
+_ATTN_TYPES = {
+    "q_ptr": "*bf16", "kv_ptr": "*u8", "kvr_ptr": "*bf16", "sink_ptr": "*fp32", "idx_ptr": "*i64", "o_ptr": "*bf16",
+    "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "qc_ptr": "*fp32", "qs_ptr": "*fp32", "q_eps": "fp32",
+    **_ints("S", "H", "N", "D", "KSEL", "CHUNK", "W", "WE", "ROFF", "NOPE", "QCS", "QSS", "QR0", "QHALF")}
+_ATTN_CONSTS = {"BH": 16, "BK": 32, "BD": 512, "IEEE": False, "SPLIT": True, "PACKED": True}
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -103,6 +109,10 @@ CASES = {
     "act_quant_fp8_gemm": lambda: _sig(gemm._fp8_gemm_kernel, {**_FP8_DECODE_TYPES, "a_ptr": "*bf16",
                                                                "as_ptr": "*bf16"},
                                        {**_FP8_DECODE_CONSTS, "QUANT_A": True}),
+    # decode's sparse attention over the FP8 KV layout (latency tiles, split slots), and with the q head norm and
+    # RoPE in its q load (q_norm_sparse_attn_fp8)
+    "attn_fp8_decode": lambda: _sig(attention._sparse_attn_kernel, _ATTN_TYPES, _ATTN_CONSTS),
+    "attn_fp8_q_norm": lambda: _sig(attention._sparse_attn_kernel, _ATTN_TYPES, {**_ATTN_CONSTS, "QNORM": 1}),
     # the indexer's rotation (bf16, 128 dims), alone and with its FP4 rounding in the same kernel
     "hadamard": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
                                                       "scale": "fp32"},

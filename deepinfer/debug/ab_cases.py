@@ -462,6 +462,18 @@ def build_sparse_attn_fp8(d: Dims, phase: str, g, device):
     return out
 
 
+def build_q_norm_sparse_attn_fp8(d: Dims, phase: str, g, device):
+    """The FP8-layout case with q as wq_b leaves it, per-head magnitudes 2^-6..2^6, normed (official_q) and rotated
+    inside the op, the output's RoPE removed (decode's form)."""
+    v = build_sparse_attn_fp8(d, phase, g, "cpu")[0]
+    q, packed, sink, idx, scale, rd = v.args
+    q = (q.float() * torch.exp2(torch.randint(-6, 7, (*q.shape[:3], 1), generator=g).float())).bfloat16()
+    ang = torch.rand(*q.shape[:2], rd // 2, generator=g) * 6.283
+    rope = (ang.cos().to(device), ang.sin().to(device))
+    return [Variant(v.name + "_q_norm", (q.to(device), packed.to(device), sink.to(device), idx.to(device), scale, rd,
+                                         1e-6, "official_q", rope), {})]
+
+
 def build_kv_unpack(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     packed = kv_pack(_kv_entries(g, (B, S), d), d.rope_dim)

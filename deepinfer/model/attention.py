@@ -274,13 +274,17 @@ class Attention:
         if csa:
             with b_top:
                 slots = self.select_decode(x, qr, ctx, w=w_ix, early=b_keys)
-        q = self.q_heads(qr, cos, sin)
+        # the FP8 cache's attention op takes wq_b's output and norms it as it loads q (`q_norm_sparse_attn_fp8`:
+        # one launch fewer on the critical path); a debug capture taps the normed q, so it runs the two ops
+        fused_q = self.fp8_kv and not is_active()
+        q = self.q_raw(qr) if fused_q else self.q_heads(qr, cos, sin)
         if csa:
             kv = self.kv_decode(kva, ctx, cos, sin)
             self.compressor.decode(x, ctx)
         if is_active():  # debug capture: no lane is on a side stream, kv is ready
             self.tap_qkv(q, kv, ctx)
-        return self.attend_decode(q, ctx, slots, (cos, sin), branches=(b_entry, b_keys, b_top, b_kv))
+        return self.attend_decode(q, ctx, slots, (cos, sin), branches=(b_entry, b_keys, b_top, b_kv),
+                                  q_normed=not fused_q)
 
     # ---------------------------------------------------------------------------------- sub-steps
     def project(self, x: torch.Tensor, xq: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,11 +304,14 @@ class Attention:
             return qr, qrq
         return ops.rms_norm(qa, self.q_norm, self.eps), None
 
+    def q_raw(self, qr: tuple) -> torch.Tensor:
+        """wq_b(qr) per head, before its norm -> [B, S, H, hd]."""
+        return self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
+
     def q_heads(self, qr: tuple, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """wq_b(qr) -> per-head unweighted RMSNorm (rounded as each numerics' source, `head_norm`) with the
         RoPE of the last rd dims, one launch -> q [B, S, H, hd]."""
-        q = self.wq_b(*qr).unflatten(-1, (self.n_heads, self.hd))
-        return ops.rms_norm_rope(q, None, self.eps, cos, sin, self.rd, form=self.q_norm_form)
+        return ops.rms_norm_rope(self.q_raw(qr), None, self.eps, cos, sin, self.rd, form=self.q_norm_form)
 
     def kv_prefill(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
         """kv_norm with RoPE of the prompt's kv [B, S, hd] -> the cache's form of it (`_cache_form`)."""
@@ -342,19 +349,24 @@ class Attention:
             tap(self.name + ".kv", self._entries(packed, q.dtype))
 
     def attend_decode(self, q: torch.Tensor, ctx: StepContext, slots: torch.Tensor, rope: tuple,
-                      branches: tuple = ()) -> torch.Tensor:
+                      branches: tuple = (), q_normed: bool = True) -> torch.Tensor:
         """Attend straight into the cache: its rows flattened into one sequence, each query a "token" of one
         batch whose slot indices are offset to its row (row * N). Same op, same result as gathering
         kv_cache[rows] first, without copying every row's whole cache each step. This step's kv and (HCA,
         CSA) compressed entry are in the cache; `branches` that issued them (or the slots) are joined first.
         q [B, 1, H, hd], slots [1, B, K]; rope: this step's (cos, sin) [B, 1, rd/2], whose inverse the output
-        gets (in the attention op) -> [B, 1, H, hd]."""
+        gets (in the attention op) -> [B, 1, H, hd]. q_normed False (FP8 cache): q is wq_b's output per head, normed
+        and rotated by the attention op as it loads it (`q_norm_sparse_attn_fp8`)."""
         B, _, H, D = q.shape
         for br in branches:
             slots = br.join(slots)
         out_rope = tuple(t.view(1, B, -1) for t in rope)  # one "token" of the flattened batch per row
-        o = self._attend(q.view(1, B, H, D), self.kv_cache.view(1, -1, self.kv_cache.size(-1)), slots, out_rope,
-                         decode=True)
+        kv = self.kv_cache.view(1, -1, self.kv_cache.size(-1))
+        if not q_normed:
+            o = ops.q_norm_sparse_attn_fp8(q.view(1, B, H, D), kv, self.sink, slots, self.scale, self.rd, self.eps,
+                                           self.q_norm_form, out_rope)
+        else:
+            o = self._attend(q.view(1, B, H, D), kv, slots, out_rope, decode=True)
         return o.view(B, 1, H, D)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:

@@ -552,6 +552,25 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     return o
 
 
+@defop("q_norm_sparse_attn_fp8", tol={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def q_norm_sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                           rope_dim: int, eps: float, form: str, rope: tuple) -> torch.Tensor:
+    """Decode's q head norm and sparse attention in one op: `sparse_attn_fp8(rms_norm_rope(q, None, eps, *rope,
+    rope_dim, form), kv, sink, idx, scale, rope_dim, out_rope=rope)`.
+
+    q [B, S, H, D]: wq_b's output per head, before its unweighted norm (`head_norm`'s `form`) and the RoPE of
+    its last rope_dim dims; rope (cos, sin) [B, S, rope_dim/2]: that RoPE, and the output's inverse one. kv,
+    sink, idx as `sparse_attn_fp8` -> [B, S, H, D]. Kernels may normalise and rotate each q tile as they load
+    it (no launch, no q round trip through memory between the two); the values are the two ops'."""
+    return _q_norm_sparse_attn_fp8(_REF, q, kv, sink, idx, scale, rope_dim, eps, form, rope)
+
+
+@composition("q_norm_sparse_attn_fp8", ("rms_norm_rope", "sparse_attn_fp8"))
+def _q_norm_sparse_attn_fp8(p, q, kv, sink, idx, scale, rope_dim, eps, form, rope) -> torch.Tensor:
+    qn = p["rms_norm_rope"](q, None, eps, *rope, rope_dim, form=form)
+    return p["sparse_attn_fp8"](qn, kv, sink, idx, scale, rope_dim, out_rope=rope)
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 @defop("hc_pre", tol={"float32": (1e-5, 1e-5)})
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -27,6 +27,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "kv_pack": _NO_KERNEL,
     "kv_unpack": _NO_KERNEL,
     "sparse_attn_fp8": _ATTN,
+    "q_norm_sparse_attn_fp8": _ATTN,
     "hc_pre": _NO_KERNEL,
     "hc_pre_quant": _NO_KERNEL,
     "hc_post": _NO_KERNEL,

@@ -42,6 +42,7 @@ from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 from ._common import INTERPRET as _INTERPRET
 from ._common import e8m0_f32, p2, pdl, pdl_wait, rows_2d
 from ._common import sms as _sms
+from .norm import rms_norm_rope as rms_norm_rope_op
 from .rope import rope as rope_op
 
 
@@ -49,9 +50,39 @@ from .rope import rope as rope_op
 
 
 @triton.jit
+def _q_head_norm_rope(x, cos_row, sin_row, D, eps, R0, HALF, FORM: tl.constexpr, BD: tl.constexpr):
+    """q tile x [BH, BD] (heads x head dim D, padded columns 0) -> `rms_norm_rope(x, None, eps, cos, sin, 2 HALF,
+    form)` of each head in x's dtype: the scale rounded where `head_norm`'s FORM rounds (1 official_q: the
+    squares, the mean, + eps and the rsqrt each in x's dtype; 2 transformers_q: the fp32 scale once), the product
+    in x's dtype, then pairs R0 .. R0 + HALF - 1 rotated with `_rms_norm_rope_kernel`'s FMAs; the other pairs
+    pass through (cos 1, sin 0: exact). The per-head sum of squares is a row reduction of the tile here and one
+    of a [D] vector there: the same terms, the fp32 sum in another order (official_q then rounds it to x's
+    dtype)."""
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    if FORM == 1:
+        m = (tl.sum((xf * xf).to(dt).to(tl.float32), 1) / D).to(dt).to(tl.float32)
+        m = (m + eps).to(dt).to(tl.float32)
+        r = tl.math.rsqrt(m).to(dt).to(tl.float32)
+    else:
+        r = tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps).to(dt).to(tl.float32)
+    y0, y1 = tl.split(tl.reshape((xf * r[:, None]).to(dt).to(tl.float32), [x.shape[0], BD // 2, 2]))
+    i = tl.arange(0, BD // 2) - R0
+    mi = (i >= 0) & (i < HALF)
+    c = tl.load(cos_row + i, mask=mi, other=1.0).to(tl.float32)
+    sn = tl.load(sin_row + i, mask=mi, other=0.0).to(tl.float32)
+    rot = tl.join(tl.fma(y0, c[None, :], -(y1 * sn[None, :])), tl.fma(y0, sn[None, :], y1 * c[None, :]))
+    return tl.reshape(rot, [x.shape[0], BD]).to(dt)
+
+
+@triton.jit
 def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr, acc_ptr, S, H, N, D, KSEL,
-                        CHUNK, scale, W, WE, ROFF, NOPE, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT: tl.constexpr, PACKED: tl.constexpr):
+                        CHUNK, scale, W, WE, ROFF, NOPE, qc_ptr, qs_ptr, QCS, QSS, QR0, QHALF, q_eps,
+                        BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+                        SPLIT: tl.constexpr, PACKED: tl.constexpr, QNORM: tl.constexpr = 0):
+    # QNORM (`q_norm_sparse_attn_fp8`; 1 official_q, 2 transformers_q): q is wq_b's output before its head norm;
+    # the tile is normalised per head and its pairs QR0 .. QR0 + QHALF - 1 rotated by the token's cos / sin rows
+    # (qc_ptr / qs_ptr, strides QCS / QSS) as it is loaded (`_q_head_norm_rope`): no q launch before this one.
     pdl_wait()
     bs = tl.program_id(0).to(tl.int64)  # b * S + s
     hb = tl.program_id(1)
@@ -62,6 +93,8 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kvr_ptr, sink_ptr, idx_ptr, o_ptr, ml_ptr
     mh = h < H
     md = d < D
     q = tl.load(q_ptr + (bs * H + h[:, None]) * D + d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
+    if QNORM > 0:
+        q = _q_head_norm_rope(q, qc_ptr + bs * QCS, qs_ptr + bs * QSS, D, q_eps, QR0, QHALF, QNORM, BD)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
@@ -217,11 +250,12 @@ def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
     return BH, BK, nw, ns, max(1, triton.cdiv(KSEL, chunk)), chunk
 
 
-def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope=None):
+def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope=None, q_norm=None):
     """Both ops: kv [B, N, D] entries, or (packed) uint8 [B, N, W] FP8-layout rows with kvr the same storage
     viewed in q's dtype and packed = (W, W in q elements, rope offset in q elements, no-RoPE dims).
     out_rope (cos, sin, rd): the output's last rd dims de-rotated -- in the combine launch when the slots are
-    split (decode), else by the rope kernel in place after the attention."""
+    split (decode), else by the rope kernel in place after the attention. q_norm (eps, FORM): q is wq_b's
+    output, head-normed and rotated (by out_rope's cos / sin) in the attention kernel as it loads it."""
     B, S, H, D = q.shape
     KSEL = idx.size(-1)
     o = torch.empty_like(q)
@@ -233,9 +267,15 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope
     meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, num_warps=nw,
                 num_stages=ns)
     kvr = kv if kvr is None else kvr
+    qn = (q, q, 0, 0, 0, 0, 0.0)  # no q norm: pointers never read
+    if q_norm is not None:
+        cos, sin, rd = out_rope
+        cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows of the gathered tables
+        qn = (cos, sin, cos.stride(0), sin.stride(0), (D - rd) // 2, rd // 2, float(q_norm[0]))
+        meta["QNORM"] = q_norm[1]
     if splits == 1:
         _sparse_attn_kernel[(B * S, hbs, 1)](q, kv, kvr, sink, idx, o, o, o, S, H, N, D, KSEL, max(KSEL, 1),
-                                             float(scale), *packed, **meta, **pdl())
+                                             float(scale), *packed, *qn, **meta, **pdl())
         if out_rope is not None:
             cos, sin, rd = out_rope
             tail = o[..., D - rd:]
@@ -244,7 +284,7 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope
     ml = torch.empty(splits, B * S, H, 2, dtype=torch.float32, device=q.device)
     acc = torch.empty(splits, B * S, H, D, dtype=torch.float32, device=q.device)
     _sparse_attn_kernel[(B * S, hbs, splits)](q, kv, kvr, sink, idx, o, ml, acc, S, H, N, D, KSEL, chunk,
-                                              float(scale), *packed, **meta, **pdl())
+                                              float(scale), *packed, *qn, **meta, **pdl())
     BHc, BSP = _combine_tiles(splits, H, BD)
     rope = (o, o, 0, 0, 0, 0)
     if out_rope is not None:
@@ -279,6 +319,28 @@ def sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     ieee = q.dtype == torch.float32 or _INTERPRET
     return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed,
                    None if out_rope is None else (*out_rope, rope_dim))
+
+
+_Q_FORMS = {"official_q": 1, "transformers_q": 2}
+
+
+@implement("q_norm_sparse_attn_fp8", "triton")
+def q_norm_sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                           rope_dim: int, eps: float, form: str, rope: tuple) -> torch.Tensor:
+    """The q head norm with its RoPE in the attention kernel's q load (`_q_head_norm_rope`): one launch fewer
+    on every layer's decode critical path. The module form (fp32 q norms of the reference's RMSNorm) and
+    head dims past one tile run the two ops."""
+    D = q.size(-1)
+    W = kv_packed_width(D, rope_dim, q.dtype)
+    if form not in _Q_FORMS or kv.dtype != torch.uint8 or kv.size(-1) != W or D != max(16, p2(D)) or q.numel() == 0:
+        qn = rms_norm_rope_op(q, None, eps, *rope, rope_dim, form=form)
+        return sparse_attn_fp8(qn, kv, sink, idx, scale, rope_dim, out_rope=rope)
+    q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()
+    es = q.element_size()
+    packed = (W, W // es, kv_rope_offset(D, rope_dim) // es, D - rope_dim)
+    ieee = q.dtype == torch.float32 or _INTERPRET
+    return _launch(q, kv, kv.view(q.dtype), sink, idx, scale, kv.size(1), ieee, packed, (*rope, rope_dim),
+                   q_norm=(eps, _Q_FORMS[form]))
 
 
 @triton.jit
