@@ -57,9 +57,10 @@ def _planted(op_name: str, layer: int, factor: float):
 
 @pytest.mark.parametrize("metric", ["tokens", "logits:1e-3"])
 def test_bisect_names_the_planted_site(tiny, metric):
-    res = bisect(tiny, PROMPT, 6, metric, _planted("hc_post", 2, 1.5), "ref", "planted", "float32")
+    # layer 2's MoE post-mix (its attention's goes into the MoE pre-mix op, `hc_post_pre_quant`)
+    res = bisect(tiny, PROMPT, 6, metric, _planted("moe_combine_post", 2, 1.5), "ref", "planted", "float32")
     assert not res.agree
-    assert [(c.op, c.layer) for c in res.culprits] == [("hc_post", 2)], res.culprits
+    assert [(c.op, c.layer) for c in res.culprits] == [("moe_combine_post", 2)], res.culprits
     c = res.culprits[0]
     assert c.position is not None and c.logits_rel_err > 1e-3
     assert res.runs > 2 and res.sites > 20

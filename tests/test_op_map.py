@@ -185,3 +185,30 @@ def test_bisect_over_a_map_that_changes_nothing_agrees(tiny_dir):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output.strip().splitlines()[-1])
     assert d["agree"] and d["test"].endswith("op.rms_norm=torch")
+
+
+def test_a_site_override_of_a_part_reaches_the_fused_op():
+    """bisect / graft override ops per (name, layer): overriding hc_post at layer 2 runs hc_post_pre_quant composed
+    there, with that hc_post; other layers keep the fused op; `sited` tells the model not to defer post-mixes."""
+    import torch
+
+    seen = []
+    ref = REGISTRY["hc_post"].ref
+    d = Dispatcher().configure("torch", False, {})
+    assert not d.sited
+    d.override_sites({("hc_post", 2): lambda *a, **k: seen.append(1) or ref(*a, **k)})
+    assert d.sited
+    d.layer = 1
+    assert d.resolve("hc_post_pre_quant") is REGISTRY["hc_post_pre_quant"].ref
+    d.layer = 2
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(1, 1, 256, generator=g), torch.randn(1, 1, 4, 256, generator=g)
+    post, comb = torch.rand(1, 1, 4, generator=g), torch.rand(1, 1, 4, 4, generator=g)
+    fn, scale = torch.randn(24, 1024, generator=g) * 0.03, torch.rand(3, generator=g) + 0.5
+    base = torch.randn(24, generator=g)
+    out = d.resolve("hc_post_pre_quant")(x, res, post, comb, fn, scale, base, 1e-6, 1e-6, 20, None, 1e-6)
+    assert seen == [1]
+    want = REGISTRY["hc_post_pre_quant"].ref(x, res, post, comb, fn, scale, base, 1e-6, 1e-6, 20, None, 1e-6)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(out, want))
+    d.override_sites(None)
+    assert not d.sited

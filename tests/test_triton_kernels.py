@@ -949,6 +949,43 @@ def test_hc_post(seed, hc, D, dtype):
     check("hc_post", *run_both("hc_post", x, res, post, comb))
 
 
+@pytest.mark.parametrize("hc,D,T,dtype,side", [(4, 256, 1, torch.bfloat16, False), (4, 256, 1, torch.bfloat16, True),
+                                                (4, 4096, 3, torch.bfloat16, False),  # 64 splits of 256 columns
+                                                (3, 256, 2, torch.float32, False),  # hc 3: off the tiles
+                                                (4, 256, 70, torch.bfloat16, False)])  # prefill: the two ops
+def test_hc_post_pre_quant_is_hc_post_then_hc_pre_quant_bitwise(hc, D, T, dtype, side):
+    """The post-mix of the attention's output made inside the MoE pre-mix's first launch (decode sizes): the new
+    streams, y, q, s, post and comb are the bits of Triton's hc_post then hc_pre_quant, with and without a side
+    stream; the reference within the op tolerance."""
+    g = gen(9)
+    x = randn(g, T, 1, D, dtype=dtype)
+    res = randn(g, T, 1, hc, D, dtype=dtype)
+    post = (2 * torch.rand(T, 1, hc, generator=g)).to(DEV)
+    comb = torch.rand(T, 1, hc, hc, generator=g).to(DEV)
+    _, fn, base = _hc_inputs(g, hc, D, dtype, (2 + hc) * hc, 1)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = 1 + randn(g, D, scale=0.1)
+    args = (x, res, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    Side = _counting_side()
+    with poisoned():
+        out = REGISTRY["hc_post_pre_quant"].impls["triton"](*args, side=Side() if side else None)
+    assert Side.entered == (1 if side else 0)
+    h = REGISTRY["hc_post"].impls["triton"](x, res, post, comb)
+    two = (h, *REGISTRY["hc_pre_quant"].impls["triton"](h, *args[4:]))
+    assert len(out) == len(two)
+    for a, b in zip(out, two):
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
+        assert torch.equal(a, b)
+    # each stage against its reference on the same input (a last-bit difference in the streams may flip an FP8
+    # block scale downstream, so the whole chain is not compared at the FP8 tolerance)
+    check("hc_post", out[0], REGISTRY["hc_post"].ref(x, res, post, comb))
+    ref = REGISTRY["hc_pre_quant"].ref(out[0], *args[4:])
+    for i in (0, 3, 4):  # the normed y, post, comb (q, s: a y near a power-of-two block amax may move its scale)
+        check("hc_pre_quant", out[1 + i], ref[i])
+    y, q, sc = out[1].float(), out[2].float(), out[3].repeat_interleave(128, -1)
+    assert ((q * sc - y).abs() <= 2.0**-4 * y.abs() + 2.0**-9 * sc).all()  # q x s: y to one e4m3 rounding
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "sqrtsoftplus"])

@@ -26,7 +26,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deepinfer_kernels.triton import attention, gemm, moe_grouped, moe_prefill, quant, sampling, speculative  # noqa: E402
+from deepinfer_kernels.triton import attention, gemm, mhc, moe_grouped, moe_prefill, quant, sampling  # noqa: E402
+from deepinfer_kernels.triton import speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -60,6 +61,10 @@ _ATTN_TYPES = {
     "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "qc_ptr": "*fp32", "qs_ptr": "*fp32", "q_eps": "fp32",
     **_ints("S", "H", "N", "D", "KSEL", "CHUNK", "W", "WE", "ROFF", "NOPE", "QCS", "QSS", "QR0", "QHALF")}
 _ATTN_CONSTS = {"BH": 16, "BK": 32, "BD": 512, "IEEE": False, "SPLIT": True, "PACKED": True}
+
+_MIX_TYPES = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "ws_ptr": "*fp32", "sub_ptr": "*bf16", "res_ptr": "*bf16",
+              "post_ptr": "*fp32", "comb_ptr": "*fp32", **_ints("R", "KD", "KCH", "NS", "HC", "D")}
+_MIX_CONSTS = {"BR": 32, "BK": 256}
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -113,6 +118,16 @@ CASES = {
     # RoPE in its q load (q_norm_sparse_attn_fp8)
     "attn_fp8_decode": lambda: _sig(attention._sparse_attn_kernel, _ATTN_TYPES, _ATTN_CONSTS),
     "attn_fp8_q_norm": lambda: _sig(attention._sparse_attn_kernel, _ATTN_TYPES, {**_ATTN_CONSTS, "QNORM": 1}),
+    # the mHC mix at decode (hc 4, D 4096: 256-column splits), and with the previous sub-layer's post-mix in it
+    # (hc_post_pre_quant); the post-mix launches themselves
+    "hc_mix": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, _MIX_CONSTS),
+    "hc_mix_post": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, {**_MIX_CONSTS, "POST": True, "BHC": 4}),
+    "hc_post": lambda: _sig(mhc._hc_post_kernel, {
+        "x_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": "*bf16",
+        **_ints("HC", "D")}, {"BHC": 4, "BD": 128}),
+    "moe_combine_post": lambda: _sig(mhc._moe_combine_post_kernel, {
+        "r_ptr": "*bf16", "s_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+        "y_ptr": "*bf16", **_ints("HC", "D", "K", "RT", "RK", "ST")}, {"BHC": 4, "BD": 128}),
     # the indexer's rotation (bf16, 128 dims), alone and with its FP4 rounding in the same kernel
     "hadamard": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
                                                       "scale": "fp32"},

@@ -171,6 +171,7 @@ COMPARE: dict[str, CompareSpec] = {
     "linear": CompareSpec(abs_args=_abs_gemm(0, 1), tc_rel=_linear_rel),  # (x, w)
     "hc_pre": CompareSpec(k_of=_hc_k),
     "hc_pre_quant": CompareSpec(k_of=_hc_k),
+    "hc_post_pre_quant": CompareSpec(k_of=lambda args: _hc_k(args[1:])),  # (x, residual [.., hc, D], ...)
 }
 
 
@@ -512,6 +513,13 @@ def build_hc_post(d: Dims, phase: str, g, device):
     comb = torch.randn(B, S, d.hc, d.hc, generator=g).softmax(-1)
     comb = (comb / comb.sum(-2, keepdim=True)).to(device)
     return [Variant("layer", (x, res, post, comb), {})]
+
+
+def build_hc_post_pre_quant(d: Dims, phase: str, g, device):
+    """The attention's post-mix into the streams, then the MoE's pre-mix of them (the fused op's two halves)."""
+    (p,) = build_hc_post(d, phase, g, device)
+    (q,) = build_hc_pre_quant(d, phase, g, device)
+    return [Variant("layer", (*p.args, *q.args[1:]), {})]
 
 
 def build_hc_head(d: Dims, phase: str, g, device):

@@ -56,14 +56,23 @@ class Block:
         (`MoE.parts`); a lane runs on a side stream only when the runner issuing the step supplies streams
         (`deepinfer.model.branch.Lanes`). The MoE's float32 sum of routed and shared rows is fused with the
         post-mix (`ops.moe_combine_post`, the bits of `moe_combine` then `hc_post`), except under a debug
-        capture, whose taps read the MoE's output, and in a speculative verify (which runs in order)."""
+        capture, whose taps read the MoE's output, and in a speculative verify (which runs in order). With FP8
+        projections the attention's post-mix is done by the MoE's pre-mix op (`ops.hc_post_pre_quant`, the
+        bits of `hc_post` then `hc_pre_quant`), which returns the new streams for the taps and the MoE's
+        post-mix."""
         decode = not ctx.prefill and ctx.pending is None
+        after = None  # the attention's output and its post / comb, post-mixed inside the MoE's pre-mix op
         for sub in ("attn", "ffn"):
-            tap(f"{self.name}.hc_{sub}.in", h)
+            if after is None:
+                tap(f"{self.name}.hc_{sub}.in", h)
             br = fork(h, on=decode, lane="hc")
-            x, xq, post, comb = self.mix_in(sub, h, ctx, side=br if br.active else None)
+            h, x, xq, post, comb = self.mix_in(sub, h, ctx, side=br if br.active else None, after=after)
             if sub == "attn":
                 x = self.attn(x, ctx, xq)
+                if self.quant_in:  # hc_post goes into the MoE's pre-mix (`ops.hc_post_pre_quant`)
+                    tap(f"{self.name}.attn.out", x)
+                    after = (x, *br.join(post, comb))
+                    continue
             else:
                 routed, shared = self.ffn.parts(x, input_ids, xq, decode=decode)
                 if x.dtype == h.dtype and ctx.pending is None and not is_active():  # sum + post-mix, one launch
@@ -75,25 +84,35 @@ class Block:
             tap(f"{self.name}.hc_{sub}.out", h)
         return h
 
-    def mix_in(self, sub: str, h: torch.Tensor, ctx: StepContext, side=None) -> tuple:
-        """The mHC pre-mix of sub-layer `sub` ("attn" | "ffn") and its RMSNorm: h [B, S, hc, D] -> (x [B, S, D],
+    def mix_in(self, sub: str, h: torch.Tensor, ctx: StepContext, side=None, after: tuple | None = None) -> tuple:
+        """The mHC pre-mix of sub-layer `sub` ("attn" | "ffn") and its RMSNorm: h [B, S, hc, D] -> (h, x [B, S, D],
         xq: x's act_quant (FP8 projections; None otherwise), post [B, S, hc], comb [B, S, hc, hc]).
-        side: a `Branch` the op may compute post and comb on (read them after joining it)."""
+        side: a `Branch` the op may compute post and comb on (read them after joining it). after (the previous
+        sub-layer's output, post, comb; FP8 projections): h is first post-mixed with it, in the same op
+        (`hc_post_pre_quant`: one launch fewer at decode), and the new streams are returned as h."""
         c = self.cfg
         hcp, norm = (self.hc_attn, self.attn_norm) if sub == "attn" else (self.hc_ffn, self.ffn_norm)
-        mhc = (h, hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        mhc = (hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         xq = None
         if self.quant_in:  # the collapse, the norm and its FP8 form in one op; for the FP4 experts of a
             # one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
             split = sub == "ffn" and self.ffn.wants_split(h.size(0) * h.size(1))
-            x, *xq, post, comb = ops.hc_pre_quant(*mhc, norm, c.norm_eps, side=side, split=split)
+            if after is not None:
+                h, x, *xq, post, comb = ops.hc_post_pre_quant(*after[:1], h, *after[1:], *mhc, norm, c.norm_eps,
+                                                               side=side, split=split)
+                prev = "attn" if sub == "ffn" else "ffn"
+                tap(f"{self.name}.hc_{prev}.out", h)
+                tap(f"{self.name}.hc_{sub}.in", h)
+            else:
+                x, *xq, post, comb = ops.hc_pre_quant(h, *mhc, norm, c.norm_eps, side=side, split=split)
         else:
-            x, post, comb = ops.hc_pre(*mhc, side=side)
+            assert after is None, "the fused post-mix is the FP8 projections' form"
+            x, post, comb = ops.hc_pre(h, *mhc, side=side)
             x = ops.rms_norm(x, norm, c.norm_eps)
         tap(f"{self.name}.hc_{sub}.post", post)
         tap(f"{self.name}.hc_{sub}.comb", comb)
         tap(f"{self.name}.{sub}.in", x)
-        return x, xq, post, comb
+        return h, x, xq, post, comb
 
 
 class Head:

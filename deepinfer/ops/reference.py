@@ -623,6 +623,25 @@ def _hc_pre_quant(p, x, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, s
     return (*p["rms_norm_quant"](y, weight, eps, split=split), post, comb)
 
 
+@defop("hc_post_pre_quant", tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
+                      weight: torch.Tensor | None, eps: float, side=None, split: bool = False) -> tuple:
+    """One sub-layer's mHC post-mix and the next one's pre-mix with its norm and FP8 form, in one op: h =
+    `hc_post(x, residual, post, comb)`, then `hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps,
+    side, split)` -> (h [B, S, hc, D], y, q, s[, the split form], post', comb'). Kernels may write h inside the
+    pre-mix's first launch (no launch, no boundary between the two at decode); the values are the two ops'."""
+    return _hc_post_pre_quant(_REF, x, residual, post, comb, fn, scale, base, norm_eps, hc_eps, iters, weight, eps,
+                              side, split)
+
+
+@composition("hc_post_pre_quant", ("hc_post", "hc_pre_quant"))
+def _hc_post_pre_quant(p, x, residual, post, comb, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side=None,
+                       split: bool = False) -> tuple:
+    h = p["hc_post"](x, residual, post, comb)
+    return (h, *p["hc_pre_quant"](h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side=side, split=split))
+
+
 @defop("hc_post")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """mHC post-mix: new stream k = post_k · x + Σ_j comb[j, k] · residual_j (comb transposed).

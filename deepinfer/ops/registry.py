@@ -437,9 +437,22 @@ class Dispatcher:
 
     def override_sites(self, sites: dict | None) -> None:
         """Run op `name` at layer `layer` with sites[(name, layer)] (a callable with the op's signature)
-        wherever given; None restores plain dispatch."""
+        wherever given; a fused op one of whose parts is given at its layer runs composed from its parts there
+        (`hc_post` at layer 2 reaches the `hc_post_pre_quant` that computes it). None restores plain dispatch."""
         self._sites = dict(sites) if sites else None
         self._siting = self._sites is not None or self._seen is not None or self._counts is not None
+
+    def _part_sited(self, name: str) -> bool:
+        """Is a part of fused op `name` (or of a fused part, recursively) overridden at the current layer?"""
+        if name not in COMPOSITIONS:
+            return False
+        return any((part, self.layer) in self._sites or self._part_sited(part) for part in COMPOSITIONS[name][0])
+
+    @property
+    def sited(self) -> bool:
+        """Sites are overridden or recorded (`override_sites`, `record_sites`: bisect, graft): the model then keeps
+        each op at its own layer (no block's post-mix is deferred into the next block's launch)."""
+        return self._sites is not None or self._seen is not None
 
     def record_sites(self, on: bool = True) -> set | None:
         """Start (on) or stop recording the (op, layer) sites called; stopping returns them."""
@@ -474,6 +487,10 @@ class Dispatcher:
             fn = self._sites.get((name, self.layer)) if self._sites is not None else None
             if fn is not None:
                 return fn
+            if self._sites is not None and self._part_sited(name):  # a part overridden here: the fused op
+                parts, comp = COMPOSITIONS[name]  # runs composed, the part as the site says
+                p = {part: self.resolve(part) for part in parts}
+                return lambda *args, _p=p, _comp=comp, **kwargs: _comp(_p, *args, **kwargs)
         key = (name, self.phase) if name in self._phased else name
         fn = self._cache.get(key)
         if fn is not None:

@@ -31,6 +31,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "hc_pre": _NO_KERNEL,
     "hc_pre_quant": _NO_KERNEL,
     "hc_post": _NO_KERNEL,
+    "hc_post_pre_quant": _NO_KERNEL,
     "hc_head": _NO_KERNEL,
     "moe_route": _NO_KERNEL,
     "swiglu": _NO_KERNEL,

@@ -39,8 +39,27 @@ from ._common import unit_last_stride
 
 
 @triton.jit
-def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: tl.constexpr):
-    """ws[t, s, r] = sum over k in split s of fn[r, k] * x[t, k] (r < R); ws[t, s, R] = sum x^2."""
+def _post_value(x, post_k, comb_col, res_col, m, HC, D, BHC: tl.constexpr):
+    """The post-mix of one new stream k at some columns: post_k x + sum_j comb[j, k] res_j, fp32, the j terms in
+    order as explicit FMAs -- one expression wherever it runs (`_post_mix`, and the mix kernel's POST form, which
+    gathers comb[j, k] per element), so the same bits. x, post_k [..] fp32; comb_col: pointers to comb[0, k]
+    (comb[j, k] at + j HC); res_col: pointers to res_0 at the columns (res_j at + j D); m: the valid ones."""
+    mixed = tl.zeros_like(x)
+    for j in tl.static_range(BHC):
+        mj = m & (j < HC)
+        c = tl.load(comb_col + j * HC, mask=mj, other=0.0).to(tl.float32)
+        r = tl.load(res_col + j * D, mask=mj, other=0.0).to(tl.float32)
+        mixed = tl.fma(c, r, mixed)
+    return tl.fma(post_k, x, mixed)
+
+
+@triton.jit
+def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, sub_ptr, res_ptr, post_ptr, comb_ptr, HC, D,
+                   BR: tl.constexpr, BK: tl.constexpr, POST: tl.constexpr = False, BHC: tl.constexpr = 1):
+    """ws[t, s, r] = sum over k in split s of fn[r, k] * x[t, k] (r < R); ws[t, s, R] = sum x^2.
+    POST (`hc_post_pre_quant`): x is first made here -- the previous sub-layer's post-mix of its output sub [T, D]
+    into the streams res [T, HC, D] with its post / comb (`_post_value`, as `hc_post`), stored to x_ptr in its
+    dtype and mixed as that stored value: one launch where hc_post and this one took two."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -52,7 +71,17 @@ def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, BR: tl.constexpr, BK: 
     for k0 in range(k_lo, k_lo + KCH, BK):
         kk = (k0 + tl.arange(0, BK)).to(tl.int64)
         mk = kk < KD
-        x = tl.load(x_ptr + t * KD + kk, mask=mk, other=0.0).to(tl.float32)
+        if POST:  # column kk is stream kk // D at d = kk % D
+            hk = kk // D
+            dd = kk % D
+            sub = tl.load(sub_ptr + t * D + dd, mask=mk, other=0.0).to(tl.float32)
+            pk = tl.load(post_ptr + t * HC + hk, mask=mk, other=0.0).to(tl.float32)
+            y = _post_value(sub, pk, comb_ptr + t * HC * HC + hk, res_ptr + t * KD + dd, mk, HC, D, BHC)
+            y = y.to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + t * KD + kk, y, mask=mk)
+            x = y.to(tl.float32)
+        else:
+            x = tl.load(x_ptr + t * KD + kk, mask=mk, other=0.0).to(tl.float32)
         ss += x * x
         f = tl.load(fn_ptr + r[:, None] * KD + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
         acc += f.to(tl.float32) * x[None, :]
@@ -195,11 +224,13 @@ the fastest of the 1-4 warp settings tried at decode sizes (docs/perf-log.md, "F
 `wo_a`, LM head tiles" and "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 
-def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
+def _mix(xc, T, HC, D, R, fn, post_in=None) -> tuple[torch.Tensor, int, bool]:
     """The mix launch: -> (ws [T, ns, R + 1] split-K partials, ns, tiled). Below `TILE_TOKENS` a token's
-    partials are the same bits at every T (ns is one token's split); from it on the token-tiled kernel's."""
+    partials are the same bits at every T (ns is one token's split); from it on the token-tiled kernel's.
+    post_in (sub [T, D], res, post, comb; decode sizes only): xc is first written as `hc_post` of them."""
     KD = HC * D
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
+    assert post_in is None or not tiled, "the post-mix goes into the decode-sized mix only"
     BT = 64 if tiled else 1
     BR = max(16, p2(R)) if tiled else p2(R)
     BK = 64 if tiled else max(16, min(p2(KD), MIX_TILE // BR))
@@ -212,7 +243,9 @@ def _mix(xc, T, HC, D, R, fn) -> tuple[torch.Tensor, int, bool]:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
                                                        X_TF32=tf32_exact(xc), **pdl())
     else:
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, BR=BR, BK=BK, **pdl())
+        post = (xc, xc, xc, xc, 0, 0) if post_in is None else (*post_in, HC, D)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, *post, BR=BR, BK=BK, POST=post_in is not None,
+                                BHC=p2(HC), **pdl())
     return ws, ns, tiled
 
 
@@ -248,10 +281,11 @@ def _comb(args: tuple, meta: dict, T: int, ws: torch.Tensor, side) -> None:
         _hc_apply_kernel[(T, 1)](*args, APPLY=False, **meta, **pdl())
 
 
-def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full, side=None):
+def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, full, side=None,
+                   post_in=None):
     T = y.numel() // D
     R = (2 + HC) * HC if full else HC
-    ws, ns, tiled = _mix(xc, T, HC, D, R, fn)
+    ws, ns, tiled = _mix(xc, T, HC, D, R, fn, post_in)
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
     meta = _apply_meta(HC, R, D, ns, tiled, full)
     grid = (T, triton.cdiv(D, meta["BD"]))
@@ -290,6 +324,24 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     return (*norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
 
 
+@implement("hc_post_pre_quant", "triton")
+def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                      scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
+                      weight: torch.Tensor | None, eps: float, side=None, split: bool = False) -> tuple:
+    """Decode sizes (below `TILE_TOKENS`): the post-mix inside the mix launch (`_hc_mix_kernel`'s POST form), so
+    the attention's hc_post and the MoE's pre-mix take one launch fewer on the critical path; the streams, y, q, s,
+    post and comb are the bits of `hc_post` then `hc_pre_quant`. Prefill sizes run the two."""
+    B, S, HC, D = residual.shape
+    if B * S == 0 or B * S >= TILE_TOKENS:
+        h = hc_post(x, residual, post, comb)
+        return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
+    h = torch.empty(B, S, HC, D, dtype=x.dtype, device=x.device)  # hc_post's output, written by the mix
+    hc, fn, scale, base, y, post2, comb2 = _pre_buffers(h, fn, scale, base)
+    post_in = (x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
+    _mix_and_apply(hc, fn, scale, base, y, post2, comb2, HC, D, norm_eps, hc_eps, iters, True, side, post_in)
+    return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post2, comb2)
+
+
 @implement("hc_head", "triton")
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_eps: float, hc_eps: float) -> torch.Tensor:
@@ -305,18 +357,14 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 @triton.jit
 def _post_mix(x, res_ptr, post_ptr, comb_ptr, y_ptr, t, d, md, HC, D, BHC: tl.constexpr):
-    """New streams of token t at columns d from the sub-layer output x [BD] (fp32): post_k x + Σ_j comb[j, k] res_j."""
-    j = tl.arange(0, BHC)
-    mj = j < HC
-    post = tl.load(post_ptr + t * HC + j, mask=mj, other=0.0).to(tl.float32)
-    comb = tl.load(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], mask=mj[:, None] & mj[None, :],
-                   other=0.0).to(tl.float32)  # [j, k]
-    res = tl.load(res_ptr + (t * HC + j[:, None]) * D + d[None, :], mask=mj[:, None] & md[None, :],
-                  other=0.0).to(tl.float32)  # [j, d]
-    mixed = tl.sum(comb[:, :, None] * res[:, None, :], 0)  # [k, d]
-    y = post[:, None] * x[None, :] + mixed
-    tl.store(y_ptr + (t * HC + j[:, None]) * D + d[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=mj[:, None] & md[None, :])
+    """New streams of token t at columns d from the sub-layer output x [BD] (fp32): post_k x + Σ_j comb[j, k] res_j
+    (`_post_value`, stream by stream)."""
+    for k in tl.static_range(BHC):  # stream k of the D block, `_post_value`'s expression
+        mk = md & (k < HC)
+        kd = d * 0 + k  # k at every column: the gathers `_post_value` makes (one address each)
+        pk = tl.load(post_ptr + t * HC + kd, mask=mk, other=0.0).to(tl.float32)
+        y = _post_value(x, pk, comb_ptr + t * HC * HC + kd, res_ptr + t * HC * D + d, mk, HC, D, BHC)
+        tl.store(y_ptr + (t * HC + k) * D + d, y.to(y_ptr.dtype.element_ty), mask=mk)
 
 
 @triton.jit
