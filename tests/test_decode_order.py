@@ -73,6 +73,38 @@ def test_decode_attention_norms_q_itself_with_the_taps_values(backend, tiny_dir)
     assert torch.equal(fused, apart)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_post_mixes_in_the_next_launch_give_the_plain_bits(backend, tiny_dir):
+    """FP8 projections: the attention's post-mix runs inside the MoE's pre-mix op, and each block's MoE post-mix
+    inside the next block's attention pre-mix op (the last block's inside the hc head's): one op per boundary.
+    With sites recorded (bisect, graft: every op at its own layer) each runs as its own op. Same logits, bit for
+    bit, prefill and decode (Triton: its interpreter)."""
+    from deepinfer.ops import ops
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ops.configure(backend)
+    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
+    ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(8))
+    ops.count_calls(True)
+    try:
+        fused = _steps(lm.model, ids, n=2)
+    finally:
+        counts = ops.count_calls(False)
+    L = lm.cfg.n_layers
+    assert counts.get("hc_post_pre_quant") == 3 * L and counts.get("moe_combine_post_head") == 2, counts
+    assert counts.get("moe_combine_post_pre_quant") == 3 * (L - 1) and "hc_post" not in counts, counts
+    ops.record_sites(True)
+    try:
+        apart = _steps(lm.model, ids, n=2)
+    finally:
+        seen = ops.record_sites(False)
+    assert ("moe_combine_post", L - 1) in seen and ("hc_post_pre_quant", 0) in seen
+    assert not any(op in ("moe_combine_post_pre_quant", "moe_combine_post_head") for op, _ in seen)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, apart)
+
+
 def test_fork_needs_the_runners_lanes(monkeypatch):
     """An enabled fork outside `Lanes.issuing` stays on the current stream; inside, it takes the lane's stream
     (stream creation faked: no CUDA here)."""

@@ -986,6 +986,45 @@ def test_hc_post_pre_quant_is_hc_post_then_hc_pre_quant_bitwise(hc, D, T, dtype,
     assert ((q * sc - y).abs() <= 2.0**-4 * y.abs() + 2.0**-9 * sc).all()  # q x s: y to one e4m3 rounding
 
 
+@pytest.mark.parametrize("op", ["moe_combine_post_pre_quant", "moe_combine_post_head"])
+@pytest.mark.parametrize("hc,D,T,k,side", [(4, 256, 1, 6, False), (4, 256, 1, 6, True), (4, 4096, 2, 6, False),
+                                          (3, 256, 3, 1, False),  # k = 1: rows already summed (expert parallel)
+                                          (4, 256, 70, 6, False)])  # prefill: the two ops
+def test_moe_post_into_the_next_mix_is_the_two_ops_bitwise(op, hc, D, T, k, side):
+    """A block's MoE output summed and post-mixed inside the next pre-mix's (or the hc head's) first launch at
+    decode sizes: every output the bits of Triton's moe_combine_post then hc_pre_quant (hc_head); the routed rows
+    read through strides (a [T, k, D] view of wider rows)."""
+    head = op == "moe_combine_post_head"
+    if head and side:
+        pytest.skip("the head has no Sinkhorn to put on a side stream")
+    g = gen(10)
+    routed = randn(g, T, k, D + 64, scale=0.1, dtype=torch.bfloat16)[..., :D]  # strided rows (the model's scale)
+    shared = randn(g, T, D, scale=0.1, dtype=torch.bfloat16)
+    res = randn(g, T, 1, hc, D, dtype=torch.bfloat16)
+    post = (2 * torch.rand(T, 1, hc, generator=g)).to(DEV)
+    comb = torch.rand(T, 1, hc, hc, generator=g).to(DEV)
+    R = hc if head else (2 + hc) * hc
+    _, fn, base = _hc_inputs(g, hc, D, torch.bfloat16, R, 1)
+    scale = (torch.rand(1 if head else 3, generator=g) + 0.5).to(DEV)
+    rest = (fn, scale, base, 1e-6, 1e-6) if head else (fn, scale, base, 1e-6, 1e-6, 20, 1 + randn(g, D, scale=0.1),
+                                                       1e-6)
+    Side = _counting_side()
+    kw = {"side": Side()} if side else {}
+    with poisoned():
+        out = REGISTRY[op].impls["triton"](routed, shared, res, post, comb, *rest, **kw)
+    assert Side.entered == (1 if side else 0)
+    h = REGISTRY["moe_combine_post"].impls["triton"](routed, shared, res, post, comb)
+    second = REGISTRY["hc_head" if head else "hc_pre_quant"].impls["triton"](h, *rest)
+    two = (h, second) if head else (h, *second)
+    assert len(out) == len(two)
+    for a, b in zip(out, two):
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
+        assert torch.equal(a, b)
+    check("moe_combine_post", out[0], REGISTRY["moe_combine_post"].ref(routed, shared, res, post, comb))
+    if head:
+        check("hc_head", out[1], REGISTRY["hc_head"].ref(out[0], *rest))
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "sqrtsoftplus"])

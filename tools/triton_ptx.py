@@ -63,7 +63,8 @@ _ATTN_TYPES = {
 _ATTN_CONSTS = {"BH": 16, "BK": 32, "BD": 512, "IEEE": False, "SPLIT": True, "PACKED": True}
 
 _MIX_TYPES = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "ws_ptr": "*fp32", "sub_ptr": "*bf16", "res_ptr": "*bf16",
-              "post_ptr": "*fp32", "comb_ptr": "*fp32", **_ints("R", "KD", "KCH", "NS", "HC", "D")}
+              "post_ptr": "*fp32", "comb_ptr": "*fp32", "sh_ptr": "*bf16",
+              **_ints("R", "KD", "KCH", "NS", "HC", "D", "K", "RT", "RK", "ST")}
 _MIX_CONSTS = {"BR": 32, "BK": 256}
 
 CASES = {
@@ -121,7 +122,8 @@ CASES = {
     # the mHC mix at decode (hc 4, D 4096: 256-column splits), and with the previous sub-layer's post-mix in it
     # (hc_post_pre_quant); the post-mix launches themselves
     "hc_mix": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, _MIX_CONSTS),
-    "hc_mix_post": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, {**_MIX_CONSTS, "POST": True, "BHC": 4}),
+    "hc_mix_post": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, {**_MIX_CONSTS, "POST": 1, "BHC": 4}),
+    "hc_mix_moe_post": lambda: _sig(mhc._hc_mix_kernel, _MIX_TYPES, {**_MIX_CONSTS, "POST": 2, "BHC": 4}),
     "hc_post": lambda: _sig(mhc._hc_post_kernel, {
         "x_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": "*bf16",
         **_ints("HC", "D")}, {"BHC": 4, "BD": 128}),

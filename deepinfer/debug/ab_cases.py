@@ -172,6 +172,8 @@ COMPARE: dict[str, CompareSpec] = {
     "hc_pre": CompareSpec(k_of=_hc_k),
     "hc_pre_quant": CompareSpec(k_of=_hc_k),
     "hc_post_pre_quant": CompareSpec(k_of=lambda args: _hc_k(args[1:])),  # (x, residual [.., hc, D], ...)
+    "moe_combine_post_pre_quant": CompareSpec(k_of=lambda args: _hc_k(args[2:])),  # (routed, shared, residual, ...)
+    "moe_combine_post_head": CompareSpec(k_of=lambda args: _hc_k(args[2:])),
 }
 
 
@@ -515,11 +517,45 @@ def build_hc_post(d: Dims, phase: str, g, device):
     return [Variant("layer", (x, res, post, comb), {})]
 
 
+def _grid(g, shape, device, steps: int = 64, unit: float = 2.0 ** -6) -> torch.Tensor:
+    """bf16 values on a coarse grid (integers |n| <= steps times `unit`): sums of a few products of them with
+    `_post_grid`'s post / comb are exact in float32, so the streams a post-mix writes are the same bits however
+    its terms are ordered -- the fused post-mix ops' second halves then compare as their own ops do, not through
+    a last-bit flip of a stream element moving a mix (or an FP8 block scale) downstream."""
+    return (torch.randint(-steps, steps + 1, shape, generator=g).float() * unit).bfloat16().to(device)
+
+
+def _post_grid(g, B, S, hc, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """post in {0.5, 1, 1.5, 2}, comb in eighths: `_grid`'s exactness."""
+    post = torch.randint(1, 5, (B, S, hc), generator=g).float() * 0.5
+    comb = torch.randint(0, 9, (B, S, hc, hc), generator=g).float() / 8
+    return post.to(device), comb.to(device)
+
+
 def build_hc_post_pre_quant(d: Dims, phase: str, g, device):
-    """The attention's post-mix into the streams, then the MoE's pre-mix of them (the fused op's two halves)."""
-    (p,) = build_hc_post(d, phase, g, device)
+    """The attention's post-mix into the streams (`_grid` operands), then the MoE's pre-mix of them."""
+    B, S = _bs(d, phase)
     (q,) = build_hc_pre_quant(d, phase, g, device)
-    return [Variant("layer", (*p.args, *q.args[1:]), {})]
+    x, res = _grid(g, (B, S, d.dim), device), _grid(g, (B, S, d.hc, d.dim), device)
+    return [Variant("layer", (x, res, *_post_grid(g, B, S, d.hc, device), *q.args[1:]), {})]
+
+
+def _moe_rows_grid(d: Dims, phase: str, g, device) -> tuple:
+    B, S = _bs(d, phase)
+    routed, shared = _grid(g, (B * S, d.topk, d.dim), device), _grid(g, (B * S, d.dim), device)
+    return routed, shared, _grid(g, (B, S, d.hc, d.dim), device), *_post_grid(g, B, S, d.hc, device)
+
+
+def build_moe_combine_post_pre_quant(d: Dims, phase: str, g, device):
+    """A block's MoE output into its streams (`_grid` operands), then the next block's attention pre-mix."""
+    (q,) = build_hc_pre_quant(d, phase, g, device)
+    return [Variant("layer", (*_moe_rows_grid(d, phase, g, device), *q.args[1:]), {})]
+
+
+def build_moe_combine_post_head(d: Dims, phase: str, g, device):
+    """The last block's MoE output into its streams (`_grid` operands), then the hc head's collapse."""
+    (q,) = build_hc_head(d, phase, g, device)
+    return [Variant("last_layer", (*_moe_rows_grid(d, phase, g, device), *q.args[1:]), {})]
 
 
 def build_hc_head(d: Dims, phase: str, g, device):

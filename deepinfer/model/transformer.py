@@ -48,8 +48,13 @@ class Block:
         self.quant_in = self.attn.wq_a.fmt != "float"
 
     def __call__(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor) -> torch.Tensor:
-        """h [B, S, hc, D] streams -> [B, S, hc, D]: for attention then the MoE, the mHC pre-mix (collapse
-        to one stream, RMSNorm), the sub-layer, the mHC post-mix back into the streams.
+        """h [B, S, hc, D] streams -> [B, S, hc, D] (`run`, every post-mix done here)."""
+        return self.run(h, ctx, input_ids)[0]
+
+    def run(self, h: torch.Tensor, ctx: StepContext, input_ids: torch.Tensor, after: tuple | None = None,
+            defer: bool = False) -> tuple[torch.Tensor, tuple | None]:
+        """h [B, S, hc, D] streams -> (h, None) or, defer, (h, after): for attention then the MoE, the mHC
+        pre-mix (collapse to one stream, RMSNorm), the sub-layer, the mHC post-mix back into the streams.
 
         The one order of a block. At decode (not a speculative verify), the Sinkhorn rounds of post and comb
         are forked onto the "hc" lane, joined at the post-mix, and the MoE forks its shared expert
@@ -59,37 +64,45 @@ class Block:
         capture, whose taps read the MoE's output, and in a speculative verify (which runs in order). With FP8
         projections the attention's post-mix is done by the MoE's pre-mix op (`ops.hc_post_pre_quant`, the
         bits of `hc_post` then `hc_pre_quant`), which returns the new streams for the taps and the MoE's
-        post-mix."""
+        post-mix.
+
+        after (tap name, a sub-layer's output, post, comb): the previous block's MoE output, its post-mix into h
+        still to do -- done by this block's attention pre-mix op (`ops.moe_combine_post_pre_quant`). defer (FP8
+        projections, the fused MoE post-mix): this block's MoE output is returned that way instead of mixed
+        into h, for the next block (or the head: `ops.moe_combine_post_head`) to do in its first launch."""
         decode = not ctx.prefill and ctx.pending is None
-        after = None  # the attention's output and its post / comb, post-mixed inside the MoE's pre-mix op
         for sub in ("attn", "ffn"):
             if after is None:
                 tap(f"{self.name}.hc_{sub}.in", h)
             br = fork(h, on=decode, lane="hc")
             h, x, xq, post, comb = self.mix_in(sub, h, ctx, side=br if br.active else None, after=after)
+            after = None
             if sub == "attn":
                 x = self.attn(x, ctx, xq)
                 if self.quant_in:  # hc_post goes into the MoE's pre-mix (`ops.hc_post_pre_quant`)
                     tap(f"{self.name}.attn.out", x)
-                    after = (x, *br.join(post, comb))
+                    after = (f"{self.name}.hc_attn.out", x, *br.join(post, comb))
                     continue
             else:
                 routed, shared = self.ffn.parts(x, input_ids, xq, decode=decode)
                 if x.dtype == h.dtype and ctx.pending is None and not is_active():  # sum + post-mix, one launch
+                    if defer and self.quant_in:  # into the next pre-mix's (or the head's) first launch
+                        return h, (f"{self.name}.hc_ffn.out", (routed, shared), *br.join(post, comb))
                     h = ops.moe_combine_post(routed, shared, h, *br.join(post, comb))
                     continue
                 x = ops.moe_combine(routed, shared, x.dtype).view(x.shape)
             tap(f"{self.name}.{sub}.out", x)
             h = ops.hc_post(x, h, *br.join(post, comb))
             tap(f"{self.name}.hc_{sub}.out", h)
-        return h
+        return h, None
 
     def mix_in(self, sub: str, h: torch.Tensor, ctx: StepContext, side=None, after: tuple | None = None) -> tuple:
         """The mHC pre-mix of sub-layer `sub` ("attn" | "ffn") and its RMSNorm: h [B, S, hc, D] -> (h, x [B, S, D],
         xq: x's act_quant (FP8 projections; None otherwise), post [B, S, hc], comb [B, S, hc, hc]).
-        side: a `Branch` the op may compute post and comb on (read them after joining it). after (the previous
-        sub-layer's output, post, comb; FP8 projections): h is first post-mixed with it, in the same op
-        (`hc_post_pre_quant`: one launch fewer at decode), and the new streams are returned as h."""
+        side: a `Branch` the op may compute post and comb on (read them after joining it). after (tap name, the
+        previous sub-layer's output -- the attention's x, or the MoE's (routed, shared) rows --, post, comb; FP8
+        projections): h is first post-mixed with it, in the same op (`hc_post_pre_quant`,
+        `moe_combine_post_pre_quant`: one launch fewer at decode), and the new streams are returned as h."""
         c = self.cfg
         hcp, norm = (self.hc_attn, self.attn_norm) if sub == "attn" else (self.hc_ffn, self.ffn_norm)
         mhc = (hcp.fn, hcp.scale, hcp.base, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
@@ -98,15 +111,21 @@ class Block:
             # one-token step also the bf16 form their GEMM reads (`MoE.wants_split`)
             split = sub == "ffn" and self.ffn.wants_split(h.size(0) * h.size(1))
             if after is not None:
-                h, x, *xq, post, comb = ops.hc_post_pre_quant(*after[:1], h, *after[1:], *mhc, norm, c.norm_eps,
-                                                               side=side, split=split)
-                prev = "attn" if sub == "ffn" else "ffn"
-                tap(f"{self.name}.hc_{prev}.out", h)
+                name, out, *pc = after
+                if isinstance(out, tuple):  # a MoE's rows: summed in the op too
+                    h, x, *xq, post, comb = ops.moe_combine_post_pre_quant(*out, h, *pc, *mhc, norm, c.norm_eps,
+                                                                           side=side, split=split)
+                else:
+                    h, x, *xq, post, comb = ops.hc_post_pre_quant(out, h, *pc, *mhc, norm, c.norm_eps, side=side,
+                                                                  split=split)
+                tap(name, h)
                 tap(f"{self.name}.hc_{sub}.in", h)
             else:
                 x, *xq, post, comb = ops.hc_pre_quant(h, *mhc, norm, c.norm_eps, side=side, split=split)
         else:
-            assert after is None, "the fused post-mix is the FP8 projections' form"
+            if after is not None:  # float projections: the post-mix as its own op first
+                h = resolve_after(h, after)
+                tap(f"{self.name}.hc_{sub}.in", h)
             x, post, comb = ops.hc_pre(h, *mhc, side=side)
             x = ops.rms_norm(x, norm, c.norm_eps)
         tap(f"{self.name}.hc_{sub}.post", post)
@@ -115,16 +134,32 @@ class Block:
         return h, x, xq, post, comb
 
 
+def resolve_after(h: torch.Tensor, after: tuple) -> torch.Tensor:
+    """A deferred post-mix (`Block.run`'s after) done as its own op: -> the new streams (tapped)."""
+    name, out, post, comb = after
+    h = ops.moe_combine_post(*out, h, post, comb) if isinstance(out, tuple) else ops.hc_post(out, h, post, comb)
+    tap(name, h)
+    return h
+
+
 class Head:
     """hc head (stream collapse) -> RMSNorm -> float32 LM head."""
 
     def __init__(self, cfg: ModelConfig, hc: HCParams, norm: torch.Tensor, weight: torch.Tensor):
         self.cfg, self.hc, self.norm, self.weight = cfg, hc, norm, weight
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, S, hc, D] -> logits [B, S, V] float32."""
+    def __call__(self, h: torch.Tensor, after: tuple | None = None) -> torch.Tensor:
+        """h [B, S, hc, D] -> logits [B, S, V] float32. after: the last block's MoE output still to post-mix into h
+        (`Block.run`), done inside the head's collapse (`ops.moe_combine_post_head`)."""
         c = self.cfg
-        x = ops.hc_head(h, self.hc.fn, self.hc.scale, self.hc.base, c.norm_eps, c.hc_eps)
+        mix = (self.hc.fn, self.hc.scale, self.hc.base, c.norm_eps, c.hc_eps)
+        if after is not None and isinstance(after[1], tuple):
+            h, x = ops.moe_combine_post_head(*after[1], h, *after[2:], *mix)
+            tap(after[0], h)
+        else:
+            if after is not None:
+                h = resolve_after(h, after)
+            x = ops.hc_head(h, *mix)
         x = ops.rms_norm(x, self.norm, c.norm_eps)
         return ops.linear(x, self.weight, out_dtype=torch.float32)  # = F.linear(x.float(), W.float())
 
@@ -232,7 +267,10 @@ class Transformer:
         ops.phase = "prefill" if prefill else "decode"  # which entry of a phase-split op map the step's ops take
         return StepContext(positions, rows, self.rope, prefill, start)
 
-    def _body(self, input_ids, ctx) -> torch.Tensor:
+    def _body(self, input_ids, ctx, defer_head: bool = False) -> tuple[torch.Tensor, tuple | None]:
+        """The embedding and the blocks -> (streams, None), or defer_head: (streams before the last block's MoE
+        post-mix, that post-mix for the head to do: `Head.__call__`'s after). Each block's MoE post-mix goes into
+        the next block's first launch (`Block.run`)."""
         tap("input_ids", input_ids)
         # the hc_mult residual streams start as copies of the embedding: one gather from the table viewed as
         # [V, hc, D] (stride 0 over hc) writes all of them, instead of an embedding then a repeat (two launches)
@@ -240,11 +278,15 @@ class Transformer:
         V, D = self.embed.shape
         table = self.embed.unsqueeze(1).expand(V, self.cfg.hc_mult, D)
         h = torch.index_select(table, 0, input_ids.reshape(-1)).view(B, S, self.cfg.hc_mult, D)
+        after = None
+        defer = not ops.sited  # bisect / graft address each block's ops at its own layer: no deferral then
         for i, layer in enumerate(self.layers):
             ops.layer = i  # the op sites of this block (`Dispatcher.override_sites`, `deepinfer bisect`)
-            h = layer(h, ctx, input_ids)
+            h, after = layer.run(h, ctx, input_ids, after, defer=defer)
         ops.layer = None
-        return h
+        if after is not None and not defer_head:
+            h, after = resolve_after(h, after), None
+        return h, after
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None, all_logits: bool = False,
@@ -258,7 +300,7 @@ class Transformer:
         rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
         positions = torch.arange(start, start + S, device=self.device).unsqueeze(0).expand(B, S)
         ctx = self._ctx(input_ids, rows, positions, prefill=True, start=int(start))
-        h = self._body(input_ids.to(self.device), ctx)
+        h, _ = self._body(input_ids.to(self.device), ctx)
         logits = self.head(h if all_logits else h[:, -1:])
         tap("logits", logits)
         return logits, h
@@ -270,8 +312,8 @@ class Transformer:
         B = input_ids.size(0)
         rows = torch.arange(B, device=self.device) if rows is None else rows.to(self.device)
         ctx = self._ctx(input_ids, rows, positions.to(self.device).view(B, 1), prefill=False)
-        h = self._body(input_ids.to(self.device), ctx)
-        logits = self.head(h)
+        h, after = self._body(input_ids.to(self.device), ctx, defer_head=True)
+        logits = self.head(h, after)
         tap("logits", logits)
         return logits
 
@@ -308,7 +350,7 @@ class Transformer:
         before until `commit` keeps a prefix of each row's tokens."""
         B, S = input_ids.shape
         ctx = self._verify_ctx(B, S, start, rows)
-        h = self._body(input_ids.to(self.device), ctx)
+        h, _ = self._body(input_ids.to(self.device), ctx)
         return self.head(h), h, ctx
 
     @torch.inference_mode()

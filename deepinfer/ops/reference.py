@@ -642,6 +642,41 @@ def _hc_post_pre_quant(p, x, residual, post, comb, fn, scale, base, norm_eps, hc
     return (h, *p["hc_pre_quant"](h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side=side, split=split))
 
 
+@defop("moe_combine_post_pre_quant",
+       tol={"float8_e4m3fn": (0.13, 1e-6), "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 1e-2)})
+def moe_combine_post_pre_quant(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                               comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                               norm_eps: float, hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float,
+                               side=None, split: bool = False) -> tuple:
+    """A block's MoE output into its streams and the next block's attention pre-mix, in one op: h =
+    `moe_combine_post(routed, shared, residual, post, comb)`, then `hc_pre_quant(h, ...)` -> (h, y, q, s[, split
+    form], post', comb'), as `hc_post_pre_quant` for the attention's output."""
+    return _moe_combine_post_pre_quant(_REF, routed, shared, residual, post, comb, fn, scale, base, norm_eps, hc_eps,
+                                       iters, weight, eps, side, split)
+
+
+@composition("moe_combine_post_pre_quant", ("moe_combine_post", "hc_pre_quant"))
+def _moe_combine_post_pre_quant(p, routed, shared, residual, post, comb, fn, scale, base, norm_eps, hc_eps, iters,
+                                weight, eps, side=None, split: bool = False) -> tuple:
+    h = p["moe_combine_post"](routed, shared, residual, post, comb)
+    return (h, *p["hc_pre_quant"](h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side=side, split=split))
+
+
+@defop("moe_combine_post_head", tol={"float32": (1e-5, 1e-5)})
+def moe_combine_post_head(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                          norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last block's MoE output into its streams and the hc head's collapse of them, in one op: (h =
+    `moe_combine_post(routed, shared, residual, post, comb)`, `hc_head(h, fn, scale, base, norm_eps, hc_eps)`)."""
+    return _moe_combine_post_head(_REF, routed, shared, residual, post, comb, fn, scale, base, norm_eps, hc_eps)
+
+
+@composition("moe_combine_post_head", ("moe_combine_post", "hc_head"))
+def _moe_combine_post_head(p, routed, shared, residual, post, comb, fn, scale, base, norm_eps, hc_eps) -> tuple:
+    h = p["moe_combine_post"](routed, shared, residual, post, comb)
+    return h, p["hc_head"](h, fn, scale, base, norm_eps, hc_eps)
+
+
 @defop("hc_post")
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """mHC post-mix: new stream k = post_k · x + Σ_j comb[j, k] · residual_j (comb transposed).

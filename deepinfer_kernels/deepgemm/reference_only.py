@@ -38,6 +38,8 @@ REFERENCE_ONLY: dict[str, str] = {
     "swiglu_quant": _NO_KERNEL,
     "moe_combine": _NO_KERNEL,
     "moe_combine_post": _NO_KERNEL,
+    "moe_combine_post_pre_quant": _NO_KERNEL,
+    "moe_combine_post_head": _NO_KERNEL,
     "kv_store": _NO_KERNEL,
     "sample": _NO_KERNEL,
     "spec_probs": _NO_KERNEL,

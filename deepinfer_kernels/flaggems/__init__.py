@@ -27,7 +27,7 @@ registry.reference_only("flaggems", REFERENCE_ONLY)
 # the fused ops the reference writes as compositions, from FlagGems' kernels (FlagGems has none of them fused)
 registry.compose("flaggems", ("rms_norm_quant", "hc_pre_quant", "moe_combine_post", "swiglu_quant",
                               "act_quant_fp8_gemm", "swiglu_grouped_gemm", "q_norm_sparse_attn_fp8",
-                              "hc_post_pre_quant"))
+                              "hc_post_pre_quant", "moe_combine_post_pre_quant", "moe_combine_post_head"))
 
 
 def facts(device) -> dict:

@@ -22,7 +22,7 @@ registry.reference_only("tilelang", REFERENCE_ONLY)
 # the fused ops the reference writes as compositions, from this backend's kernels and model.py's PyTorch steps
 registry.compose("tilelang", ("hc_pre_quant", "moe_combine_post", "swiglu_quant", "fp8_fake_quant",
                               "act_quant_fp8_gemm", "swiglu_grouped_gemm", "q_norm_sparse_attn_fp8",
-                              "hc_post_pre_quant"))
+                              "hc_post_pre_quant", "moe_combine_post_pre_quant", "moe_combine_post_head"))
 
 
 def facts(device) -> dict:

@@ -55,11 +55,15 @@ def _post_value(x, post_k, comb_col, res_col, m, HC, D, BHC: tl.constexpr):
 
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, sub_ptr, res_ptr, post_ptr, comb_ptr, HC, D,
-                   BR: tl.constexpr, BK: tl.constexpr, POST: tl.constexpr = False, BHC: tl.constexpr = 1):
+                   sh_ptr, K, RT, RK, ST, BR: tl.constexpr, BK: tl.constexpr, POST: tl.constexpr = 0,
+                   BHC: tl.constexpr = 1):
     """ws[t, s, r] = sum over k in split s of fn[r, k] * x[t, k] (r < R); ws[t, s, R] = sum x^2.
-    POST (`hc_post_pre_quant`): x is first made here -- the previous sub-layer's post-mix of its output sub [T, D]
-    into the streams res [T, HC, D] with its post / comb (`_post_value`, as `hc_post`), stored to x_ptr in its
-    dtype and mixed as that stored value: one launch where hc_post and this one took two."""
+    POST (`hc_post_pre_quant` 1, `moe_combine_post_pre_quant` / `moe_combine_post_head` 2): x is first made
+    here -- the previous sub-layer's post-mix of its output into the streams res [T, HC, D] with its post / comb
+    (`_post_value`, as `hc_post`), stored to x_ptr in its dtype and mixed as that stored value: one launch where
+    hc_post and this one took two. The output is sub [T, D] (1), or (2) the MoE's: its K routed rows at sub_ptr
+    and shared row at sh_ptr (strides RT, RK, ST) summed as `moe_combine` sums them (`combined_row`) and rounded
+    to the streams' dtype, as `moe_combine_post` does."""
     pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -71,10 +75,14 @@ def _hc_mix_kernel(x_ptr, fn_ptr, ws_ptr, R, KD, KCH, NS, sub_ptr, res_ptr, post
     for k0 in range(k_lo, k_lo + KCH, BK):
         kk = (k0 + tl.arange(0, BK)).to(tl.int64)
         mk = kk < KD
-        if POST:  # column kk is stream kk // D at d = kk % D
+        if POST > 0:  # column kk is stream kk // D at d = kk % D
             hk = kk // D
             dd = kk % D
-            sub = tl.load(sub_ptr + t * D + dd, mask=mk, other=0.0).to(tl.float32)
+            if POST == 1:
+                sub = tl.load(sub_ptr + t * D + dd, mask=mk, other=0.0).to(tl.float32)
+            else:
+                sub = combined_row(sub_ptr, sh_ptr, t, dd, mk, K, RT, RK, ST, BK)
+                sub = sub.to(x_ptr.dtype.element_ty).to(tl.float32)
             pk = tl.load(post_ptr + t * HC + hk, mask=mk, other=0.0).to(tl.float32)
             y = _post_value(sub, pk, comb_ptr + t * HC * HC + hk, res_ptr + t * KD + dd, mk, HC, D, BHC)
             y = y.to(x_ptr.dtype.element_ty)
@@ -227,7 +235,8 @@ the fastest of the 1-4 warp settings tried at decode sizes (docs/perf-log.md, "F
 def _mix(xc, T, HC, D, R, fn, post_in=None) -> tuple[torch.Tensor, int, bool]:
     """The mix launch: -> (ws [T, ns, R + 1] split-K partials, ns, tiled). Below `TILE_TOKENS` a token's
     partials are the same bits at every T (ns is one token's split); from it on the token-tiled kernel's.
-    post_in (sub [T, D], res, post, comb; decode sizes only): xc is first written as `hc_post` of them."""
+    post_in (decode sizes only): xc is first written as `hc_post` of (sub [T, D], res, post, comb), or as
+    `moe_combine_post` of ((routed [T, K, D], shared [T, D]), res, post, comb)."""
     KD = HC * D
     tiled = T >= TILE_TOKENS  # prefill: BT tokens per program share each fn tile (tl.dot: dims >= 16)
     assert post_in is None or not tiled, "the post-mix goes into the decode-sized mix only"
@@ -243,9 +252,15 @@ def _mix(xc, T, HC, D, R, fn, post_in=None) -> tuple[torch.Tensor, int, bool]:
         _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
                                                        X_TF32=tf32_exact(xc), **pdl())
     else:
-        post = (xc, xc, xc, xc, 0, 0) if post_in is None else (*post_in, HC, D)
-        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, *post, BR=BR, BK=BK, POST=post_in is not None,
-                                BHC=p2(HC), **pdl())
+        mode, post = 0, (xc, xc, xc, xc, 0, 0, xc, 0, 0, 0, 0)
+        if post_in is not None and isinstance(post_in[0], tuple):  # the MoE's rows, summed in the kernel
+            (routed, shared), res, p, c = post_in
+            mode, post = 2, (routed, res, p, c, HC, D, shared, routed.size(1), routed.stride(0), routed.stride(1),
+                             shared.stride(0))
+        elif post_in is not None:
+            mode, post = 1, (*post_in, HC, D, xc, 0, 0, 0, 0)
+        _hc_mix_kernel[(T, ns)](xc, fn, ws, R, KD, per * BK, ns, *post, BR=BR, BK=BK, POST=mode, BHC=p2(HC),
+                                **pdl())
     return ws, ns, tiled
 
 
@@ -340,6 +355,48 @@ def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     post_in = (x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
     _mix_and_apply(hc, fn, scale, base, y, post2, comb2, HC, D, norm_eps, hc_eps, iters, True, side, post_in)
     return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post2, comb2)
+
+
+def _moe_post_in(routed, shared, residual, post, comb) -> tuple:
+    """`_mix`'s post_in for the MoE's output: its rows read through their strides (unit columns)."""
+    return ((unit_last_stride(routed), unit_last_stride(shared)), residual.contiguous(), post.contiguous(),
+            comb.contiguous())
+
+
+@implement("moe_combine_post_pre_quant", "triton")
+def moe_combine_post_pre_quant(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                               comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                               norm_eps: float, hc_eps: float, iters: int, weight: torch.Tensor | None, eps: float,
+                               side=None, split: bool = False) -> tuple:
+    """`hc_post_pre_quant` for a MoE sub-layer's output (the next block's attention pre-mix): its rows summed and
+    post-mixed inside the mix launch at decode sizes, the bits of `moe_combine_post` then `hc_pre_quant`."""
+    B, S, HC, D = residual.shape
+    if B * S == 0 or B * S >= TILE_TOKENS:
+        h = moe_combine_post(routed, shared, residual, post, comb)
+        return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
+    h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
+    hc, fn, scale, base, y, post2, comb2 = _pre_buffers(h, fn, scale, base)
+    _mix_and_apply(hc, fn, scale, base, y, post2, comb2, HC, D, norm_eps, hc_eps, iters, True, side,
+                   _moe_post_in(routed, shared, residual, post, comb))
+    return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post2, comb2)
+
+
+@implement("moe_combine_post_head", "triton")
+def moe_combine_post_head(routed: torch.Tensor, shared: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                          norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last block's MoE output post-mixed inside the hc head's mix launch at decode sizes: (streams, head
+    output), the bits of `moe_combine_post` then `hc_head`."""
+    B, S, HC, D = residual.shape
+    if B * S == 0 or B * S >= TILE_TOKENS:
+        h = moe_combine_post(routed, shared, residual, post, comb)
+        return h, hc_head(h, fn, scale, base, norm_eps, hc_eps)
+    h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    y = torch.empty(B, S, D, dtype=residual.dtype, device=residual.device)
+    _mix_and_apply(h, fn, scale, base, y, y, y, HC, D, norm_eps, hc_eps, 1, False, None,
+                   _moe_post_in(routed, shared, residual, post, comb))
+    return h, y
 
 
 @implement("hc_head", "triton")
