@@ -173,8 +173,10 @@ def test_the_tiny_model_runs_through_every_wrapper_on_a_cpu(fake_installed):
         wrapped = {n for n, d in REGISTRY.items() if "flaggems" in d.impls}
         assert set(ops.fallbacks) <= wrapped and all("CUDA" in why for why in ops.fallbacks.values())
         assert {"hc_pre", "act_quant", "rms_norm"} <= set(ops.fallbacks), ops.fallbacks
-        assert {"hc_pre_quant", "hc_post", "moe_combine_post", "rms_norm_quant", "swiglu_quant", "fp8_gemm",
-                "sparse_attn"} <= ops.used
+        # hc_post runs inside the fused post-mix ops (composed from FlagGems' hc_post and hc_pre_quant)
+        assert {"hc_pre_quant", "hc_post_pre_quant", "moe_combine_post", "moe_combine_post_pre_quant",
+                "moe_combine_post_head", "swiglu_grouped_gemm", "q_norm_sparse_attn_fp8", "rms_norm_quant",
+                "swiglu_quant", "fp8_gemm", "sparse_attn"} <= ops.used
     finally:
         ops.configure("torch", strict=False, op_map={})
     assert torch.equal(got, want)
