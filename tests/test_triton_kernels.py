@@ -776,6 +776,35 @@ def test_q_norm_sparse_attn_fp8_normalises_q_as_it_loads_it(form, B, S, H, D, rd
                                                                         out_rope=(cos, sin)).float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("B,hd,rd,dtype,pack", [(3, 512, 64, torch.bfloat16, True), (2, 192, 64, torch.float32, True),
+                                               (1, 128, 64, torch.float16, True), (2, 128, 64, torch.float32, False)])
+def test_rms_norm_rope_store_is_the_norm_then_kv_store_bitwise(B, hd, rd, dtype, pack):
+    """Decode's kv norm packing its entry into the FP8-layout cache in the same launch: y and every cache byte
+    (the written slots and the untouched ones) are the bits of Triton's rms_norm_rope then kv_store; a float cache
+    (pack False) runs the two."""
+    from deepinfer.quant.kv_layout import kv_packed_width
+
+    g = gen(12)
+    x = randn(g, B, 1, hd, scale=3.0, dtype=dtype)
+    w = 1 + randn(g, hd, scale=0.1)
+    ang = torch.rand(B, 1, rd // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    W = kv_packed_width(hd, rd, dtype) if pack else hd
+    cache = torch.randint(0, 255, (B + 2, 7, W), generator=g, dtype=torch.uint8).to(DEV)
+    if not pack:
+        cache = randn(g, B + 2, 7, hd, dtype=dtype)
+    rows = torch.randperm(B + 2, generator=g)[:B].to(DEV)
+    slots = torch.randint(0, 7, (B,), generator=g).to(DEV)
+    c1, c2 = cache.clone(), cache.clone()
+    with poisoned():
+        y = REGISTRY["rms_norm_rope_store"].impls["triton"](x, w, 1e-6, cos, sin, rd, c1, rows, slots, pack)
+    y2 = TK.norm.rms_norm_rope(x, w, 1e-6, cos, sin, rd)
+    TK.cache.kv_store(c2, rows, slots, y2.reshape(-1, hd), rope_dim=rd if pack else 0)
+    assert torch.equal(y, y2) and torch.equal(c1, c2)
+    assert not torch.equal(c1, cache)  # written
+    check("rms_norm_rope", y, REGISTRY["rms_norm_rope"].ref(x, w, 1e-6, cos, sin, rd))
+
+
 # ---------------------------------------------------------------------------------------------- mHC
 def _hc_inputs(g, hc, D, dtype, n_mix, S=3):
     x = randn(g, 2, S, hc, D, dtype=dtype)

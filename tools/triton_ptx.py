@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deepinfer_kernels.triton import attention, gemm, mhc, moe_grouped, moe_prefill, quant, sampling  # noqa: E402
+from deepinfer_kernels.triton import attention, gemm, mhc, moe_grouped, moe_prefill, norm, quant, sampling  # noqa: E402
 from deepinfer_kernels.triton import speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -66,6 +66,11 @@ _MIX_TYPES = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "ws_ptr": "*fp32", "sub_ptr":
               "post_ptr": "*fp32", "comb_ptr": "*fp32", "sh_ptr": "*bf16",
               **_ints("R", "KD", "KCH", "NS", "HC", "D", "K", "RT", "RK", "ST")}
 _MIX_CONSTS = {"BR": 32, "BK": 256}
+
+_NR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": "*bf16",
+             "eps": "fp32", "cache_ptr": "*bf16", "cacher_ptr": "*bf16", "rows_ptr": "*i64", "slots_ptr": "*i64",
+             **_ints("N", "XS", "H", "CS", "SS", "HALF", "s_c0", "s_c1", "ES", "ROFF", "NOPE", "NB")}
+_NR_CONSTS = {"HAS_W": True, "BLOCK": 512, "BR": 32}
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -130,6 +135,10 @@ CASES = {
     "moe_combine_post": lambda: _sig(mhc._moe_combine_post_kernel, {
         "r_ptr": "*bf16", "s_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
         "y_ptr": "*bf16", **_ints("HC", "D", "K", "RT", "RK", "ST")}, {"BHC": 4, "BD": 128}),
+    # the kv norm with its RoPE, and with its entry packed into the FP8-layout cache (rms_norm_rope_store)
+    "rms_norm_rope": lambda: _sig(norm._rms_norm_rope_kernel, _NR_TYPES, _NR_CONSTS),
+    "rms_norm_rope_store": lambda: _sig(norm._rms_norm_rope_kernel, {**_NR_TYPES, "cache_ptr": "*u8"},
+                                        {**_NR_CONSTS, "STORE": True, "BNB": 8, "SB": 8}),
     # the indexer's rotation (bf16, 128 dims), alone and with its FP4 rounding in the same kernel
     "hadamard": lambda: _sig(quant._hadamard_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
                                                       "scale": "fp32"},

@@ -162,6 +162,7 @@ COMPARE: dict[str, CompareSpec] = {
     "topk_indices": CompareSpec(sets=(0,)),
     "moe_route": CompareSpec(sets=(1,), aligned=((0, 1),), bound=_moe_route_bound),
     "kv_store": CompareSpec(inplace=(0,)),
+    "rms_norm_rope_store": CompareSpec(inplace=(6,)),  # y, then the cache
     "compress_decode": CompareSpec(inplace=(5, 6)),  # the pooled entry, then both states
     "fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 2), tc_rel=TC_REL),  # (a, a_s, w, w_s)
     "act_quant_fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 1), tc_rel=TC_REL),  # (x, w, w_s)
@@ -619,6 +620,20 @@ def build_moe_combine_post(d: Dims, phase: str, g, device):
 
 
 POISON = float("nan")
+
+
+def build_rms_norm_rope_store(d: Dims, phase: str, g, device):
+    """Decode's kv norm with its write into the FP8-layout cache: one entry per row at a random ring slot."""
+    B = d.decode_batch
+    Nslots = d.window
+    x = _act(g, (B, 1, d.head_dim), device)
+    w = (1 + _w(g, (d.head_dim,), device, 0.1)).float()
+    cos, sin = _rope_tables(g, B, 1, d.rope_dim, device)
+    packed = torch.full((B + 1, Nslots, kv_packed_width(d.head_dim, d.rope_dim, torch.bfloat16)), 0xFF,
+                        dtype=torch.uint8)
+    slots = torch.randint(0, Nslots, (B,), generator=g)
+    return [Variant("kv_ring", (x, w, 1e-6, cos, sin, d.rope_dim, packed.to(device), torch.arange(B).to(device),
+                                slots.to(device), True), {})]
 
 
 def build_kv_store(d: Dims, phase: str, g, device):

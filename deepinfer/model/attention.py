@@ -320,10 +320,13 @@ class Attention:
     def kv_decode(self, kva: torch.Tensor, ctx: StepContext, cos, sin) -> torch.Tensor:
         """Decode: kva [B, 1, hd] -> the kv norm with the RoPE of its last rd dims, written to the ring slot
         pos % win of each row (the FP8 layout packed on the way). Returns the normed kv (debug taps)."""
-        kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
         pos, win = ctx.pos, self.win
-        ops.kv_store(self.kv_cache, ctx.rows, ctx.memo(("ring", win), lambda: pos % win), kv[:, 0],
-                     rope_dim=self.rd if self.fp8_kv else 0)
+        slots = ctx.memo(("ring", win), lambda: pos % win)
+        if self.fp8_kv:  # the norm's launch packs the entry into its slot (`rms_norm_rope_store`)
+            return ops.rms_norm_rope_store(kva, self.kv_norm, self.eps, cos, sin, self.rd, self.kv_cache, ctx.rows,
+                                           slots, True)
+        kv = self._cache_form(ops.rms_norm_rope(kva, self.kv_norm, self.eps, cos, sin, self.rd), ctx)
+        ops.kv_store(self.kv_cache, ctx.rows, slots, kv[:, 0])
         return kv
 
     def window_slots(self, ctx: StepContext) -> torch.Tensor:

@@ -135,10 +135,14 @@ class Compressor:
         kv, score = self._project(x)
         pooled = ops.compress_decode(kv[:, 0], score[:, 0], self.ape, pos, rows, self.kv_state, self.score_state,
                                      self.overlap, out_dtype=self.numerics.dtype).unsqueeze(1)  # [B, 1, d]
-        entry = self._finish(pooled, cos, sin)[:, 0]
         # The window being filled owns slot pos // r (the +1 entry `allocate` adds), so its partial entry
         # is written every step and the complete one when the window completes; nothing reads an entry
         # before that (attention: j < (t + 1) // r; the indexer's top-k masks j >= n_valid). Saves the
         # read of the old entry and the select of the old per-row `where` form.
+        if self.fp8_cache and not self.rotate:  # the entry norm's launch packs it into its slot
+            ops.rms_norm_rope_store(pooled.to(self.numerics.dtype), self.norm, self.eps, cos, sin, self.rd,
+                                    self.cache, rows, slot, True)
+            return
+        entry = self._finish(pooled, cos, sin)[:, 0]
         # kv_store casts to the cache's dtype, or packs into its FP8 layout (rope_dim): `_encode` in the write
         ops.kv_store(self.cache, rows, slot, entry, rope_dim=self.rd if self.fp8_cache else 0)

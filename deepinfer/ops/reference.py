@@ -338,6 +338,24 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
     return y
 
 
+@defop("rms_norm_rope_store", tol={"bfloat16": (2e-2, 2.0**-5)})
+def rms_norm_rope_store(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, rd: int, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                        pack: bool) -> torch.Tensor:
+    """Decode's kv norm with its cache write, in one op: y = `rms_norm_rope(x, weight, eps, cos, sin, rd)`, then
+    `kv_store(cache, rows, slots, y's rows, rope_dim=rd if pack else 0)` (pack: the FP8 KV layout, packed on the
+    way). x [B, 1, d] or [B, d] (one entry per row), rows / slots [B] -> y (x's shape and dtype); cache written
+    in place. Kernels may pack each entry in the norm's launch; the values are the two ops'."""
+    return _rms_norm_rope_store(_REF, x, weight, eps, cos, sin, rd, cache, rows, slots, pack)
+
+
+@composition("rms_norm_rope_store", ("rms_norm_rope", "kv_store"))
+def _rms_norm_rope_store(p, x, weight, eps, cos, sin, rd, cache, rows, slots, pack) -> torch.Tensor:
+    y = p["rms_norm_rope"](x, weight, eps, cos, sin, rd)
+    p["kv_store"](cache, rows, slots, y.reshape(-1, y.size(-1)), rope_dim=rd if pack else 0)
+    return y
+
+
 # ------------------------------------------------------------------------------ compressor, indexer
 @defop("compress_pool")
 def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "moe_combine_post_pre_quant": _NO_KERNEL,
     "moe_combine_post_head": _NO_KERNEL,
     "kv_store": _NO_KERNEL,
+    "rms_norm_rope_store": _NO_KERNEL,
     "sample": _NO_KERNEL,
     "spec_probs": _NO_KERNEL,
     "spec_verify": _NO_KERNEL,

@@ -34,6 +34,7 @@ REFERENCE_ONLY: dict[str, str] = {
                     "k = 512) and its DSA bucket_sort_topk takes V3.2's ragged starts/ends",
     "decode_slots": f"{_NO_KERNEL} (index arithmetic for the window and compressed entries)",
     "kv_store": f"{_NO_KERNEL} (cache writes by indexing)",
+    "rms_norm_rope_store": f"{_NO_KERNEL} (the kv norm, RoPE, then the cache write by indexing)",
     "kv_pack": f"{_NO_KERNEL} (the FP8 KV cache's byte layout)",
     "kv_unpack": "the inverse byte re-layout of kv_pack (sparse_attn_fp8 here unpacks with it)",
     "hc_head": f"{_NO_KERNEL} (the final stream collapse: sigmoid mixes, no Sinkhorn)",

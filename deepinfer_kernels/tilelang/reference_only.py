@@ -24,6 +24,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "topk_indices": f"{_MODEL_PY} (the indexer's torch.topk)",
     "decode_slots": f"{_MODEL_PY} (get_window_topk_idxs and the compressed-entry indices)",
     "kv_store": f"{_MODEL_PY} (cache writes by indexing)",
+    "rms_norm_rope_store": f"{_MODEL_PY} (the kv norm, apply_rotary_emb, then the cache write by indexing)",
     "kv_pack": "the FP8 KV cache layout is a byte re-layout around act_quant (which is a kernel here); the release "
                "keeps its cache in bf16",
     "kv_unpack": "the inverse byte re-layout of kv_pack",

@@ -11,7 +11,11 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
+
 from ._common import p2, pdl, pdl_wait, rows_2d, store_act_quant
+from .cache import _pack_entry
+from .cache import kv_store as kv_store_op
 
 
 @triton.jit
@@ -127,12 +131,17 @@ def _head_rsqrt(x_row, N, eps, FORM: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, SS, eps, HALF, HAS_W: tl.constexpr,
-                          BLOCK: tl.constexpr, BR: tl.constexpr, FORM: tl.constexpr = 0):
+def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, SS, eps, HALF,
+                          cache_ptr, cacher_ptr, rows_ptr, slots_ptr, s_c0, s_c1, ES, ROFF, NOPE, NB,
+                          HAS_W: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr, FORM: tl.constexpr = 0,
+                          STORE: tl.constexpr = False, BNB: tl.constexpr = 1, SB: tl.constexpr = 1):
     """Row `row` (token row // H): `_rms_norm_kernel`'s y for the first N - 2·HALF columns; the last 2·HALF
     (the RoPE pairs) are y cast to y's dtype and rotated as `_rope_kernel` rotates them -- the two kernels'
     bits in one launch. The pairs load as one contiguous [BR, 2] tile split in registers (stride-2 loads
-    were slow at prefill: `_rope_kernel`)."""
+    were slow at prefill: `_rope_kernel`).
+    STORE (`rms_norm_rope_store`, H 1): the stored row is then packed into the FP8-layout cache at (rows[row],
+    slots[row]) as `kv_store`'s kernel packs it (`cache._pack_entry`, from y as stored: a CTA barrier orders the
+    reads after this program's writes)."""
     pdl_wait()
     row = tl.program_id(0).to(tl.int64)
     t = row // H
@@ -153,6 +162,10 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, N, XS, H, CS, S
     s = tl.load(sin_ptr + t * SS + i, mask=mi, other=0.0).to(tl.float32)
     rot = tl.reshape(tl.join(tl.fma(y0, c, -(y1 * s)), tl.fma(y0, s, y1 * c)), [2 * BR])  # as `_rope_kernel`
     tl.store(y_row + j, rot.to(y_ptr.dtype.element_ty), mask=j < N)
+    if STORE:
+        tl.debug_barrier()  # every thread's y stores before any thread's pack loads (one CTA)
+        base = tl.load(rows_ptr + row).to(tl.int64) * s_c0 + tl.load(slots_ptr + row).to(tl.int64) * s_c1
+        _pack_entry(y_row, cache_ptr + base, cacher_ptr + base // ES + ROFF, NOPE, NB, 2 * HALF, BNB, BR * 2, SB)
 
 
 @implement("rms_norm_rope", "triton")
@@ -170,9 +183,44 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
     x2 = rows_2d(x, N)  # q's heads, or kv as a column slice of wq_a|wkv's output, read in place
     cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows: views of a gathered table
     _rms_norm_rope_kernel[(x2.size(0),)](x2, weight if weight is not None else x2, cos, sin, y, N, x2.stride(0), H,
-                                         cos.stride(0), sin.stride(0), float(eps), rd // 2,
+                                         cos.stride(0), sin.stride(0), float(eps), rd // 2, x2, x2, x2, x2,
+                                         *_NO_STORE,
                                          HAS_W=weight is not None, BLOCK=min(p2(N), 4096), BR=p2(rd // 2), FORM=FORM,
                                          **pdl())
+    return y
+
+
+_NO_STORE = (0, 0, 1, 0, 0, 0)  # the STORE integers of a launch without it (its pointers: x; never read)
+
+
+@implement("rms_norm_rope_store", "triton")
+def rms_norm_rope_store(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, rd: int, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                        pack: bool) -> torch.Tensor:
+    """FP8-layout cache (pack): the norm's program packs its entry into the cache (`_rms_norm_rope_kernel`'s
+    STORE), one launch where rms_norm_rope and kv_store took two; the same bits. A float cache: the two ops."""
+    N = x.size(-1)
+    M = x.numel() // max(N, 1)
+    nope = N - rd
+    if not pack or M == 0 or rows.numel() != M or slots.numel() != M or nope <= 0 or nope % 64 \
+            or weight is None or (x.dim() == 4 and x.size(2) != 1):
+        y = rms_norm_rope(x, weight, eps, cos, sin, rd)
+        kv_store_op(cache, rows, slots, y.reshape(-1, N), rope_dim=rd if pack else 0)
+        return y
+    es = x.element_size()
+    W = kv_packed_width(N, rd, x.dtype)
+    assert cache.dtype == torch.uint8 and cache.size(-1) == W and cache.stride(-1) == 1, \
+        f"rms_norm_rope_store: a uint8 [.., {W}] FP8-layout cache for {N}-dim values, got {cache.dtype} {cache.shape}"
+    assert cache.stride(0) % es == 0 and cache.stride(1) % es == 0 and cache.data_ptr() % es == 0
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = rows_2d(x, N)
+    cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)
+    roff = kv_rope_offset(N, rd)
+    store = (cache, cache.view(x.dtype), rows.reshape(-1).contiguous(), slots.reshape(-1).contiguous(),
+             cache.stride(0), cache.stride(1), es, roff // es, nope, nope // 64)
+    _rms_norm_rope_kernel[(M,)](x2, weight, cos, sin, y, N, x2.stride(0), 1, cos.stride(0), sin.stride(0), float(eps),
+                                rd // 2, *store, HAS_W=True, BLOCK=min(p2(N), 4096), BR=p2(rd // 2), STORE=True,
+                                BNB=p2(nope // 64), SB=roff - nope, **pdl())
     return y
 
 
