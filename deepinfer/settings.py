@@ -63,6 +63,10 @@ SETTINGS = {s.name: s for s in (
             "over the halves of D and gather the kv rows ahead by cp.async, 64 heads a program, only the 64-slot blocks "
             "that hold a valid slot, where D is 128, 256 or 512) or plain (one warpgroup gathers, then computes every "
             "block)", ("ws", "plain")),
+    Setting("DEEPINFER_DECODE_FUSIONS", "choice", "on", "on: the Triton kernels of the fused decode ops (the routed "
+            "w2 computing its SwiGLU input, the q-norming attention, the post-mixes inside the next mix, the kv norm "
+            "with its cache write) fuse; off: each runs its two ops (the same values), for an A/B in one run: "
+            "`bench --against triton:DEEPINFER_DECODE_FUSIONS=off`", ("on", "off")),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
             "by Triton when a kernel module is imported"),
 )}
@@ -75,7 +79,8 @@ instead of after every MMA as the official kernels. Both are read per call, so a
 configuration (`deepinfer bench --against SPEC,policy=fast`) takes effect there. Decode-sized calls are the same
 under either policy."""
 
-PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN")
+PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN",
+            "DEEPINFER_DECODE_FUSIONS")
 """Settings the kernels read at each call (not at import): the ones a configuration may set around its own calls."""
 
 

@@ -128,3 +128,44 @@ def test_float_w2_is_refused():
     for impl in (REGISTRY["swiglu_grouped_gemm"].ref, REGISTRY["swiglu_grouped_gemm"].impls["triton"]):
         with pytest.raises(ValueError, match="FP8 or FP4"):
             impl(h, 10.0, None, torch.zeros(2, dtype=torch.long, device=DEV), w, None)
+
+
+def test_decode_fusions_off_runs_each_fused_op_as_its_two_ops(monkeypatch):
+    """DEEPINFER_DECODE_FUSIONS=off (read per call: a `bench --against` entry): every fused decode op's Triton
+    implementation runs its two ops instead of its fused kernel."""
+    mg = _triton()
+    from deepinfer_kernels.triton import mhc, norm
+
+    called = []
+
+    def spy(mod, name):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **k: called.append(name) or real(*a, **k))
+
+    spy(mg, "_swiglu_quant")
+    spy(mhc, "hc_post")
+    spy(mhc, "moe_combine_post")
+    spy(norm, "rms_norm_rope")
+    monkeypatch.setenv("DEEPINFER_DECODE_FUSIONS", "off")
+    g = torch.Generator().manual_seed(1)
+    P, E, N, I = 6, 8, 128, 256
+    w, w_s = _w2(g, "fp4", E, N, I)
+    REGISTRY["swiglu_grouped_gemm"].impls["triton"](_h(g, P, I, torch.float32).to(DEV), 10.0, None,
+                                                    torch.arange(P).to(DEV), w.to(DEV), w_s.to(DEV),
+                                                    out_dtype=torch.float32)
+    hc, D = 4, 256
+    x, res = torch.randn(1, 1, D, device=DEV), torch.randn(1, 1, hc, D, device=DEV)
+    post, comb = torch.rand(1, 1, hc, device=DEV), torch.rand(1, 1, hc, hc, device=DEV)
+    fn, scale = torch.randn(24, hc * D, device=DEV) * 0.03, torch.rand(3, device=DEV) + 0.5
+    base = torch.randn(24, device=DEV)
+    rest = (fn, scale, base, 1e-6, 1e-6, 20, None, 1e-6)
+    REGISTRY["hc_post_pre_quant"].impls["triton"](x, res, post, comb, *rest)
+    REGISTRY["moe_combine_post_pre_quant"].impls["triton"](x.view(1, 1, D), x.view(1, D), res, post, comb, *rest)
+    from deepinfer.quant.kv_layout import kv_packed_width
+
+    cache = torch.zeros(2, 4, kv_packed_width(512, 64, torch.float32), dtype=torch.uint8, device=DEV)
+    ang = torch.rand(1, 1, 32, device=DEV)
+    REGISTRY["rms_norm_rope_store"].impls["triton"](torch.randn(1, 1, 512, device=DEV), torch.ones(512, device=DEV),
+                                                    1e-6, ang.cos(), ang.sin(), 64, cache,
+                                                    torch.tensor([1], device=DEV), torch.tensor([2], device=DEV), True)
+    assert called == ["_swiglu_quant", "hc_post", "moe_combine_post", "rms_norm_rope"], called

@@ -257,6 +257,11 @@ def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
     tl.store(o + QB // 2, a_o.to(tl.bfloat16), mask=m)
 
 
+def fusions_on() -> bool:
+    """DEEPINFER_DECODE_FUSIONS (read per call): the fused decode ops' kernels fuse, or run their two ops."""
+    return settings.choice("DEEPINFER_DECODE_FUSIONS") == "on"
+
+
 @triton.jit
 def swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
     """silu(min(g, limit)) * clamp(u, -limit, limit) [* w] in float32: the one expression of the SwiGLU kernels

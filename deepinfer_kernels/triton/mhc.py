@@ -34,7 +34,7 @@ from deepinfer.ops.registry import implement
 
 from . import norm
 from .moe import combined_row
-from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
+from ._common import dot_f32, fusions_on, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 from ._common import unit_last_stride
 
 
@@ -347,7 +347,7 @@ def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     the attention's hc_post and the MoE's pre-mix take one launch fewer on the critical path; the streams, y, q, s,
     post and comb are the bits of `hc_post` then `hc_pre_quant`. Prefill sizes run the two."""
     B, S, HC, D = residual.shape
-    if B * S == 0 or B * S >= TILE_TOKENS:
+    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
         h = hc_post(x, residual, post, comb)
         return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
     h = torch.empty(B, S, HC, D, dtype=x.dtype, device=x.device)  # hc_post's output, written by the mix
@@ -371,7 +371,7 @@ def moe_combine_post_pre_quant(routed: torch.Tensor, shared: torch.Tensor, resid
     """`hc_post_pre_quant` for a MoE sub-layer's output (the next block's attention pre-mix): its rows summed and
     post-mixed inside the mix launch at decode sizes, the bits of `moe_combine_post` then `hc_pre_quant`."""
     B, S, HC, D = residual.shape
-    if B * S == 0 or B * S >= TILE_TOKENS:
+    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
         h = moe_combine_post(routed, shared, residual, post, comb)
         return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
     h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
@@ -388,7 +388,7 @@ def moe_combine_post_head(routed: torch.Tensor, shared: torch.Tensor, residual: 
     """The last block's MoE output post-mixed inside the hc head's mix launch at decode sizes: (streams, head
     output), the bits of `moe_combine_post` then `hc_head`."""
     B, S, HC, D = residual.shape
-    if B * S == 0 or B * S >= TILE_TOKENS:
+    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
         h = moe_combine_post(routed, shared, residual, post, comb)
         return h, hc_head(h, fn, scale, base, norm_eps, hc_eps)
     h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
