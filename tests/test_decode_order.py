@@ -47,23 +47,30 @@ def test_fused_combine_gives_the_taps_values(numerics, dtype, chunks, tiny_dir):
     assert torch.equal(fused, apart)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
-def test_decode_attention_norms_q_itself_with_the_taps_values(backend, tiny_dir):
-    """Official numerics' FP8 cache: a decode step hands wq_b's output to the attention op, which norms and rotates
-    q as it loads it (`q_norm_sparse_attn_fp8`, one op per layer, no q `rms_norm_rope`); under a capture (the q
-    taps) the two ops run. Same tokens' logits, bit for bit (Triton: its interpreter)."""
+def _counted_official_steps(backend: str, seed: int) -> tuple:
+    """deepinfer-tiny, official numerics, bf16 on `backend`: a 12-token prompt (seeded) prefilled and decoded 2 steps
+    with the registry ops counted -> (loaded model, ids, `_steps`' logits, {op: calls})."""
     from deepinfer.ops import ops
 
     if backend == "triton":
         pytest.importorskip("triton")
     ops.configure(backend)
     lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
-    ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(seed))
     ops.count_calls(True)
     try:
-        fused = _steps(lm.model, ids, n=2)
+        logits = _steps(lm.model, ids, n=2)
     finally:
         counts = ops.count_calls(False)
+    return lm, ids, logits, counts
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_decode_attention_norms_q_itself_with_the_taps_values(backend, tiny_dir):
+    """Official numerics' FP8 cache: a decode step hands wq_b's output to the attention op, which norms and rotates
+    q as it loads it (`q_norm_sparse_attn_fp8`, one op per layer, no q `rms_norm_rope`); under a capture (the q
+    taps) the two ops run. Same tokens' logits, bit for bit (Triton: its interpreter)."""
+    lm, ids, fused, counts = _counted_official_steps(backend, 6)
     n_layers = lm.cfg.n_layers
     assert counts.get("q_norm_sparse_attn_fp8") == 2 * n_layers, counts
     with capturing(include=r"\.attn\.q$") as cap:  # q tapped: normed apart
@@ -81,16 +88,7 @@ def test_post_mixes_in_the_next_launch_give_the_plain_bits(backend, tiny_dir):
     bit, prefill and decode (Triton: its interpreter)."""
     from deepinfer.ops import ops
 
-    if backend == "triton":
-        pytest.importorskip("triton")
-    ops.configure(backend)
-    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
-    ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(8))
-    ops.count_calls(True)
-    try:
-        fused = _steps(lm.model, ids, n=2)
-    finally:
-        counts = ops.count_calls(False)
+    lm, ids, fused, counts = _counted_official_steps(backend, 8)
     L = lm.cfg.n_layers
     assert counts.get("hc_post_pre_quant") == 3 * L and counts.get("moe_combine_post_head") == 2, counts
     assert counts.get("moe_combine_post_pre_quant") == 3 * (L - 1) and "hc_post" not in counts, counts

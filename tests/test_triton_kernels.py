@@ -717,6 +717,16 @@ def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype,
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+def _fp8_cache_slots_rope(g, B, S, H, N, D, rd, K, dtype) -> tuple:
+    """A decode attention's other operands: N FP8-layout cache rows per batch row (magnitudes 2^-8..1), K slots
+    per query (-1 holes), the step's (cos, sin) [B, S, rd/2], a sink per head -> (packed, idx, cos, sin, sink)."""
+    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
+    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
+    idx = torch.randint(-1, N, (B, S, K), generator=g).to(DEV)
+    ang = torch.rand(B, S, rd // 2, generator=g) * 6.28
+    return packed, idx, ang.cos().to(DEV), ang.sin().to(DEV), randn(g, H, scale=3.0)
+
+
 @pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("B,S,H,D,rd,K,dtype", [(2, 1, 20, 192, 64, 300, torch.float32),  # split: in the combine
                                                 (3, 1, 16, 160, 32, 200, torch.float16),
@@ -727,12 +737,7 @@ def test_sparse_attn_fp8_out_rope(seed, B, S, H, D, rd, K, dtype):
     g = gen(seed)
     N = 50
     q = randn(g, B, S, H, D, dtype=dtype)
-    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
-    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
-    idx = torch.randint(-1, N, (B, S, K), generator=g).to(DEV)
-    ang = torch.rand(B, S, rd // 2, generator=g) * 6.28
-    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
-    sink = randn(g, H, scale=3.0)
+    packed, idx, cos, sin, sink = _fp8_cache_slots_rope(g, B, S, H, N, D, rd, K, dtype)
     out, ref = run_both("sparse_attn_fp8", q, packed, sink, idx, D ** -0.5, rd, out_rope=(cos, sin))
     check("sparse_attn_fp8", out, ref)
     two = TK.attention.sparse_attn_fp8(q, packed, sink, idx, D ** -0.5, rd)
@@ -755,12 +760,7 @@ def test_q_norm_sparse_attn_fp8_normalises_q_as_it_loads_it(form, B, S, H, D, rd
     q = randn(g, B, S, H, D, dtype=torch.float32) * torch.exp2(torch.randint(-6, 7, (B, S, H, 1), generator=g)
                                                                .float()).to(DEV)
     q = q.to(dtype)
-    kv = torch.randn(B, N, D, generator=g) * torch.exp2(torch.randint(-8, 1, (B, N, 1), generator=g).float())
-    packed = REGISTRY["kv_pack"].ref(kv.to(dtype), rd).to(DEV)
-    idx = torch.randint(-1, N, (B, S, K), generator=g).to(DEV)
-    ang = torch.rand(B, S, rd // 2, generator=g) * 6.28
-    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
-    sink = randn(g, H, scale=3.0)
+    packed, idx, cos, sin, sink = _fp8_cache_slots_rope(g, B, S, H, N, D, rd, K, dtype)
     args = (q, packed, sink, idx, D ** -0.5, rd, 1e-6, form, (cos, sin))
     out, ref = run_both("q_norm_sparse_attn_fp8", *args)
     check("q_norm_sparse_attn_fp8", out, ref, tol_override={"float32": (1e-5, 1e-5), "float16": (2e-2, 1e-2),

@@ -197,14 +197,19 @@ def test_phase_split_through_the_toolkit():
     assert r.exit_code == 2 and "phase split" in r.output and "Traceback" not in r.output
 
 
-def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
-    """A candidate whose backend promotes an op's FP8 sums once per 128-K block (its `per_128k_ops` fact) is not
-    eligible under `official`, and is under `fast`; every candidate's drift against the reference is recorded."""
+def _triton_promotes_per_128k(monkeypatch, op: str) -> None:
+    """The Triton backend's facts say its `op` promotes FP8 sums once per 128-K block (`per_128k_ops`)."""
     from deepinfer.ops import registry
 
     real = registry.backend_facts
-    monkeypatch.setattr(registry, "backend_facts", lambda b, dev: {**real(b, dev), "per_128k_ops": ["act_quant"]}
+    monkeypatch.setattr(registry, "backend_facts", lambda b, dev: {**real(b, dev), "per_128k_ops": [op]}
                         if b == "triton" else real(b, dev))
+
+
+def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
+    """A candidate whose backend promotes an op's FP8 sums once per 128-K block (its `per_128k_ops` fact) is not
+    eligible under `official`, and is under `fast`; every candidate's drift against the reference is recorded."""
+    _triton_promotes_per_128k(monkeypatch, "act_quant")
     t = {("act_quant", "torch"): 5.0, ("act_quant", "triton"): 1.0}
     off = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "official", timer=_timer(t))
     c = next(c for c in off["choices"] if c.op == "act_quant")
@@ -219,11 +224,7 @@ def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
 def test_a_fused_op_inherits_its_parts_per_128k_promotion(monkeypatch):
     """act_quant_fp8_gemm is act_quant then fp8_gemm: where a backend's fp8_gemm promotes per 128-K block (its
     `per_128k_ops` fact names only fp8_gemm), the fused op is kept out under `official` too."""
-    from deepinfer.ops import registry
-
-    real = registry.backend_facts
-    monkeypatch.setattr(registry, "backend_facts", lambda b, dev: {**real(b, dev), "per_128k_ops": ["fp8_gemm"]}
-                        if b == "triton" else real(b, dev))
+    _triton_promotes_per_128k(monkeypatch, "fp8_gemm")
     t = {("act_quant_fp8_gemm", "torch"): 5.0, ("act_quant_fp8_gemm", "triton"): 1.0}
     off = tune("triton", ["torch", "triton"], "act_quant_fp8_gemm$", "tiny", 0, "cpu", "official", timer=_timer(t))
     c = next(c for c in off["choices"] if c.op == "act_quant_fp8_gemm")

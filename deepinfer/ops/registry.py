@@ -488,9 +488,7 @@ class Dispatcher:
             if fn is not None:
                 return fn
             if self._sites is not None and self._part_sited(name):  # a part overridden here: the fused op
-                parts, comp = COMPOSITIONS[name]  # runs composed, the part as the site says
-                p = {part: self.resolve(part) for part in parts}
-                return lambda *args, _p=p, _comp=comp, **kwargs: _comp(_p, *args, **kwargs)
+                return self._composed(name)  # runs composed, the part as the site says
         key = (name, self.phase) if name in self._phased else name
         fn = self._cache.get(key)
         if fn is not None:
@@ -499,12 +497,7 @@ class Dispatcher:
         if name not in REGISTRY:
             raise AttributeError(f"no op named {name!r}")
         if name in self._composed_by_map and self._map_moves_a_part(name):
-            parts, comp = COMPOSITIONS[name]
-            p = {part: self.resolve(part) for part in parts}
-
-            def fn(*args, _p=p, _comp=comp, **kwargs):
-                return _comp(_p, *args, **kwargs)
-
+            fn = self._composed(name)
             self.used.add(name)
             self._cache[key] = fn
             return fn
@@ -524,6 +517,17 @@ class Dispatcher:
             fn = d.ref
         self.used.add(name)
         self._cache[key] = fn
+        return fn
+
+    def _composed(self, name: str) -> Callable:
+        """Fused op `name` as its registered composition over its parts, each resolved as this dispatcher resolves
+        it now (map, phase, sites)."""
+        parts, comp = COMPOSITIONS[name]
+        p = {part: self.resolve(part) for part in parts}
+
+        def fn(*args, _p=p, _comp=comp, **kwargs):
+            return _comp(_p, *args, **kwargs)
+
         return fn
 
     def _map_moves_a_part(self, name: str) -> bool:

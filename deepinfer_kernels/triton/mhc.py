@@ -339,6 +339,24 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     return (*norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
 
 
+def _post_fused(residual: torch.Tensor) -> bool:
+    """Does the post-mix go into the next mix launch: decode sizes (the token-tiled prefill mix has no POST form)
+    with DEEPINFER_DECODE_FUSIONS on."""
+    T = residual.size(0) * residual.size(1)
+    return fusions_on() and 0 < T < TILE_TOKENS
+
+
+def _post_pre_quant(post_in: tuple, dtype: torch.dtype, residual: torch.Tensor, fn, scale, base, norm_eps, hc_eps,
+                    iters, weight, eps, side, split) -> tuple:
+    """The new streams (dtype) written by the pre-mix's mix launch from `_mix`'s post_in, then the pre-mix's apply
+    and norm-quant, as `hc_pre_quant` -> (streams, y, q, s[, split form], post, comb)."""
+    B, S, HC, D = residual.shape
+    h = torch.empty(B, S, HC, D, dtype=dtype, device=residual.device)
+    hc, fn, scale, base, y, post, comb = _pre_buffers(h, fn, scale, base)
+    _mix_and_apply(hc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, iters, True, side, post_in)
+    return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
+
+
 @implement("hc_post_pre_quant", "triton")
 def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                       scale: torch.Tensor, base: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
@@ -346,15 +364,12 @@ def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     """Decode sizes (below `TILE_TOKENS`): the post-mix inside the mix launch (`_hc_mix_kernel`'s POST form), so
     the attention's hc_post and the MoE's pre-mix take one launch fewer on the critical path; the streams, y, q, s,
     post and comb are the bits of `hc_post` then `hc_pre_quant`. Prefill sizes run the two."""
-    B, S, HC, D = residual.shape
-    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
+    pre = (fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split)
+    if not _post_fused(residual):
         h = hc_post(x, residual, post, comb)
-        return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
-    h = torch.empty(B, S, HC, D, dtype=x.dtype, device=x.device)  # hc_post's output, written by the mix
-    hc, fn, scale, base, y, post2, comb2 = _pre_buffers(h, fn, scale, base)
+        return (h, *hc_pre_quant(h, *pre))
     post_in = (x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
-    _mix_and_apply(hc, fn, scale, base, y, post2, comb2, HC, D, norm_eps, hc_eps, iters, True, side, post_in)
-    return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post2, comb2)
+    return _post_pre_quant(post_in, x.dtype, residual, *pre)
 
 
 def _moe_post_in(routed, shared, residual, post, comb) -> tuple:
@@ -370,15 +385,11 @@ def moe_combine_post_pre_quant(routed: torch.Tensor, shared: torch.Tensor, resid
                                side=None, split: bool = False) -> tuple:
     """`hc_post_pre_quant` for a MoE sub-layer's output (the next block's attention pre-mix): its rows summed and
     post-mixed inside the mix launch at decode sizes, the bits of `moe_combine_post` then `hc_pre_quant`."""
-    B, S, HC, D = residual.shape
-    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
+    pre = (fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split)
+    if not _post_fused(residual):
         h = moe_combine_post(routed, shared, residual, post, comb)
-        return (h, *hc_pre_quant(h, fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split))
-    h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
-    hc, fn, scale, base, y, post2, comb2 = _pre_buffers(h, fn, scale, base)
-    _mix_and_apply(hc, fn, scale, base, y, post2, comb2, HC, D, norm_eps, hc_eps, iters, True, side,
-                   _moe_post_in(routed, shared, residual, post, comb))
-    return (h, *norm.rms_norm_quant(y, weight, eps, 128, split=split), post2, comb2)
+        return (h, *hc_pre_quant(h, *pre))
+    return _post_pre_quant(_moe_post_in(routed, shared, residual, post, comb), residual.dtype, residual, *pre)
 
 
 @implement("moe_combine_post_head", "triton")
@@ -387,10 +398,10 @@ def moe_combine_post_head(routed: torch.Tensor, shared: torch.Tensor, residual: 
                           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The last block's MoE output post-mixed inside the hc head's mix launch at decode sizes: (streams, head
     output), the bits of `moe_combine_post` then `hc_head`."""
-    B, S, HC, D = residual.shape
-    if not fusions_on() or B * S == 0 or B * S >= TILE_TOKENS:
+    if not _post_fused(residual):
         h = moe_combine_post(routed, shared, residual, post, comb)
         return h, hc_head(h, fn, scale, base, norm_eps, hc_eps)
+    B, S, HC, D = residual.shape
     h = torch.empty(B, S, HC, D, dtype=residual.dtype, device=residual.device)
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
     y = torch.empty(B, S, D, dtype=residual.dtype, device=residual.device)
