@@ -15,7 +15,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str  # "flag" (0 = off, anything else on) | "choice" | "path" | "str"
+    kind: str  # "flag" (0 = off, anything else on) | "choice" | "path" | "str" | "fusions" (`fusion`)
     default: str
     doc: str
     choices: tuple = ()
@@ -63,10 +63,11 @@ SETTINGS = {s.name: s for s in (
             "over the halves of D and gather the kv rows ahead by cp.async, 64 heads a program, only the 64-slot blocks "
             "that hold a valid slot, where D is 128, 256 or 512) or plain (one warpgroup gathers, then computes every "
             "block)", ("ws", "plain")),
-    Setting("DEEPINFER_DECODE_FUSIONS", "choice", "on", "on: the Triton kernels of the fused decode ops (the routed "
-            "w2 computing its SwiGLU input, the q-norming attention, the post-mixes inside the next mix, the kv norm "
-            "with its cache write) fuse; off: each runs its two ops (the same values), for an A/B in one run: "
-            "`bench --against triton:DEEPINFER_DECODE_FUSIONS=off`", ("on", "off")),
+    Setting("DEEPINFER_DECODE_FUSIONS", "fusions", "on", "on: the Triton kernels of the fused decode ops (the "
+            "routed w2 computing its SwiGLU input, the q-norming attention, the post-mixes inside the next mix, the kv "
+            "norm with its cache write) fuse; off: each runs its two ops (the same values); "
+            "-OP[+OP...] (e.g. -q_norm_sparse_attn_fp8): every one but those fuses. For an A/B in one run: "
+            "`bench --against triton:DEEPINFER_DECODE_FUSIONS=off`"),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
             "by Triton when a kernel module is imported"),
 )}
@@ -95,18 +96,16 @@ def _raw(name: str) -> str:
 
 @contextlib.contextmanager
 def applied(values: dict):
-    """Set these settings (names of PER_CALL -> values, each checked as `choice` would) for the block, and put the
+    """Set these settings (names of PER_CALL -> values, each checked as `check` does) for the block, and put the
     environment back as it was afterwards, also on an error."""
     for n, v in values.items():
         if n not in PER_CALL:
             raise ValueError(f"{n}: not a setting read per call; these are: {', '.join(PER_CALL)}")
-        s = SETTINGS[n]
-        if s.kind == "choice" and str(v).lower() not in s.choices:
-            raise ValueError(f"{n}={v!r}: choose one of {', '.join(c for c in s.choices if c)}")
+        check(n, v)
     before = {n: os.environ.get(n) for n in values}
     try:
         for n, v in values.items():
-            os.environ[n] = str(v).lower()
+            os.environ[n] = check(n, v)
         yield
     finally:
         for n, v in before.items():
@@ -133,12 +132,61 @@ def flag(name: str) -> bool:
     raise ValueError(f"{name}={v!r}: expected 0 or 1")
 
 
+def check(name: str, v) -> str:
+    """`v` as setting `name` would read it (a choice lower-cased), or a ValueError naming what is wrong."""
+    s, v = SETTINGS[name], str(v).strip()
+    if s.kind == "choice":
+        if v.lower() not in s.choices:
+            raise ValueError(f"{name}={v!r}: choose one of {', '.join(c for c in s.choices if c) or '(unset)'}")
+        return v.lower()
+    if s.kind == "fusions":
+        _fusions_off(v)
+        return v.lower()
+    return v
+
+
+def value(name: str) -> str:
+    """A choice or fusions setting's value as read now (checked): what a report records as in effect."""
+    return check(name, _raw(name))
+
+
 def choice(name: str) -> str:
     s = SETTINGS[name]
     v = _raw(name).lower()
     if v not in s.choices:
         raise ValueError(f"{name}={v!r}: choose one of {', '.join(c for c in s.choices if c) or '(unset)'}")
     return v
+
+
+FUSED_DECODE_OPS = ("swiglu_grouped_gemm", "q_norm_sparse_attn_fp8", "hc_post_pre_quant",
+                    "moe_combine_post_pre_quant", "moe_combine_post_head", "rms_norm_rope_store")
+"""The registered decode ops whose Triton kernel fuses two ops' work, each switchable by DEEPINFER_DECODE_FUSIONS."""
+
+
+def fusions_off() -> frozenset:
+    """The fused decode ops DEEPINFER_DECODE_FUSIONS turns off: none (on), all (off), or the ones after "-" joined
+    by "+" (a value without commas, so that it fits a `--against` entry)."""
+    return _fusions_off(_raw("DEEPINFER_DECODE_FUSIONS"))
+
+
+def _fusions_off(v: str) -> frozenset:
+    v = v.strip().lower()
+    if v in ("on", ""):
+        return frozenset()
+    if v == "off":
+        return frozenset(FUSED_DECODE_OPS)
+    names = v[1:].split("+") if v.startswith("-") else []
+    bad = [n for n in names if n not in FUSED_DECODE_OPS]
+    if not names or bad:
+        raise ValueError(f"DEEPINFER_DECODE_FUSIONS={v!r}: expected on, off or -OP[+OP...] with OP one of "
+                         f"{', '.join(FUSED_DECODE_OPS)}" + (f" (not {', '.join(bad)})" if bad else ""))
+    return frozenset(names)
+
+
+def fusion(op: str) -> bool:
+    """Does the fused decode op `op` (one of FUSED_DECODE_OPS) fuse under DEEPINFER_DECODE_FUSIONS, read now."""
+    assert op in FUSED_DECODE_OPS, f"{op}: not a fused decode op"
+    return op not in fusions_off()
 
 
 def path(name: str) -> str:

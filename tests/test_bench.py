@@ -354,6 +354,10 @@ def test_bench_against_with_settings_and_drift(monkeypatch):
     fast, fold = r["against"]
     assert fast["settings"] == {"DEEPINFER_POLICY": "fast"} and fold["settings"] == {"DEEPINFER_TL_FP4": "fold"}
     assert fold["op_map"] == "rms_norm=torch"
+    from deepinfer.bench.run import parse_against
+
+    one_off = parse_against("triton:DEEPINFER_DECODE_FUSIONS=-Q_NORM_SPARSE_ATTN_FP8+hc_post_pre_quant")[2]
+    assert one_off == {"DEEPINFER_DECODE_FUSIONS": "-q_norm_sparse_attn_fp8+hc_post_pre_quant"}
     for a in (fast, fold):  # the torch reference computes the same numbers under either policy
         d = a["drift"]
         assert d["positions"] == 6 and d["rel_err"] == 0.0 and d["top1_agree"] == 1.0 and d["flips"] == 0
@@ -367,7 +371,9 @@ def test_bench_against_with_settings_and_drift(monkeypatch):
 def test_bench_against_bad_settings_one_line():
     for spec, msg in (("triton:DEEPINFER_PDL=0", "DEEPINFER_PDL is not a setting read per call"),
                       ("torch:policy=slow", "choose policy=official|fast"),
-                      ("torch:DEEPINFER_TL_FP4", "choose DEEPINFER_TL_FP4=bf16|fold|fp8")):
+                      ("torch:DEEPINFER_TL_FP4", "choose DEEPINFER_TL_FP4=bf16|fold|fp8"),
+                      ("triton:DEEPINFER_DECODE_FUSIONS=-hc_post", "expected on, off or -OP[+OP...]"),
+                      ("triton:DEEPINFER_DECODE_FUSIONS", "give DEEPINFER_DECODE_FUSIONS=VALUE")):
         res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--batch", "1", "--against", spec])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (spec, res.output)
 

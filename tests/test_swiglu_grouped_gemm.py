@@ -130,9 +130,14 @@ def test_float_w2_is_refused():
             impl(h, 10.0, None, torch.zeros(2, dtype=torch.long, device=DEV), w, None)
 
 
-def test_decode_fusions_off_runs_each_fused_op_as_its_two_ops(monkeypatch):
-    """DEEPINFER_DECODE_FUSIONS=off (read per call: a `bench --against` entry): every fused decode op's Triton
-    implementation runs its two ops instead of its fused kernel."""
+FUSION_PARTS = {"swiglu_grouped_gemm": "_swiglu_quant", "hc_post_pre_quant": "hc_post",
+                "moe_combine_post_pre_quant": "moe_combine_post", "rms_norm_rope_store": "rms_norm_rope"}
+"""Fused decode op -> the function of its first part that its Triton implementation calls when it does not fuse."""
+
+
+def _run_fused_ops(monkeypatch, value: str) -> list[str]:
+    """Each fused decode op's Triton implementation once under DEEPINFER_DECODE_FUSIONS=value -> the names of the
+    first-part functions that ran (a fused kernel calls none)."""
     mg = _triton()
     from deepinfer_kernels.triton import mhc, norm
 
@@ -146,7 +151,7 @@ def test_decode_fusions_off_runs_each_fused_op_as_its_two_ops(monkeypatch):
     spy(mhc, "hc_post")
     spy(mhc, "moe_combine_post")
     spy(norm, "rms_norm_rope")
-    monkeypatch.setenv("DEEPINFER_DECODE_FUSIONS", "off")
+    monkeypatch.setenv("DEEPINFER_DECODE_FUSIONS", value)
     g = torch.Generator().manual_seed(1)
     P, E, N, I = 6, 8, 128, 256
     w, w_s = _w2(g, "fp4", E, N, I)
@@ -168,4 +173,28 @@ def test_decode_fusions_off_runs_each_fused_op_as_its_two_ops(monkeypatch):
     REGISTRY["rms_norm_rope_store"].impls["triton"](torch.randn(1, 1, 512, device=DEV), torch.ones(512, device=DEV),
                                                     1e-6, ang.cos(), ang.sin(), 64, cache,
                                                     torch.tensor([1], device=DEV), torch.tensor([2], device=DEV), True)
-    assert called == ["_swiglu_quant", "hc_post", "moe_combine_post", "rms_norm_rope"], called
+    return called
+
+
+def test_decode_fusions_off_runs_each_fused_op_as_its_two_ops(monkeypatch):
+    """DEEPINFER_DECODE_FUSIONS=off (read per call: a `bench --against` entry): every fused decode op's Triton
+    implementation runs its two ops instead of its fused kernel; on: none does."""
+    assert _run_fused_ops(monkeypatch, "off") == list(FUSION_PARTS.values())
+    assert _run_fused_ops(monkeypatch, "on") == []
+
+
+def test_decode_fusions_turned_off_one_by_one(monkeypatch):
+    """-OP[+OP]: exactly the named fused ops run their two ops (a per-fusion A/B: `bench --against
+    triton:DEEPINFER_DECODE_FUSIONS=-hc_post_pre_quant`)."""
+    assert _run_fused_ops(monkeypatch, "-hc_post_pre_quant+rms_norm_rope_store") == ["hc_post", "rms_norm_rope"]
+    for op, part in FUSION_PARTS.items():
+        assert _run_fused_ops(monkeypatch, "-" + op) == [part], op
+
+
+@pytest.mark.parametrize("value", ["-", "-nope", "-hc_post_pre_quant+", "hc_post_pre_quant", "maybe"])
+def test_decode_fusions_bad_value_names_the_fused_ops(monkeypatch, value):
+    from deepinfer import settings
+
+    monkeypatch.setenv("DEEPINFER_DECODE_FUSIONS", value)
+    with pytest.raises(ValueError, match="DEEPINFER_DECODE_FUSIONS=.*q_norm_sparse_attn_fp8"):
+        settings.fusion("hc_post_pre_quant")

@@ -160,9 +160,13 @@ def parse_against(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:
             raise ValueError(f"--against {spec!r}: {name} is not a setting read per call; an entry may set "
                              f"policy=official|fast, {', '.join(n for n in settings.PER_CALL if n != 'DEEPINFER_POLICY')}")
         choices = settings.SETTINGS[name].choices
-        if not eq or val.lower() not in choices:
-            raise ValueError(f"--against {spec!r}: {part!r}: choose {key}={'|'.join(c for c in choices if c)}")
-        values[name] = val.lower()
+        try:
+            if not eq:
+                raise ValueError(f"give {key}=VALUE")
+            values[name] = settings.check(name, val)
+        except ValueError as e:
+            hint = f"choose {key}={'|'.join(c for c in choices if c)}" if choices else str(e)
+            raise ValueError(f"--against {spec!r}: {part!r}: {hint}") from None
     per_call = {n: v for n, v in values.items() if n != "experts"}
     with settings.applied(per_call):  # a tuned map is checked against the entry's own policy, not the run's
         op_map = parse_op_map(",".join(op_parts), f"--against {spec!r}:")
@@ -235,7 +239,7 @@ def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches
         d.update(ratio=d["ms_per_step"] / m["floor"]["floor_ms"], vs_main=d["ms_per_step"] / m["ms_per_step"])
         rows.append(d)
     return {"spec": spec, "backend": backend, "op_map": op_map_str(op_map), "settings": dict(values),
-            "settings_in_effect": {n: settings.choice(n) for n in settings.PER_CALL},
+            "settings_in_effect": {n: settings.value(n) for n in settings.PER_CALL},
             "fp8_prefill_gemm": _fp8_prefill_gemm(device), "fallbacks": sorted(ops.fallbacks),
             "prefill": pf, "drift": dr, "prefill_graphs": pf_graphs, "decode": rows}
 
@@ -342,7 +346,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         "model": cfg.name, "source": source, "config_fingerprint": cfg.fingerprint(), "device": str(device),
         "device_name": device_name(device), **_versions(), "backend": ops.backend,
         "op_map": op_map_str(ops.op_map), "numerics": numerics.name,
-        "settings": {n: settings.choice(n) for n in settings.PER_CALL},  # as the main rows ran (policy and its defaults)
+        "settings": {n: settings.value(n) for n in settings.PER_CALL},  # as the main rows ran (policy and its defaults)
         "dtype": opts.dtype, "eager": not graphs, "cuda_graphs": graphs,
         "layers": cfg.n_layers, "attn_kinds": list(cfg.attn_kinds[:cfg.n_layers]),
         "weights_s": t_weights, "engine_weight_bytes": held_bytes(model),

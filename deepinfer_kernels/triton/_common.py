@@ -257,9 +257,9 @@ def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
     tl.store(o + QB // 2, a_o.to(tl.bfloat16), mask=m)
 
 
-def fusions_on() -> bool:
-    """DEEPINFER_DECODE_FUSIONS (read per call): the fused decode ops' kernels fuse, or run their two ops."""
-    return settings.choice("DEEPINFER_DECODE_FUSIONS") == "on"
+def fusion(op: str) -> bool:
+    """Does the fused decode op `op` fuse: DEEPINFER_DECODE_FUSIONS (read per call) is on, or names other ops off."""
+    return settings.fusion(op)
 
 
 @triton.jit

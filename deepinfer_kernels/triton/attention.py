@@ -40,7 +40,7 @@ from deepinfer.ops.registry import implement
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, fusions_on, p2, pdl, pdl_wait, rows_2d
+from ._common import e8m0_f32, fusion, p2, pdl, pdl_wait, rows_2d
 from ._common import sms as _sms
 from .norm import rms_norm_rope as rms_norm_rope_op
 from .rope import rope as rope_op
@@ -332,8 +332,8 @@ def q_norm_sparse_attn_fp8(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
     head dims past one tile run the two ops."""
     D = q.size(-1)
     W = kv_packed_width(D, rope_dim, q.dtype)
-    if (not fusions_on() or form not in _Q_FORMS or kv.dtype != torch.uint8 or kv.size(-1) != W
-            or D != max(16, p2(D)) or q.numel() == 0):
+    if (not fusion("q_norm_sparse_attn_fp8") or form not in _Q_FORMS or kv.dtype != torch.uint8
+            or kv.size(-1) != W or D != max(16, p2(D)) or q.numel() == 0):
         qn = rms_norm_rope_op(q, None, eps, *rope, rope_dim, form=form)
         return sparse_attn_fp8(qn, kv, sink, idx, scale, rope_dim, out_rope=rope)
     q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx.contiguous()

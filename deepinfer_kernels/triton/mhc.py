@@ -34,7 +34,7 @@ from deepinfer.ops.registry import implement
 
 from . import norm
 from .moe import combined_row
-from ._common import dot_f32, fusions_on, p2, pdl, pdl_wait, sms, split_k, tf32_exact
+from ._common import dot_f32, fusion, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 from ._common import unit_last_stride
 
 
@@ -339,11 +339,11 @@ def hc_pre_quant(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     return (*norm.rms_norm_quant(y, weight, eps, 128, split=split), post, comb)
 
 
-def _post_fused(residual: torch.Tensor) -> bool:
-    """Does the post-mix go into the next mix launch: decode sizes (the token-tiled prefill mix has no POST form)
-    with DEEPINFER_DECODE_FUSIONS on."""
+def _post_fused(op: str, residual: torch.Tensor) -> bool:
+    """Does fused op `op`'s post-mix go into the next mix launch: decode sizes (the token-tiled prefill mix has no
+    POST form) with the fusion on (DEEPINFER_DECODE_FUSIONS)."""
     T = residual.size(0) * residual.size(1)
-    return fusions_on() and 0 < T < TILE_TOKENS
+    return fusion(op) and 0 < T < TILE_TOKENS
 
 
 def _post_pre_quant(post_in: tuple, dtype: torch.dtype, residual: torch.Tensor, fn, scale, base, norm_eps, hc_eps,
@@ -365,7 +365,7 @@ def hc_post_pre_quant(x: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     the attention's hc_post and the MoE's pre-mix take one launch fewer on the critical path; the streams, y, q, s,
     post and comb are the bits of `hc_post` then `hc_pre_quant`. Prefill sizes run the two."""
     pre = (fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split)
-    if not _post_fused(residual):
+    if not _post_fused("hc_post_pre_quant", residual):
         h = hc_post(x, residual, post, comb)
         return (h, *hc_pre_quant(h, *pre))
     post_in = (x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
@@ -386,7 +386,7 @@ def moe_combine_post_pre_quant(routed: torch.Tensor, shared: torch.Tensor, resid
     """`hc_post_pre_quant` for a MoE sub-layer's output (the next block's attention pre-mix): its rows summed and
     post-mixed inside the mix launch at decode sizes, the bits of `moe_combine_post` then `hc_pre_quant`."""
     pre = (fn, scale, base, norm_eps, hc_eps, iters, weight, eps, side, split)
-    if not _post_fused(residual):
+    if not _post_fused("moe_combine_post_pre_quant", residual):
         h = moe_combine_post(routed, shared, residual, post, comb)
         return (h, *hc_pre_quant(h, *pre))
     return _post_pre_quant(_moe_post_in(routed, shared, residual, post, comb), residual.dtype, residual, *pre)
@@ -398,7 +398,7 @@ def moe_combine_post_head(routed: torch.Tensor, shared: torch.Tensor, residual: 
                           norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The last block's MoE output post-mixed inside the hc head's mix launch at decode sizes: (streams, head
     output), the bits of `moe_combine_post` then `hc_head`."""
-    if not _post_fused(residual):
+    if not _post_fused("moe_combine_post_head", residual):
         h = moe_combine_post(routed, shared, residual, post, comb)
         return h, hc_head(h, fn, scale, base, norm_eps, hc_eps)
     B, S, HC, D = residual.shape

@@ -70,7 +70,7 @@ from .moe import _TL_DTYPE
 from .moe import swiglu_quant as _swiglu_quant
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
 from ._common import expert_block_tile, quant_e4m3_rows, store_bf16_split, swiglu_f32, unit_last_stride
-from ._common import fusions_on, weight_scale_arg, zero_row_tile
+from ._common import fusion, weight_scale_arg, zero_row_tile
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (the row layout, shared)
@@ -624,8 +624,8 @@ def swiglu_grouped_gemm(h: torch.Tensor, limit: float, weight: torch.Tensor | No
     if not fp4 and w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"swiglu_grouped_gemm: w2 must be FP8 or FP4 expert stacks, not {w.dtype} (a float w2 "
                          "runs swiglu, then grouped_gemm)")
-    fused = (fusions_on() and 0 < P <= IDENT_MAX_P and E > 0 and N > 0 and I % 128 == 0 and tuple(h.shape) == (P, 2 * I)
-             and out_dtype in _TL_DTYPE and h.dtype.is_floating_point)
+    fused = (fusion("swiglu_grouped_gemm") and 0 < P <= IDENT_MAX_P and E > 0 and N > 0 and I % 128 == 0
+             and tuple(h.shape) == (P, 2 * I) and out_dtype in _TL_DTYPE and h.dtype.is_floating_point)
     if not fused:
         a = _swiglu_quant(h[:, :I], h[:, I:], limit, weight=weight, out_dtype=out_dtype, split=fp4)
         return grouped_gemm(a[0], a[1], e, w, w_s, out_dtype, a_split=a[2] if fp4 else None)

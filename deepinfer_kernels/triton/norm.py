@@ -13,7 +13,7 @@ from deepinfer.ops.registry import implement
 
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
-from ._common import fusions_on, p2, pdl, pdl_wait, rows_2d, store_act_quant
+from ._common import fusion, p2, pdl, pdl_wait, rows_2d, store_act_quant
 from .cache import _pack_entry
 from .cache import kv_store as kv_store_op
 
@@ -202,8 +202,8 @@ def rms_norm_rope_store(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     N = x.size(-1)
     M = x.numel() // max(N, 1)
     nope = N - rd
-    if not fusions_on() or not pack or M == 0 or rows.numel() != M or slots.numel() != M or nope <= 0 or nope % 64 \
-            or weight is None or (x.dim() == 4 and x.size(2) != 1):
+    if not fusion("rms_norm_rope_store") or not pack or M == 0 or rows.numel() != M or slots.numel() != M \
+            or nope <= 0 or nope % 64 or weight is None or (x.dim() == 4 and x.size(2) != 1):
         y = rms_norm_rope(x, weight, eps, cos, sin, rd)
         kv_store_op(cache, rows, slots, y.reshape(-1, N), rope_dim=rd if pack else 0)
         return y

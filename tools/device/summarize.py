@@ -6,6 +6,7 @@
     python tools/device/summarize.py entries BENCH.json            # every configuration of a run, with its drift
     python tools/device/summarize.py margin A.json [B.json ...]    # each margin's verdict and logits error
     python tools/device/summarize.py targets BENCH.json            # issue 49's targets, met or missed by how much
+    python tools/device/summarize.py fusions BENCH.json            # each fusion: decode with it off against all on
 
 A file that is missing or holds no report gives "no report (why)" in its place: the table always gets its row.
 """
@@ -111,6 +112,26 @@ def targets(b: dict) -> str:
     return "; ".join(out)
 
 
+def fusions(b: dict) -> str:
+    """The decode rows of a run with every fused decode op on (the main configuration) against each `--against`
+    entry that turns some off (DEEPINFER_DECODE_FUSIONS=off | -OP): ms/step, and how much slower the entry is,
+    i.e. what those fusions gain (negative: they cost)."""
+    if "decode" not in b:
+        return f"no report ({b.get('error')})"
+    main = {d["batch"]: d["ms_per_step"] for d in b["decode"]}
+    ops = b.get("decode_ops") or {}
+    counts = ", ".join(f"{ops[k]:.0f} {what}" for k, what in (("ops_per_step", "ops"), ("kernels_per_step", "kernels"))
+                       if isinstance(ops.get(k), (int, float)))
+    out = ["all on: " + " ".join(f"B={k} {v:.3f}" for k, v in main.items())
+           + (f" ({counts} per B={ops.get('batch')} step)" if counts else "")]
+    for a in b.get("against", []):
+        v = (a.get("settings") or {}).get("DEEPINFER_DECODE_FUSIONS", a["spec"])
+        out.append(f"{v}: " + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} "
+                                        f"({(d['ms_per_step'] / main[d['batch']] - 1) * 100:+.1f}%)"
+                                        for d in a["decode"] if d["batch"] in main))
+    return "; ".join(out)
+
+
 def tune(t: dict, b: dict) -> str:
     moved = {k: v for k, v in (t.get("ops") or {}).items() if v != "triton"}
     line = f"map: {len(t.get('ops') or {})} ops, off triton: {moved}"
@@ -141,7 +162,9 @@ def main(argv: list[str]) -> str:
         return margin(args)
     if kind == "targets":
         return targets(last(args[0]))
-    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin | targets)")
+    if kind == "fusions":
+        return fusions(last(args[0]))
+    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin | targets | fusions)")
 
 
 if __name__ == "__main__":
