@@ -171,12 +171,12 @@ def fusions_off() -> frozenset:
 
 def _fusions_off(v: str) -> frozenset:
     v = v.strip().lower()
-    if v in ("on", ""):
+    if v == "on":
         return frozenset()
     if v == "off":
         return frozenset(FUSED_DECODE_OPS)
-    names = v[1:].split("+") if v.startswith("-") else []
-    bad = [n for n in names if n not in FUSED_DECODE_OPS]
+    names = [n.strip() for n in v[1:].split("+")] if v.startswith("-") else []
+    bad = [repr(n) for n in names if n not in FUSED_DECODE_OPS]
     if not names or bad:
         raise ValueError(f"DEEPINFER_DECODE_FUSIONS={v!r}: expected on, off or -OP[+OP...] with OP one of "
                          f"{', '.join(FUSED_DECODE_OPS)}" + (f" (not {', '.join(bad)})" if bad else ""))

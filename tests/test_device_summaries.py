@@ -57,6 +57,7 @@ def test_fusions_line_says_what_each_fusion_gains():
     """The fusions phase's line: every fused op on, then each entry that turns some off, as ms/step and as how much
     slower that entry is (the fusion's gain; negative where it costs)."""
     r = {"decode": [{"batch": 1, "ms_per_step": 1.0}, {"batch": 8, "ms_per_step": 2.0}],
+         "settings": {"DEEPINFER_DECODE_FUSIONS": "on", "DEEPINFER_POLICY": "official"},
          "decode_ops": {"batch": 1, "ops_per_step": 98, "kernels_per_step": 140.0},
          "against": [
              {"spec": "triton:DEEPINFER_DECODE_FUSIONS=off", "settings": {"DEEPINFER_DECODE_FUSIONS": "off"},
@@ -65,7 +66,7 @@ def test_fusions_line_says_what_each_fusion_gains():
               "settings": {"DEEPINFER_DECODE_FUSIONS": "-q_norm_sparse_attn_fp8"},
               "decode": [{"batch": 1, "ms_per_step": 0.99}, {"batch": 8, "ms_per_step": 2.0}]}]}
     assert summarize.fusions(r).split("; ") == [
-        "all on: B=1 1.000 B=8 2.000 (98 ops, 140 kernels per B=1 step)",
-        "off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%)",
-        "-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%)"]
+        "main (DECODE_FUSIONS=on): B=1 1.000 B=8 2.000 (98 ops, 140 kernels per B=1 step)",
+        "DECODE_FUSIONS=off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%)",
+        "DECODE_FUSIONS=-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%)"]
     assert summarize.fusions({"error": "cut off"}) == "no report (cut off)"

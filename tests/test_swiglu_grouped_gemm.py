@@ -187,11 +187,12 @@ def test_decode_fusions_turned_off_one_by_one(monkeypatch):
     """-OP[+OP]: exactly the named fused ops run their two ops (a per-fusion A/B: `bench --against
     triton:DEEPINFER_DECODE_FUSIONS=-hc_post_pre_quant`)."""
     assert _run_fused_ops(monkeypatch, "-hc_post_pre_quant+rms_norm_rope_store") == ["hc_post", "rms_norm_rope"]
+    assert _run_fused_ops(monkeypatch, " -HC_POST_PRE_QUANT + rms_norm_rope_store ") == ["hc_post", "rms_norm_rope"]
     for op, part in FUSION_PARTS.items():
         assert _run_fused_ops(monkeypatch, "-" + op) == [part], op
 
 
-@pytest.mark.parametrize("value", ["-", "-nope", "-hc_post_pre_quant+", "hc_post_pre_quant", "maybe"])
+@pytest.mark.parametrize("value", ["-", "-nope", "-hc_post_pre_quant+", "hc_post_pre_quant", "maybe", "", " "])
 def test_decode_fusions_bad_value_names_the_fused_ops(monkeypatch, value):
     from deepinfer import settings
 

@@ -112,20 +112,26 @@ def targets(b: dict) -> str:
     return "; ".join(out)
 
 
+def _label(settings: dict) -> str:
+    """An entry's settings as NAME=value without the DEEPINFER_ prefix, comma-joined."""
+    return ", ".join(f"{k.removeprefix('DEEPINFER_')}={v}" for k, v in settings.items())
+
+
 def fusions(b: dict) -> str:
-    """The decode rows of a run with every fused decode op on (the main configuration) against each `--against`
-    entry that turns some off (DEEPINFER_DECODE_FUSIONS=off | -OP): ms/step, and how much slower the entry is,
-    i.e. what those fusions gain (negative: they cost)."""
+    """The decode rows of the main configuration (every fused decode op on, as its settings say) against each
+    `--against` entry that turns some off (DEEPINFER_DECODE_FUSIONS=off | -OP): ms/step, and how much slower the
+    entry is, i.e. what those fusions gain (negative: they cost)."""
     if "decode" not in b:
         return f"no report ({b.get('error')})"
     main = {d["batch"]: d["ms_per_step"] for d in b["decode"]}
     ops = b.get("decode_ops") or {}
     counts = ", ".join(f"{ops[k]:.0f} {what}" for k, what in (("ops_per_step", "ops"), ("kernels_per_step", "kernels"))
                        if isinstance(ops.get(k), (int, float)))
-    out = ["all on: " + " ".join(f"B={k} {v:.3f}" for k, v in main.items())
+    out = [f"main ({_label({'DEEPINFER_DECODE_FUSIONS': (b.get('settings') or {}).get('DEEPINFER_DECODE_FUSIONS', '?')})}): "
+           + " ".join(f"B={k} {v:.3f}" for k, v in main.items())
            + (f" ({counts} per B={ops.get('batch')} step)" if counts else "")]
     for a in b.get("against", []):
-        v = (a.get("settings") or {}).get("DEEPINFER_DECODE_FUSIONS", a["spec"])
+        v = _label(a.get("settings") or {}) or a["spec"]
         out.append(f"{v}: " + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} "
                                         f"({(d['ms_per_step'] / main[d['batch']] - 1) * 100:+.1f}%)"
                                         for d in a["decode"] if d["batch"] in main))
