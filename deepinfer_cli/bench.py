@@ -238,14 +238,15 @@ def _print_against(report: dict, con: Console) -> None:
     t.add_column(f"TTFT ms (P {report['prompt_len']})", justify="right")
     for d in report["decode"]:
         t.add_column(f"decode B={d['batch']}", justify="right")
-    t.add_column("drift from main (last positions' logits)", justify="left")
+    t.add_column("drift from main: prompt's last logits", justify="left")
+    t.add_column("decode steps' logits", justify="left")
     t.add_row(main, f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x)",
-              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in report["decode"]], "-")
+              *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x)" for d in report["decode"]], "-", "-")
     for a in report["against"]:
         pf = a["prefill"]
         t.add_row(a["spec"], f"{pf['ttft_ms']:.2f} ({pf['ratio']:.1f}x; {pf['vs_main']:.2f})",
                   *[f"{d['ms_per_step']:.3f} ({d['ratio']:.1f}x; {d['vs_main']:.2f})" for d in a["decode"]],
-                  drift_cell(a.get("drift")))
+                  drift_cell(a.get("drift")), drift_cell(a.get("decode_drift")))
     con.print(t)
     for a in report["against"]:
         rq = a.get("requant")

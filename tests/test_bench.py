@@ -368,6 +368,39 @@ def test_bench_against_with_settings_and_drift(monkeypatch):
     assert "rel 0.00e+00, top-1 100% of 6" in res.output
 
 
+def test_bench_against_decode_drift_sees_a_decode_only_difference(monkeypatch):
+    """Each entry's decode drift compares DRIFT_DECODE_STEPS batch-1 decode steps' logits with the main ones: an
+    entry whose only difference is in a decode-only op (here the q-norming decode attention, made 1 % larger while
+    DEEPINFER_DECODE_FUSIONS=off is set) shows it there, while its prompt drift stays 0; an identical entry
+    shows 0 in both."""
+    import os
+
+    from deepinfer.bench.drift import DRIFT_DECODE_STEPS
+    from deepinfer.ops import REGISTRY, ops
+
+    from deepinfer.ops.registry import _ensure_reference
+
+    _ensure_reference()
+    d = REGISTRY["q_norm_sparse_attn_fp8"]
+    real = d.impls["torch"]
+
+    def skewed(*a, **k):
+        out = real(*a, **k)
+        return out * 1.01 if os.environ.get("DEEPINFER_DECODE_FUSIONS") == "off" else out
+
+    monkeypatch.setitem(d.impls, "torch", skewed)
+    ops._cache.clear()
+    try:
+        r = run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=6, gen_len=1, device="cpu",
+                                   progress=False, against=("torch:DEEPINFER_DECODE_FUSIONS=off", "torch")))
+    finally:
+        ops._cache.clear()
+    skew, same = r["against"]
+    assert skew["drift"]["rel_err"] == 0.0 and same["drift"]["rel_err"] == 0.0
+    assert same["decode_drift"]["rel_err"] == 0.0 and same["decode_drift"]["positions"] == DRIFT_DECODE_STEPS
+    assert skew["decode_drift"]["rel_err"] > 1e-4, skew["decode_drift"]
+
+
 def test_bench_against_bad_settings_one_line():
     for spec, msg in (("triton:DEEPINFER_PDL=0", "DEEPINFER_PDL is not a setting read per call"),
                       ("torch:policy=slow", "choose policy=official|fast"),

@@ -61,12 +61,13 @@ def test_fusions_line_says_what_each_fusion_gains():
          "decode_ops": {"batch": 1, "ops_per_step": 98, "kernels_per_step": 140.0},
          "against": [
              {"spec": "triton:DEEPINFER_DECODE_FUSIONS=off", "settings": {"DEEPINFER_DECODE_FUSIONS": "off"},
+              "decode_drift": {"rel_err": 0.0, "top1_agree": 1.0, "positions": 8},
               "decode": [{"batch": 1, "ms_per_step": 1.05}, {"batch": 8, "ms_per_step": 2.02}]},
              {"spec": "triton:DEEPINFER_DECODE_FUSIONS=-q_norm_sparse_attn_fp8",
               "settings": {"DEEPINFER_DECODE_FUSIONS": "-q_norm_sparse_attn_fp8"},
               "decode": [{"batch": 1, "ms_per_step": 0.99}, {"batch": 8, "ms_per_step": 2.0}]}]}
     assert summarize.fusions(r).split("; ") == [
         "main (DECODE_FUSIONS=on): B=1 1.000 B=8 2.000 (98 ops, 140 kernels per B=1 step)",
-        "DECODE_FUSIONS=off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%)",
+        "DECODE_FUSIONS=off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%), decode drift rel 0.0e+00, top-1 100% of 8",
         "DECODE_FUSIONS=-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%)"]
     assert summarize.fusions({"error": "cut off"}) == "no report (cut off)"

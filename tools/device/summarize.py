@@ -120,7 +120,8 @@ def _label(settings: dict) -> str:
 def fusions(b: dict) -> str:
     """The decode rows of the main configuration (every fused decode op on, as its settings say) against each
     `--against` entry that turns some off (DEEPINFER_DECODE_FUSIONS=off | -OP): ms/step, and how much slower the
-    entry is, i.e. what those fusions gain (negative: they cost)."""
+    entry is, i.e. what those fusions gain (negative: they cost), and its decode steps' drift from the main logits
+    (0 where the fusions it turns off give their two ops' bits)."""
     if "decode" not in b:
         return f"no report ({b.get('error')})"
     main = {d["batch"]: d["ms_per_step"] for d in b["decode"]}
@@ -132,9 +133,12 @@ def fusions(b: dict) -> str:
            + (f" ({counts} per B={ops.get('batch')} step)" if counts else "")]
     for a in b.get("against", []):
         v = _label(a.get("settings") or {}) or a["spec"]
+        dd = a.get("decode_drift")
+        dd = (f", decode drift rel {dd['rel_err']:.1e}, top-1 {dd['top1_agree']:.0%} of {dd['positions']}"
+              if dd else "")
         out.append(f"{v}: " + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} "
                                         f"({(d['ms_per_step'] / main[d['batch']] - 1) * 100:+.1f}%)"
-                                        for d in a["decode"] if d["batch"] in main))
+                                        for d in a["decode"] if d["batch"] in main) + dd)
     return "; ".join(out)
 
 
