@@ -71,3 +71,17 @@ def test_fusions_line_says_what_each_fusion_gains():
         "DECODE_FUSIONS=off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%), decode drift rel 0.0e+00, top-1 100% of 8",
         "DECODE_FUSIONS=-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%)"]
     assert summarize.fusions({"error": "cut off"}) == "no report (cut off)"
+
+
+def test_entries_line_carries_both_drifts():
+    """Each configuration of a run with its TTFT and decode rows, and for an --against entry its drift from the main
+    logits: the prompt's and the decode steps'."""
+    r = _report()
+    r["backend"] = "triton"
+    r["against"][0]["drift"] = {"rel_err": 1e-3, "top1_agree": 0.98, "flips": 1, "max_flip_margin": 0.01}
+    r["against"][0]["decode_drift"] = {"rel_err": 0.0, "top1_agree": 1.0, "positions": 8}
+    parts = summarize.entries(r).split(" || ")
+    assert parts[0].startswith("triton: TTFT 42.7 ms (3.35x), graph 42.5 (3.33x")
+    assert parts[1].endswith("; drift rel 1.00e-03, top-1 98%, flips 1 (main margin <= 0.01), "
+                             "decode steps rel 0.00e+00, top-1 100%")
+    assert "drift" not in parts[2]

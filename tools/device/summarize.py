@@ -56,6 +56,8 @@ def entries(b: dict) -> str:
         dec = " ".join(f"B={x['batch']} {x['ms_per_step']:.3f}" for x in r["decode"])
         dr = (f"; drift rel {d['rel_err']:.2e}, top-1 {d['top1_agree']:.0%}, flips {d['flips']} "
               f"(main margin <= {d['max_flip_margin']})") if d else ""
+        dd = r.get("decode_drift")
+        dr += f", decode steps rel {dd['rel_err']:.2e}, top-1 {dd['top1_agree']:.0%}" if dd else ""
         rq = r.get("requant")
         rq = (f"; experts {r['experts']}: {rq['lossy_stacks']} of {rq['stacks']} stacks lossy, "
               f"span 2^{rq['max_span_log2']}" if rq else "")
