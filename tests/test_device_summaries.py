@@ -54,23 +54,25 @@ def test_targets_without_a_fast_entry_or_a_report(tmp_path):
 
 
 def test_fusions_line_says_what_each_fusion_gains():
-    """The fusions phase's line: every fused op on, then each entry that turns some off, as ms/step and as how much
-    slower that entry is (the fusion's gain; negative where it costs)."""
-    r = {"decode": [{"batch": 1, "ms_per_step": 1.0}, {"batch": 8, "ms_per_step": 2.0}],
-         "settings": {"DEEPINFER_DECODE_FUSIONS": "on", "DEEPINFER_POLICY": "official"},
-         "decode_ops": {"batch": 1, "ops_per_step": 98, "kernels_per_step": 140.0},
-         "against": [
-             {"spec": "triton:DEEPINFER_DECODE_FUSIONS=off", "settings": {"DEEPINFER_DECODE_FUSIONS": "off"},
-              "decode_drift": {"rel_err": 0.0, "top1_agree": 1.0, "positions": 8},
-              "decode": [{"batch": 1, "ms_per_step": 1.05}, {"batch": 8, "ms_per_step": 2.02}]},
-             {"spec": "triton:DEEPINFER_DECODE_FUSIONS=-q_norm_sparse_attn_fp8",
-              "settings": {"DEEPINFER_DECODE_FUSIONS": "-q_norm_sparse_attn_fp8"},
-              "decode": [{"batch": 1, "ms_per_step": 0.99}, {"batch": 8, "ms_per_step": 2.0}]}]}
-    assert summarize.fusions(r).split("; ") == [
-        "main (DECODE_FUSIONS=on): B=1 1.000 B=8 2.000 (98 ops, 140 kernels per B=1 step)",
-        "DECODE_FUSIONS=off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%), decode drift rel 0.0e+00, top-1 100% of 8",
-        "DECODE_FUSIONS=-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%)"]
-    assert summarize.fusions({"error": "cut off"}) == "no report (cut off)"
+    """The fusions phase's line: the fresh-process runs with every fusion on (their mean and spread), then each run
+    that turns some off, as ms/step and as how much slower it is (the fusion's gain; negative where it costs), with
+    its decode drift from the one-process drift run."""
+    def run(v, b1, b8, **extra):
+        return {"settings": {"DEEPINFER_DECODE_FUSIONS": v, "DEEPINFER_POLICY": "official"},
+                "decode": [{"batch": 1, "ms_per_step": b1}, {"batch": 8, "ms_per_step": b8}], **extra}
+
+    runs = [run("on", 0.99, 2.0, decode_ops={"batch": 1, "ops_per_step": 98, "kernels_per_step": 140.0}),
+            run("off", 1.05, 2.02), run("-q_norm_sparse_attn_fp8", 0.99, 2.0), run("on", 1.01, 2.0)]
+    drift_run = {"against": [
+        {"settings": {"DEEPINFER_DECODE_FUSIONS": "off"}, "decode_drift": {"rel_err": 0.0, "top1_agree": 1.0}},
+        {"settings": {"DEEPINFER_DECODE_FUSIONS": "-q_norm_sparse_attn_fp8"},
+         "decode_drift": {"rel_err": 2e-3, "top1_agree": 0.875}}]}
+    assert summarize.fusions(drift_run, runs).split("; ") == [
+        "on (2 runs): B=1 1.000 (spread 2.0%) B=8 2.000 (spread 0.0%), 98 ops, 140 kernels per B=1 step",
+        "off: B=1 1.050 (+5.0%) B=8 2.020 (+1.0%), decode drift rel 0.0e+00, top-1 100%",
+        "-q_norm_sparse_attn_fp8: B=1 0.990 (-1.0%) B=8 2.000 (+0.0%), decode drift rel 2.0e-03, top-1 88%"]
+    assert summarize.fusions({}, [{"error": "cut off"}]) == "no report (no run has decode rows)"
+    assert summarize.fusions({}, runs[1:3]) == "no report (no run with every fusion on)"
 
 
 def test_entries_line_carries_both_drifts():

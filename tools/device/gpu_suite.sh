@@ -12,8 +12,9 @@
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
 #         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json)
-#   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op, against all of them off and
-#         against each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one bench run ($OUT/bench_fusions.json)
+#   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op on (first and last), all of
+#         them off, and each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one fresh bench process each
+#         ($OUT/fusions_N.json), then each one's decode drift from the on logits in one process ($OUT/fusions_drift.json)
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
 #         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
@@ -88,15 +89,27 @@ for phase in "$@"; do
     summary="$(python tools/device/summarize.py entries "$OUT/bench_policy.json") || targets: $(python \
       tools/device/summarize.py targets "$OUT/bench_policy.json")"
   elif [ "$phase" = fusions ]; then
-    peers=(--against triton:DEEPINFER_DECODE_FUSIONS=off)
-    for op in $(python -c "from deepinfer.settings import FUSED_DECODE_OPS; print(*FUSED_DECODE_OPS)"); do
-      peers+=(--against "triton:DEEPINFER_DECODE_FUSIONS=-$op")
+    # timings from fresh processes, one configuration each (in one process the first configuration timed ran 5-8 %
+    # faster than later ones: perf log, 2026-11-30, call 76), every fusion on first and last; then one process with
+    # every configuration as an --against entry for the decode drift from the on logits
+    offs=$(python -c "from deepinfer.settings import FUSED_DECODE_OPS as F; print(*('-' + o for o in F))")
+    cfgs=(on off $offs on)
+    i=0; rc=0; runs=()
+    for c in "${cfgs[@]}"; do
+      left=$(( LIMIT - ($(date +%s) - t_start) ))
+      [ "$left" -lt 60 ] && { echo "fusions: $c not run, ${left} s left" >> "$OUT/$phase.log"; continue; }
+      prof=(); [ $i -eq 0 ] && prof=(--profile)
+      DEEPINFER_DECODE_FUSIONS=$c timeout "$left" python -m deepinfer bench --preset flash-slice:4 \
+        --batch "${FUSION_BATCHES:-1,8}" --prompt-len 64 --gen-len 32 --backend triton --device cuda "${prof[@]}" \
+        --json > "$OUT/fusions_$i.json" 2>> "$OUT/$phase.log" || rc=$?
+      runs+=("$OUT/fusions_$i.json"); i=$((i + 1))
     done
-    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch "${FUSION_BATCHES:-1,8}" \
-      --prompt-len 512 --gen-len 32 --backend triton --device cuda --profile "${peers[@]}" --json \
-      > "$OUT/bench_fusions.json" 2> "$OUT/$phase.log"
-    rc=$?
-    summary=$(python tools/device/summarize.py fusions "$OUT/bench_fusions.json")
+    peers=(); for c in off $offs; do peers+=(--against "triton:DEEPINFER_DECODE_FUSIONS=$c"); done
+    left=$(( LIMIT - ($(date +%s) - t_start) ))
+    [ "$left" -ge 60 ] && { timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1 --prompt-len 64 \
+      --gen-len 4 --backend triton --device cuda --eager "${peers[@]}" --json > "$OUT/fusions_drift.json" \
+      2>> "$OUT/$phase.log" || rc=$?; }
+    summary=$(python tools/device/summarize.py fusions "$OUT/fusions_drift.json" "${runs[@]}")
   elif [ "$phase" = fp4sweep ]; then
     timeout "$left" python tools/device/fp4_decode_sweep.py --out "$OUT/fp4_decode_sweep.json" > "$OUT/$phase.log" 2>&1
     rc=$?

@@ -6,7 +6,7 @@
     python tools/device/summarize.py entries BENCH.json            # every configuration of a run, with its drift
     python tools/device/summarize.py margin A.json [B.json ...]    # each margin's verdict and logits error
     python tools/device/summarize.py targets BENCH.json            # issue 49's targets, met or missed by how much
-    python tools/device/summarize.py fusions BENCH.json            # each fusion: decode with it off against all on
+    python tools/device/summarize.py fusions DRIFT.json RUN.json...  # each fusion: decode with it off against all on
 
 A file that is missing or holds no report gives "no report (why)" in its place: the table always gets its row.
 """
@@ -114,33 +114,40 @@ def targets(b: dict) -> str:
     return "; ".join(out)
 
 
-def _label(settings: dict) -> str:
-    """An entry's settings as NAME=value without the DEEPINFER_ prefix, comma-joined."""
-    return ", ".join(f"{k.removeprefix('DEEPINFER_')}={v}" for k, v in settings.items())
-
-
-def fusions(b: dict) -> str:
-    """The decode rows of the main configuration (every fused decode op on, as its settings say) against each
-    `--against` entry that turns some off (DEEPINFER_DECODE_FUSIONS=off | -OP): ms/step, and how much slower the
-    entry is, i.e. what those fusions gain (negative: they cost), and its decode steps' drift from the main logits
-    (0 where the fusions it turns off give their two ops' bits)."""
-    if "decode" not in b:
-        return f"no report ({b.get('error')})"
-    main = {d["batch"]: d["ms_per_step"] for d in b["decode"]}
-    ops = b.get("decode_ops") or {}
+def fusions(drift_run: dict, runs: list[dict]) -> str:
+    """Decode ms/step of fresh-process bench runs, one configuration each (`DEEPINFER_DECODE_FUSIONS` = on, off or
+    -OP, as the run's settings say), each against the mean of the `on` runs -- how much slower a configuration is,
+    i.e. what the fusions it turns off gain (negative: they cost) -- with the spread of the `on` runs, and each
+    configuration's decode-step drift from the `on` logits, from `drift_run` (one process, every configuration
+    as an `--against` entry: 0 where the fusions it turns off give their two ops' bits). Timings come from fresh
+    processes because in one process the first configuration timed ran 5-8 % faster than the later ones
+    (docs/perf-log.md, 2026-11-30, call 76)."""
+    key = "DEEPINFER_DECODE_FUSIONS"
+    runs = [r for r in runs if "decode" in r]
+    if not runs:
+        return "no report (no run has decode rows)"
+    on = [r for r in runs if (r.get("settings") or {}).get(key) == "on"]
+    if not on:
+        return "no report (no run with every fusion on)"
+    batches = [d["batch"] for d in on[0]["decode"]]
+    base = {B: sum(d["ms_per_step"] for r in on for d in r["decode"] if d["batch"] == B) / len(on) for B in batches}
+    spread = {B: (max(ms) - min(ms)) / base[B] * 100 for B in batches
+              if (ms := [d["ms_per_step"] for r in on for d in r["decode"] if d["batch"] == B])}
+    ops = on[0].get("decode_ops") or {}
     counts = ", ".join(f"{ops[k]:.0f} {what}" for k, what in (("ops_per_step", "ops"), ("kernels_per_step", "kernels"))
                        if isinstance(ops.get(k), (int, float)))
-    out = [f"main ({_label({'DEEPINFER_DECODE_FUSIONS': (b.get('settings') or {}).get('DEEPINFER_DECODE_FUSIONS', '?')})}): "
-           + " ".join(f"B={k} {v:.3f}" for k, v in main.items())
-           + (f" ({counts} per B={ops.get('batch')} step)" if counts else "")]
-    for a in b.get("against", []):
-        v = _label(a.get("settings") or {}) or a["spec"]
-        dd = a.get("decode_drift")
-        dd = (f", decode drift rel {dd['rel_err']:.1e}, top-1 {dd['top1_agree']:.0%} of {dd['positions']}"
-              if dd else "")
+    drifts = {(a.get("settings") or {}).get(key): a.get("decode_drift") for a in drift_run.get("against", [])}
+    out = [f"on ({len(on)} runs): " + " ".join(f"B={B} {base[B]:.3f} (spread {spread[B]:.1f}%)" for B in batches)
+           + (f", {counts} per B={ops.get('batch')} step" if counts else "")]
+    for r in runs:
+        v = (r.get("settings") or {}).get(key)
+        if v == "on":
+            continue
+        dd = drifts.get(v)
+        dd = f", decode drift rel {dd['rel_err']:.1e}, top-1 {dd['top1_agree']:.0%}" if dd else ", no drift row"
         out.append(f"{v}: " + " ".join(f"B={d['batch']} {d['ms_per_step']:.3f} "
-                                        f"({(d['ms_per_step'] / main[d['batch']] - 1) * 100:+.1f}%)"
-                                        for d in a["decode"] if d["batch"] in main) + dd)
+                                        f"({(d['ms_per_step'] / base[d['batch']] - 1) * 100:+.1f}%)"
+                                        for d in r["decode"] if d["batch"] in base) + dd)
     return "; ".join(out)
 
 
@@ -175,7 +182,7 @@ def main(argv: list[str]) -> str:
     if kind == "targets":
         return targets(last(args[0]))
     if kind == "fusions":
-        return fusions(last(args[0]))
+        return fusions(last(args[0]), [last(a) for a in args[1:]])
     raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin | targets | fusions)")
 
 
