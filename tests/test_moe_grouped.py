@@ -653,3 +653,31 @@ def test_moe_passes_token_rows_with_topk_beyond_one_token(monkeypatch):
     monkeypatch.setattr(Spy, "grouped_gemm", lambda self, *a, **kw: repeated(*a, **kw))
     want, _ = m2.prefill(ids, rows=torch.tensor([0]))
     assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("ksub", [2, 4])
+@pytest.mark.parametrize("P,E,N,K,topk,raw", [(6, 8, 256, 1024, 6, True),    # batch 1: one token's row, K split
+                                              (6, 8, 128, 512, 1, False),    # one row a pair
+                                              (40, 4, 128, 384, 2, True)])   # 16-row sorted blocks
+def test_fp4_decode_sub_steps_against_the_reference(ksub, P, E, N, K, topk, raw, monkeypatch):
+    """DECODE_KSUB > 1: each 128-K step of a decode-sized block decoded and multiplied in sub-steps -- the same
+    exact products as one step, summed in fp32 in another grouping: within the reference's tolerance, and within
+    fp32 rounding of the one-step form; rows routed to -1 are 0."""
+    mg = _triton()
+    g = torch.Generator().manual_seed(P * 31 + K + ksub)
+    T = P // topk
+    x = torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())
+    a, a_s = act_quant(x, 128)
+    w, w_s = _weights(g, "fp4", E, N, K)
+    if raw:
+        w_s = float_to_e8m0(w_s)
+    e = torch.randint(0, E, (P,), generator=g)
+    e[P // 2] = -1
+    args = [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+    d = REGISTRY["grouped_gemm"]
+    one = d.impls["triton"](*args, out_dtype=torch.float32, topk=topk)
+    monkeypatch.setattr(mg, "DECODE_KSUB", ksub)
+    got = d.impls["triton"](*args, out_dtype=torch.float32, topk=topk)
+    assert not torch.isnan(got).any() and (got[P // 2] == 0).all()
+    torch.testing.assert_close(got, d.ref(*args, out_dtype=torch.float32, topk=topk), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, one, rtol=1e-6, atol=1e-6)

@@ -254,6 +254,34 @@ def _fp4_bf16(byte, scale, FOLD: tl.constexpr):
 
 
 @triton.jit
+def _decode_dots(acc, byte, sw, a_e, a_o, GS: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr,
+                 FOLD: tl.constexpr, DOT_BF16: tl.constexpr):
+    """acc [BN, BM] += the weight bytes [BN, 16 GS] (GS 32-groups: byte i = elements 2i, 2i + 1) decoded with their
+    group scales sw [BN, GS], against A's even and odd columns a_e, a_o [BM, 16 GS]: two dots chained into acc."""
+    BN: tl.constexpr = byte.shape[0]
+    SW: tl.constexpr = 16 * GS
+    if SCALE_E8M0:
+        sw = e8m0_f32(sw)
+    if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
+        if FOLD:  # every scale <= 2: scale x 2^126 is a bf16 (exact product of powers of two)
+            sw = sw * 8.507059173023462e37
+        sb = tl.reshape(tl.broadcast_to(sw.to(tl.bfloat16)[:, :, None], [BN, GS, 16]), [BN, SW])
+        lo, hi = _fp4_bf16(byte, sb, FOLD)
+    else:
+        byte = byte.to(tl.int32) & 0xFF
+        sw = sw * 16384.0
+        lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
+        hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
+    if DOT_BF16:
+        acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
+        acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
+    else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
+        acc = tl.dot(lo.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(hi.to(tl.float32), tl.trans(a_o.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _a_bf16_split_kernel(a_ptr, as_ptr, o_ptr, P, K, sa_r, ss_r, BR: tl.constexpr):
     """Program (BR rows, one 128-K block): o[r, kb*128 + j] = a[r, kb*128 + 2j] x s[r, kb] for j < 64 and
     a[r, kb*128 + 2(j-64) + 1] x s[r, kb] for j >= 64, in bf16 (exact: e4m3 x 2^k). The FP4 GEMM's
@@ -313,7 +341,7 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
                    EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr,
                    TOPK: tl.constexpr = 1, A_SWIGLU: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16):
+                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16, KSUB: tl.constexpr = 1):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -343,9 +371,11 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # and up at K + k, and as_ptr the rows' routing weights (WEIGHT); each [BM, 128] step computes the
     # clamped SwiGLU (LIMIT > 0), rounds it to Y_DTYPE and act_quants it as `swiglu_quant` does
     # (`swiglu_f32`, `quant_e4m3_rows`): the same bf16 operands as that op's split form, no launch between.
+    # KSUB (A_BF16 and EVEN): each 128-K step decoded and multiplied in KSUB sub-steps (`DECODE_KSUB`).
     pdl_wait()
     tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
     tl.static_assert(not (A_SWIGLU and (A_BF16 or TOPK != 1)))
+    tl.static_assert(KSUB == 1 or (A_BF16 and EVEN))
     if N_FAST:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -371,46 +401,43 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     kb0 = tl.program_id(2) * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, 128))
     for kb in range(kb0, kb1):
-        kh = kb * 64 + jb
-        k = kb * 128 + rk
-        g = kb * 4 + g4
-        if A_BF16:  # K % 128 == 0: only the padded rows are masked
-            a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
-            a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None], other=0.0)
-        elif A_SWIGLU:  # K % 128 == 0 (the wrapper's condition)
-            a_e, a_o = _swiglu_quant_split(a_ptr + ar * SA_R, as_ptr + ar, k, K, mr, LIMIT, WEIGHT, Y_DTYPE)
+        if KSUB > 1:  # A_BF16 and EVEN: the step in KSUB sub-steps of 128 / KSUB K, each its own decode and dots
+            for sub in tl.static_range(KSUB):
+                js = sub * (64 // KSUB) + tl.arange(0, 64 // KSUB)  # the sub-step's bytes = even / odd columns
+                a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + js)[None, :], mask=mr[:, None], other=0.0)
+                a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + js)[None, :], mask=mr[:, None],
+                              other=0.0)
+                byte = tl.load(w_base + rn[:, None] * KH + (kb * 64 + js)[None, :])
+                gs = kb * 4 + sub * (4 // KSUB) + tl.arange(0, 4 // KSUB)  # its 32-groups
+                sw = tl.load(ws_base + rn[:, None] * KS_W + gs[None, :])
+                acc = _decode_dots(acc, byte, sw, a_e, a_o, 4 // KSUB, SCALE_E8M0, ASM, FOLD, DOT_BF16)
         else:
-            sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
-            if EVEN:
-                a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+            kh = kb * 64 + jb
+            k = kb * 128 + rk
+            g = kb * 4 + g4
+            if A_BF16:  # K % 128 == 0: only the padded rows are masked
+                a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
+                a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None],
+                              other=0.0)
+            elif A_SWIGLU:  # K % 128 == 0 (the wrapper's condition)
+                a_e, a_o = _swiglu_quant_split(a_ptr + ar * SA_R, as_ptr + ar, k, K, mr, LIMIT, WEIGHT, Y_DTYPE)
             else:
-                a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K), other=0.0)
-            a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
-        if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): no weight masks
-            byte = tl.load(w_base + rn[:, None] * KH + kh[None, :])
-            sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :])
-        else:
-            byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH),
-                           other=0)
-            sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG), other=0)
-        if SCALE_E8M0:
-            sw = e8m0_f32(sw)
-        if ASM:  # packed PTX decode, the scale multiplied in bf16 (exact: powers of two)
-            if FOLD:  # every scale <= 2: scale x 2^126 is a bf16 (exact product of powers of two)
-                sw = sw * 8.507059173023462e37
-            sb = tl.reshape(tl.broadcast_to(sw.to(tl.bfloat16)[:, :, None], [BN, 4, 16]), [BN, 64])
-            lo, hi = _fp4_bf16(byte, sb, FOLD)
-        else:
-            byte = byte.to(tl.int32) & 0xFF
-            sw = sw * 16384.0
-            lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
-            hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, 4, 16]) * sw[:, :, None], [BN, 64])
-        if DOT_BF16:
-            acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
-            acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
-        else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
-            acc = tl.dot(lo.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(hi.to(tl.float32), tl.trans(a_o.to(tl.float32)), acc, input_precision="ieee")
+                sa = tl.load(as_ptr + ar * KS_A + kb, mask=mr, other=0.0)
+                if EVEN:
+                    a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptr + ar[:, None] * K + k[None, :], mask=mr[:, None] & (k[None, :] < K),
+                                other=0.0)
+                a_e, a_o = tl.split(tl.reshape(a.to(tl.float32) * sa[:, None], [BM, 64, 2]))
+            if EVEN:  # N % BN == 0 and K % 128 == 0 (every V4 expert shape): no weight masks
+                byte = tl.load(w_base + rn[:, None] * KH + kh[None, :])
+                sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :])
+            else:
+                byte = tl.load(w_base + rn[:, None] * KH + kh[None, :], mask=mn[:, None] & (kh[None, :] < KH),
+                               other=0)
+                sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG),
+                             other=0)
+            acc = _decode_dots(acc, byte, sw, a_e, a_o, 4, SCALE_E8M0, ASM, FOLD, DOT_BF16)
     msk = mn[:, None] & mr[None, :]
     c_ptrs = c_ptr + rows[None, :] * N + rn[:, None]
     if SPLIT:  # fp32 partial of this K split at the rows' original positions; the tile's last split sums
@@ -477,6 +504,13 @@ A_BF16_DECODE = True
 converting the A tile (fp8 -> fp32 x scale -> bf16, split) in each of its 32-64 (N tile, K split)
 programs. Bitwise the same, and slightly faster from batch 8 on, level at batch 1 (docs/perf-log.md, "Decode
 latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
+DECODE_KSUB = 1
+"""Sub-steps per 128-K step of the decode-sized FP4 kernel (blocks of <= 32 rows reading A's bf16 split form, N a
+multiple of the tile): each sub-step loads, decodes and multiplies 128 / KSUB K. 1 is the form every config sweep
+timed. Offline (sm_90a, 128 x 16 tiles, 4 warps, Triton 3.6) that form spills at 255 registers: 212 B a thread
+at batch 1, 356 B in sorted blocks. 4 sub-steps compile to 150-168 registers, no spill and 6-10 % fewer
+instructions a step (docs/perf-log.md, "2026-12-07 (second session)"). Untimed: `tools/device/fp4_decode_sweep.py`
+times 2 and 4 against 1 before this changes."""
 A_BF16_MIN_BM = 64
 """Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
 pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every
@@ -594,11 +628,13 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, a.device)
         part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
         grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
+        even = N % BN == 0 and K % 128 == 0
+        ksub = DECODE_KSUB if a_bf16 and even and BM <= 32 else 1
         _gg_fp4_kernel[grid](
             a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
             a.stride(0) if a_bf16 else K,
             BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
-            IDENT=ident, EVEN=N % BN == 0 and K % 128 == 0, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, TOPK=topk,
+            IDENT=ident, EVEN=even, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, TOPK=topk, KSUB=ksub,
             num_warps=nw, num_stages=ns, **pdl())
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"

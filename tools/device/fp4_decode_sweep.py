@@ -1,6 +1,7 @@
-"""The Triton FP4 expert GEMM at decode sizes under launch configs other than `_fp4_config`'s, graph-timed in one
-process: is the shipped config (128 weight rows x 16 tokens, 4 warps; it spills 212 B a thread at batch 1 under
-Triton 3.6, docs/perf-log.md "2026-12-07 (second session)") still the fastest?
+"""The Triton FP4 expert GEMM at decode sizes under launch configs other than `_fp4_config`'s and with its 128-K steps
+in sub-steps (`DECODE_KSUB`), graph-timed in one process: is the shipped form (128 weight rows x 16 tokens, 4 warps,
+whole steps; it spills 212 B a thread at batch 1 under Triton 3.6, docs/perf-log.md "2026-12-07 (second session)")
+still the fastest?
 
 Flash shapes (E 256, top-6, random FP4 codes with scale bytes 115-121, so the folded decode runs as in a model):
 w1|w3 (N 4096, K 4096) and w2 (N 4096, K 2048) at batch 1 (one token's row for its 6 pairs: IDENT blocks) and
@@ -26,11 +27,13 @@ import torch
 from deepinfer.ops import REGISTRY
 from deepinfer.ops.reference import act_quant
 
-VARIANTS = {  # name -> (BN, num_warps, num_stages) for blocks of <= 32 rows; None: the shipped `_fp4_config`
-    "shipped": None,
-    "8 warps": (128, 8, 3),
-    "64 rows": (64, 4, 3),
-    "64 rows, 2 warps": (64, 2, 3),
+VARIANTS = {  # name -> launch config (BN, num_warps, num_stages) for blocks of <= 32 rows (None: `_fp4_config`'s)
+    "shipped": (None, 1),                 # and the sub-steps per 128-K step (`moe_grouped.DECODE_KSUB`)
+    "8 warps": ((128, 8, 3), 1),
+    "64 rows": ((64, 4, 3), 1),
+    "64 rows, 2 warps": ((64, 2, 3), 1),
+    "2 sub-steps": (None, 2),
+    "4 sub-steps": (None, 4),
 }
 SHAPES = [("w1|w3", 4096, 4096), ("w2", 4096, 2048)]  # name, N, K
 BATCHES = (1, 64)
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> int:
     shapes, batches, n_exp, replays = (([("w1|w3", 128, 256)], (1, 12), 8, 1) if args.smoke
                                        else (SHAPES, BATCHES, E, REPLAYS))
     gg = REGISTRY["grouped_gemm"].impls["triton"]
-    rows, real = [], mg._fp4_config
+    rows, real, real_ksub = [], mg._fp4_config, mg.DECODE_KSUB
     for name, N, K in shapes:
         g = torch.Generator(dev).manual_seed(N + K)
         w = torch.randint(0, 256, (n_exp, N, K // 2), device=dev, generator=g, dtype=torch.uint8).view(torch.int8)
@@ -94,17 +97,17 @@ def main(argv: list[str]) -> int:
                 e = torch.stack([torch.randperm(n_exp, device=dev, generator=g)[:TOPK] for _ in range(B)]).view(-1)
                 calls.append((a, a_s, e, w, w_s, torch.bfloat16, None, TOPK))
             ref = None
-            for vname, variant in VARIANTS.items():
-                mg._fp4_config = _patched(mg, variant)
+            for vname, (variant, ksub) in VARIANTS.items():
+                mg._fp4_config, mg.DECODE_KSUB = _patched(mg, variant), ksub
                 try:
                     out = gg(*calls[0])
                     us = None if args.smoke else _graph_us(gg, calls)
                 finally:
-                    mg._fp4_config = real
+                    mg._fp4_config, mg.DECODE_KSUB = real, real_ksub
                 ref = out if ref is None else ref
                 diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 bytes_ = len(set(calls[0][2].tolist())) * N * (K // 2 + K // 32)
-                rows.append({"shape": name, "N": N, "K": K, "batch": B, "variant": vname, "config": variant,
+                rows.append({"shape": name, "N": N, "K": K, "batch": B, "variant": vname, "config": variant, "ksub": ksub,
                              "us": us, "rel_diff_vs_shipped": diff, "nan": bool(torch.isnan(out).any()),
                              "weight_bytes": bytes_, "tb_s": bytes_ / us / 1e6 if us else None})
                 r = rows[-1]
