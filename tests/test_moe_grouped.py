@@ -661,8 +661,8 @@ def test_moe_passes_token_rows_with_topk_beyond_one_token(monkeypatch):
                                               (40, 4, 128, 384, 2, True)])   # 16-row sorted blocks
 def test_fp4_decode_sub_steps_against_the_reference(ksub, P, E, N, K, topk, raw, monkeypatch):
     """DECODE_KSUB > 1: each 128-K step of a decode-sized block decoded and multiplied in sub-steps -- the same
-    exact products as one step, summed in fp32 in another grouping: within the reference's tolerance, and within
-    fp32 rounding of the one-step form; rows routed to -1 are 0."""
+    exact products as one step, summed in fp32 in another grouping: within the reference's tolerance of it and of
+    the one-step form; rows routed to -1 are 0."""
     mg = _triton()
     g = torch.Generator().manual_seed(P * 31 + K + ksub)
     T = P // topk
@@ -680,4 +680,4 @@ def test_fp4_decode_sub_steps_against_the_reference(ksub, P, E, N, K, topk, raw,
     got = d.impls["triton"](*args, out_dtype=torch.float32, topk=topk)
     assert not torch.isnan(got).any() and (got[P // 2] == 0).all()
     torch.testing.assert_close(got, d.ref(*args, out_dtype=torch.float32, topk=topk), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, one, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)  # compiled: the tensor core's fp32 adds regrouped

@@ -6,7 +6,7 @@
 #   bash tools/device/gpu_suite.sh smoke tilelang          # phases, in order: smoke | tilelang | rest | house | kernels | fusions | fp4sweep | bench | tune | policy
 #   house: the GPU tests of the decode order, the runners' graphs (decode, speculative) and prefill graphs (48, 49)
 #   kernels: kernel tests that carry no gpu mark (they run in the interpreter on a CPU) compiled on this GPU, the
-#         ones KERNELS_K selects (default: the grouped GEMM with topk and with its SwiGLU A, hadamard + FP4,
+#         ones KERNELS_K selects (default: the grouped GEMM with topk, in sub-steps and with its SwiGLU A, hadamard + FP4,
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
 #         with its cache write)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
@@ -125,7 +125,7 @@ for phase in "$@"; do
     if [ "$phase" = kernels ]; then
       files=(tests/test_moe_grouped.py tests/test_triton_kernels.py tests/test_ops_reference.py
              tests/test_swiglu_grouped_gemm.py)
-      kflags=(-k "${KERNELS_K:-topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope}")
+      kflags=(-k "${KERNELS_K:-sub_steps or topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope}")
     fi
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
                                    tests/test_branch.py tests/test_compose.py tests/test_graft.py
