@@ -572,6 +572,30 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, **pdl())
 
 
+def _fp4_launch(a, a_s, w, w_s, c, rows, bexp, K: int, ks_a: int, sa_r: int, BM: int, ident: bool, a_bf16: bool,
+                **meta) -> None:
+    """c [P, N] = `_gg_fp4_kernel` over the blocks of rows / bexp (`align`; IDENT: bexp = e, a row a block): A as
+    the kernel takes it (K columns, ks_a scale columns a row, rows sa_r apart; a_bf16: its bf16 split form), w
+    [E, N, K/2] packed e2m1 with w_s [E, N, K/32] (float or ue8m0 bytes). The launch config (`_fp4_config`), the
+    PTX decode and its folded form, K split and sub-steps (`DECODE_KSUB`) are chosen here; meta: TOPK, or
+    A_SWIGLU and its constants."""
+    E, N = w.size(0), w.size(1)
+    nb = bexp.numel()
+    asm = _asm_ok(c.device)
+    fold = asm and _scales_fold(w_s)
+    w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
+    n_fast = a_bf16 and BM >= A_BF16_MIN_BM  # prefill-sized blocks (never IDENT, never split)
+    BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, c.device)
+    part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
+    grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
+    even = N % BN == 0 and K % 128 == 0
+    ksub = DECODE_KSUB if a_bf16 and even and BM <= 32 else 1
+    _gg_fp4_kernel[grid](
+        a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, c.size(0), E, N, K, ks_a, w_s.size(2), per, sa_r,
+        BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm, IDENT=ident, EVEN=even,
+        FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, KSUB=ksub, **meta, num_warps=nw, num_stages=ns, **pdl())
+
+
 @implement("grouped_gemm", "triton")
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: torch.Tensor,
                  w_s: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
@@ -611,9 +635,6 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     elif fp4:
         assert a.dtype == torch.float8_e4m3fn and K % 32 == 0 and w.size(2) * 2 == K, \
             "grouped_gemm fp4: a [P, K] fp8 with K % 32 == 0, w [E, N, K/2]"
-        asm = _asm_ok(a.device)
-        fold = asm and _scales_fold(w_s)
-        w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
         a_bf16 = K % 128 == 0 and (A_BF16_DECODE or BM >= A_BF16_MIN_BM)
         if a_bf16 and a_split is not None:  # the producer wrote the converted form (`swiglu_quant(split=True)`)
             assert a_split.shape == a.shape and a_split.dtype == torch.bfloat16, \
@@ -624,18 +645,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
             a = a_bf16_split(a, a_s)  # be a stride-0 view: no copy); the kernel reads no A scale then
         else:
             a, a_s = a.contiguous(), a_s.float().contiguous()
-        n_fast = a_bf16 and BM >= A_BF16_MIN_BM  # prefill-sized blocks (never IDENT, never split)
-        BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, a.device)
-        part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
-        grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
-        even = N % BN == 0 and K % 128 == 0
-        ksub = DECODE_KSUB if a_bf16 and even and BM <= 32 else 1
-        _gg_fp4_kernel[grid](
-            a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, P, E, N, K, a_s.size(1), w_s.size(2), per,
-            a.stride(0) if a_bf16 else K,
-            BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm,
-            IDENT=ident, EVEN=even, FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, TOPK=topk, KSUB=ksub,
-            num_warps=nw, num_stages=ns, **pdl())
+        _fp4_launch(a, a_s, w, w_s, c, rows, bexp, K, a_s.size(1), a.stride(0) if a_bf16 else K, BM, ident,
+                    a_bf16, TOPK=topk)
     else:
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         a = a.contiguous()
@@ -680,13 +691,5 @@ def swiglu_grouped_gemm(h: torch.Tensor, limit: float, weight: torch.Tensor | No
             IDENT=True, **fuse, **pdl())
         return c
     assert w.size(2) * 2 == I, "swiglu_grouped_gemm fp4: w [E, N, I/2] for h [P, 2I]"
-    asm = _asm_ok(h.device)
-    fold = asm and _scales_fold(w_s)
-    w_s, e8m0 = weight_scale_arg(w_s)
-    BN, splits, per, nw, ns = _fp4_config(P, N, I, 16, False, h.device)
-    part, cnt = split_buffers(c, splits, P * triton.cdiv(N, BN))
-    _gg_fp4_kernel[(P, triton.cdiv(N, BN), splits)](
-        h, wt, w.view(torch.uint8), w_s, c, part, cnt, bexp, bexp, P, E, N, I, I // 128, w_s.size(2), per, 2 * I,
-        BM=16, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm, IDENT=True,
-        EVEN=N % BN == 0, FOLD=fold, A_BF16=False, N_FAST=False, **fuse, num_warps=nw, num_stages=ns, **pdl())
+    _fp4_launch(h, wt, w, w_s, c, bexp, bexp, I, I // 128, 2 * I, 16, True, False, **fuse)
     return c
