@@ -7,7 +7,7 @@ prompt (the same random tokens, the same weights) through one eager prefill; the
 top-1 choices agree, and for those that flip, the largest top1 - top2 margin the main configuration had there --
 a flip at a margin of a few bf16 ulps is a near-tie, one at a margin of several logits is a divergence.
 
-The prompt's logits come from the prefill path only. `decode_logits` adds the batch-1 decode path (where the fused
+The prompt's logits come from the prefill path only. `drift_logits` adds the batch-1 decode path (where the fused
 decode ops run): `DRIFT_DECODE_STEPS` eager decode steps after the same prompt, fed the same fixed tokens in both
 configurations (teacher-forced, so one flip does not change the later inputs), compared the same way.
 """
@@ -43,21 +43,23 @@ DRIFT_DECODE_STEPS = 8
 """Decode steps compared after the prompt (one row): each runs every decode kernel of a layer once."""
 
 
-def decode_logits(model, cfg, P: int, device, seed: int, steps: int = DRIFT_DECODE_STEPS) -> torch.Tensor:
-    """The timed prompt prefilled into row 0 (as `prefill_logits`), then `steps` eager decode steps of that row
-    through a `DecodeRunner` (on its side streams, as the engine issues them) fed fixed random tokens -> the
-    steps' logits [steps, V] float32. The caches are allocated only where the current allocation is too short."""
+def drift_logits(model, cfg, P: int, device, seed: int, steps: int = DRIFT_DECODE_STEPS
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill of the timed prompt into row 0 (`prefill_logits`), then `steps` eager decode steps of that row
+    through a `DecodeRunner` (on its side streams, as the engine issues them) fed fixed random tokens -> (the
+    prompt's last positions' logits [n, V], the steps' logits [steps, V]), float32. The caches are allocated only
+    where the current allocation is too short."""
     from deepinfer.engine.runner import DecodeRunner
 
     if model.rows < 1 or model.max_seq_len < P + steps + 1:
         model.allocate(1, P + steps + 1)
+    prompt = prefill_logits(model, cfg, P, device, seed)
     row = torch.zeros(1, dtype=torch.long, device=device)
-    model.prefill(random_prompts(cfg, 1, P, seed).to(device), rows=row)
     toks = random_prompts(cfg, steps, 1, seed + 3).to(device)  # [steps, 1]: step s feeds token s
     runner = DecodeRunner(model, 1)
     out = [runner.decode(toks[s:s + 1], torch.full((1,), P + s, dtype=torch.long, device=device), row)
            for s in range(steps)]
-    return torch.cat(out).float().clone()
+    return prompt, torch.cat(out).float().clone()
 
 
 def drift(test: torch.Tensor, main: torch.Tensor) -> dict:

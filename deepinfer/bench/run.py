@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer import settings
-from deepinfer.bench.drift import decode_logits, drift, prefill_logits
+from deepinfer.bench.drift import drift, drift_logits
 from deepinfer.bench.floor import floors, held_bytes, model_bytes
 from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
 from deepinfer.bench.timing import (GUIDED_MODES, count_decode_ops, profile_decode, time_decode, time_guided,
@@ -204,7 +204,7 @@ def time_against(model: Transformer, cfg: ModelConfig, opts: BenchOptions, spec:
     `spec`), against the same floors as the main rows (`main`: the report so far) -> {spec, backend, op_map,
     settings, fallbacks, prefill, drift, decode_drift, decode}; the dispatch is left on it (the caller restores the
     main one), the settings are put back. drift / decode_drift: against `main_logits` (the main configuration's
-    `prefill_logits`, `decode_logits`; `deepinfer.bench.drift`), where given."""
+    `drift_logits`; `deepinfer.bench.drift`), where given."""
     from deepinfer.engine.expert_form import held_as
     from deepinfer.quant.requant import summary as requant_summary
 
@@ -224,10 +224,10 @@ def _time_against(model, cfg, opts, spec, backend, op_map, main, device, batches
     log(f"against {spec}: prefill 1 x {opts.prompt_len} tokens ...")
     model.allocate(1, opts.prompt_len + 1)
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)
-    dr = drift(prefill_logits(model, cfg, opts.prompt_len, device, opts.seed), main_logits[0]) \
-        if main_logits is not None else None
-    ddr = drift(decode_logits(model, cfg, opts.prompt_len, device, opts.seed), main_logits[1]) \
-        if main_logits is not None else None
+    dr = ddr = None
+    if main_logits is not None:
+        prompt, step_logits = drift_logits(model, cfg, opts.prompt_len, device, opts.seed)
+        dr, ddr = drift(prompt, main_logits[0]), drift(step_logits, main_logits[1])
     floor_pf = main["prefill"]["floor"]["floor_ms"]
     pf.update(ratio=pf["ttft_ms"] / floor_pf, vs_main=pf["ttft_ms"] / main["prefill"]["ttft_ms"])
     pf_graphs = _prefill_graphs(model, cfg, opts, device, graphs, {**pf, "floor": main["prefill"]["floor"]}, log) \
@@ -387,8 +387,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         main_fallbacks = dict(ops.fallbacks)
         report["against"] = []
         log("the main configuration's logits on the timed prompt (the entries' drift is against them) ...")
-        main_logits = (prefill_logits(model, cfg, opts.prompt_len, device, opts.seed),
-                       decode_logits(model, cfg, opts.prompt_len, device, opts.seed))
+        main_logits = drift_logits(model, cfg, opts.prompt_len, device, opts.seed)
         try:
             for spec, backend, op_map, values in peers:
                 report["against"].append(time_against(model, cfg, opts, spec, backend, op_map, report, device,
