@@ -151,11 +151,9 @@ def value(name: str) -> str:
 
 
 def choice(name: str) -> str:
-    s = SETTINGS[name]
-    v = _raw(name).lower()
-    if v not in s.choices:
-        raise ValueError(f"{name}={v!r}: choose one of {', '.join(c for c in s.choices if c) or '(unset)'}")
-    return v
+    """A choice setting's value, lower-cased and checked (`check`)."""
+    assert SETTINGS[name].kind == "choice", f"{name} is not a choice setting"
+    return check(name, _raw(name))
 
 
 FUSED_DECODE_OPS = ("swiglu_grouped_gemm", "q_norm_sparse_attn_fp8", "hc_post_pre_quant",
