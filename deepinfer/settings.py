@@ -46,10 +46,11 @@ SETTINGS = {s.name: s for s in (
     Setting("DEEPINFER_PDL", "flag", "1", "Triton launches use programmatic dependent launch on sm_90+; read "
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "
-            "accumulation after every tensor-core step, as the official fp8_gemm: its outputs), auto (sm_90: cuBLASLt's "
+            "accumulation of exact products, as the official fp8_gemm: its outputs), exact-wgmma (the same exact products "
+            "on f16 wgmma, opt-in until measured), auto (sm_90: cuBLASLt's "
             "block-scaled GEMM, ~10 % faster prefill, fp32 promotion per 128-K block: ~7 % of outputs one bf16 ulp "
             "off the official kernel's), cublas (cuBLASLt on any CUDA GPU that has it), triton (the Triton kernel, "
-            "promotion per 128-K block)", ("exact", "auto", "cublas", "triton")),
+            "promotion per 128-K block)", ("exact", "exact-wgmma", "auto", "cublas", "triton")),
     Setting("DEEPINFER_FP4_ASM", "flag", "1", "the FP4 expert GEMM's inline-PTX FP4 decode on sm_90 "
             "(0: the portable Triton decode)"),
     Setting("DEEPINFER_TL_FP4", "choice", "bf16", "the TileLang backend's FP4 expert GEMM: bf16 (weights decoded "

@@ -1,6 +1,6 @@
-"""tools/device/fp4_decode_sweep.py in its CPU smoke form (the interpreter, tiny shapes): every launch-config
-variant runs the FP4 decode GEMM through the patched `_fp4_config` and gives the shipped config's values; the
-report is written whole."""
+"""tools/device/fp4_decode_sweep.py and fp8_exact_sweep.py in their CPU smoke forms (the interpreter, tiny shapes):
+every variant runs the kernel it names and gives the shipped form's values; the report is written whole and the
+settings are back afterwards."""
 
 from __future__ import annotations
 
@@ -42,3 +42,38 @@ def test_fp4_decode_sweep_smoke(tmp_path, monkeypatch):
     # config is back afterwards
     assert seen[:6] == [6, 6, 12, 12, 6, 6] and mg._fp4_config is shipped and mg.DECODE_KSUB == ksub
     assert ksubs[:6] == [1, 1, 1, 1, 2, 4]  # the sub-step variants launch with their KSUB
+
+
+_SPEC8 = importlib.util.spec_from_file_location(
+    "fp8_exact_sweep", Path(__file__).parent.parent / "tools/device/fp8_exact_sweep.py")
+
+
+def test_fp8_exact_sweep_smoke(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    import os
+
+    sweep = importlib.util.module_from_spec(_SPEC8)
+    _SPEC8.loader.exec_module(sweep)
+    from deepinfer_kernels.triton import gemm
+
+    monkeypatch.delenv("DEEPINFER_FP8_GEMM", raising=False)
+    launches, kernel, tiles = [], gemm._fp8_gemm_tma_kernel, gemm.TMA_TILES_F16
+
+    class Spy:  # records each launch's form and tile, then launches
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((k["EXACT"], k["F16"], k["BM"], k["BN"])) or kernel[grid](*a, **k)
+
+    monkeypatch.setattr(gemm, "_fp8_gemm_tma_kernel", Spy())
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(sweep.VARIANTS)
+    ran = [r for r in rows if "error" not in r]
+    assert [r["mode"] for r in rows if "error" in r] == ["cublas"]  # no CUDA here: named, not run
+    assert ran and not any(r["nan"] for r in ran)
+    # the exact forms and the per-128 one at M 130 give exact's bits on the interpreter (fp32 products summed in fp32)
+    assert all(r["differ_from_exact"] == 0.0 for r in ran)
+    # each variant launched its form with its tiles: exact, six f16 tilings, per-128-K
+    assert launches == ([(True, False, 64, 128)] + [(False, True, t[0], t[1]) for m, t in sweep.VARIANTS.values()
+                                                     if m == "exact-wgmma"] + [(False, False, 64, 128)])
+    assert gemm.TMA_TILES_F16 == tiles and "DEEPINFER_FP8_GEMM" not in os.environ

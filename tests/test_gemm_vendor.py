@@ -44,6 +44,7 @@ def test_unavailable_names_why(monkeypatch, fresh_cache):
     assert gv._unavailable(0, "cublas") is None
     assert "DEEPINFER_FP8_GEMM=triton" in gv._unavailable(0, "triton")
     assert "DEEPINFER_FP8_GEMM=exact" in gv._unavailable(0, "exact")
+    assert "DEEPINFER_FP8_GEMM=exact-wgmma" in gv._unavailable(0, "exact-wgmma")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (10, 0))
     gv._unavailable.cache_clear()  # cached per (device, mode): a device does not change architecture
     assert "sm_100" in gv._unavailable(0, "auto")
@@ -155,14 +156,16 @@ def test_cublas_fp8_gemm_in_a_cuda_graph(monkeypatch, fresh_cache):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "exact-wgmma"])
 @pytest.mark.parametrize("M,N,K", [(4096, 1536, 4096), (301, 256, 7168)])
-def test_exact_prefill_gemm_accumulates_in_fp32(monkeypatch, fresh_cache, M, N, K):
-    """DEEPINFER_FP8_GEMM=exact (the default): the TMA kernel promotes after every wgmma, so its bf16 outputs are
-    the fp32 reference's but for last-bit ties of the summation order (H200: 5e-6 relative to the official
-    fp8_gemm at M 4096). Promotion per 128-K block measured 6.9e-4 with 6.7 % of the outputs one ulp off."""
+def test_exact_prefill_gemm_accumulates_in_fp32(monkeypatch, fresh_cache, mode, M, N, K):
+    """DEEPINFER_FP8_GEMM=exact (the default) and exact-wgmma: the TMA kernel sums exact products in fp32, so its
+    bf16 outputs are the fp32 reference's but for last-bit ties of the summation order (exact, H200: 5e-6 relative
+    to the official fp8_gemm at M 4096). Promotion per 128-K block measured 6.9e-4 with 6.7 % of the outputs one
+    ulp off."""
     from deepinfer_kernels.triton import gemm
 
-    monkeypatch.setenv("DEEPINFER_FP8_GEMM", "exact")
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", mode)
     a, a_s, w, w_s = _operands(M + K, M, N, K, "cuda")
     out = gemm.fp8_gemm(a, a_s, w, w_s, torch.bfloat16)
     ref = REGISTRY["fp8_gemm"].ref(a, a_s, w, w_s, torch.bfloat16)

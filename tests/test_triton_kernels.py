@@ -340,6 +340,47 @@ def test_fp8_gemm(seed, M, N, K, out_dtype):
                                               "bfloat16": REGISTRY["fp8_gemm"].tol["bfloat16"]})
 
 
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel and records the keyword arguments of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("mode", ["exact", "exact-wgmma"])
+@pytest.mark.parametrize("M,N,K,out_dtype", [(130, 200, 320, torch.float32), (257, 256, 1024, torch.bfloat16)])
+def test_fp8_gemm_exact_prefill_forms(monkeypatch, mode, M, N, K, out_dtype):
+    """The TMA prefill kernel's two exact forms (DEEPINFER_FP8_GEMM=exact: the FP8 dot with no imprecise
+    accumulation; exact-wgmma: the tiles as f16 on f16 wgmma) give the fp32 sums of the same exact products: within
+    fp32 summation-order error of the reference, relative to sum |a w| (edges in M, N and K included)."""
+    from deepinfer_kernels.triton import gemm
+
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", mode)
+    spy = _LaunchSpy(gemm._fp8_gemm_tma_kernel)
+    monkeypatch.setattr(gemm, "_fp8_gemm_tma_kernel", spy)
+    g = gen(11)
+    a = (torch.randn(M, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)
+    w = (torch.randn(N, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)
+    a_s, w_s = _pow2(g, M, -(-K // 128)), _pow2(g, -(-N // 128), -(-K // 128))
+    got = gemm.fp8_gemm(a, a_s, w, w_s, out_dtype).float()
+    assert [(k["EXACT"], k["F16"]) for k in spy.launches] == [(mode == "exact", mode == "exact-wgmma")]
+    ref = REGISTRY["fp8_gemm"].ref(a, a_s, w, w_s, torch.float32)
+    sab = abs_products("fp8_gemm", a, a_s, w, w_s, out_dtype=torch.float32)
+    assert torch.isfinite(got).all()
+    # fp32 sums of the same products in another order; on a GPU the tensor core's fp32 accumulator may also
+    # truncate once per 16-K instruction (one fp32 ulp of the running sum, <= sum |a w|, per step)
+    bound = max(4 * K ** 0.5 * 2.0 ** -24, -(-K // 16) * 2.0 ** -23 * COMPILED) * sab
+    if out_dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -7 * ref.abs()  # the output's bf16 cast (the interpreter's truncates): one ulp
+    assert ((got - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("B,win,n_entries,mode", [(3, 8, 0, "swa"), (4, 128, 40, "csa"), (2, 16, 1500, "hca"),
                                                   (1, 8, 9, "csa")])

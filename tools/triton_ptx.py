@@ -56,6 +56,10 @@ _FP8_DECODE_TYPES = {
     "cnt_ptr": "*i32", **_ints("M", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT")}
 _FP8_DECODE_CONSTS = {"BM": 16, "BN": 64, "BK": 128, "GROUP_M": 1, "SPLIT": True}
 
+_FP8_TMA_TYPES = {"a_desc": "tensordesc<fp8e4nv[64, 128]>", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>",
+                  "ws_ptr": "*fp32", "c_ptr": "*bf16", **_ints("M", "N", "K", "KS_A", "KS_W")}
+_FP8_TMA_CONSTS = {"BM": 64, "BN": 128, "GROUP_M": 16}
+
 _ATTN_TYPES = {
     "q_ptr": "*bf16", "kv_ptr": "*u8", "kvr_ptr": "*bf16", "sink_ptr": "*fp32", "idx_ptr": "*i64", "o_ptr": "*bf16",
     "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "qc_ptr": "*fp32", "qs_ptr": "*fp32", "q_eps": "fp32",
@@ -115,6 +119,12 @@ CASES = {
         "a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
         {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}),
+    # the prefill FP8 GEMM (TMA operands, TMA_TILES): exact products summed in fp32 (the default), on f16 wgmma
+    # (DEEPINFER_FP8_GEMM=exact-wgmma) and promoted per 128-K block (=triton)
+    "fp8_gemm_tma": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES, {**_FP8_TMA_CONSTS, "EXACT": True}),
+    "fp8_gemm_tma_f16": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES,
+                                     {**_FP8_TMA_CONSTS, "EXACT": False, "F16": True}),
+    "fp8_gemm_tma_per128": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES, {**_FP8_TMA_CONSTS, "EXACT": False}),
     # the decode FP8 GEMM (split-K), and with A act_quant'ed as it is loaded (act_quant_fp8_gemm: wo_b)
     "fp8_gemm_decode": lambda: _sig(gemm._fp8_gemm_kernel, _FP8_DECODE_TYPES, _FP8_DECODE_CONSTS),
     "act_quant_fp8_gemm": lambda: _sig(gemm._fp8_gemm_kernel, {**_FP8_DECODE_TYPES, "a_ptr": "*bf16",

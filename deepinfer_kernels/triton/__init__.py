@@ -21,7 +21,7 @@ def facts(device) -> dict:
     "pdl_triton" (this Triton has grid dependency control), "pdl_env" / "pdl_enabled" (the switch and its
     value) and "pdl" (launches on `device` use programmatic dependent launch); "per_128k_ops", the ops whose FP8
     tensor-core sums are promoted to fp32 once per 128-K block rather than after every MMA as the official kernels
-    (`fp8_gemm` unless DEEPINFER_FP8_GEMM=exact, the default)."""
+    (`fp8_gemm` unless DEEPINFER_FP8_GEMM=exact, the default, or exact-wgmma)."""
     import torch
 
     from . import _common, gemm_vendor
@@ -30,7 +30,7 @@ def facts(device) -> dict:
     return {"fp8_prefill_gemm": gemm_vendor.used_for(device), "fp8_prefill_min_m": gemm_vendor.MIN_M,
             "pdl_triton": _common._PDL_TRITON, "pdl_env": _common.PDL_ENV, "pdl_enabled": _common._PDL_ON,
             "pdl": device.type == "cuda" and bool(_common.pdl()),
-            "per_128k_ops": [] if gemm_vendor.mode() == "exact" else ["fp8_gemm"]}
+            "per_128k_ops": [] if gemm_vendor.mode() in ("exact", "exact-wgmma") else ["fp8_gemm"]}
 
 
 __all__ = ["REFERENCE_ONLY", "facts"]

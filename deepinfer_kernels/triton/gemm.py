@@ -34,10 +34,14 @@ in registers, exact, the block's partial times its power-of-two scale); prefill 
 bf16 scratch for cuBLAS's bmm.
 
 fp8_gemm at prefill (M > 64) on sm_90+ runs the TMA kernel (`_fp8_gemm_tma_kernel`, operands through TMA tensor
-descriptors, `TMA_TILES`). By default (DEEPINFER_FP8_GEMM=exact) it promotes the tensor core's partial to the fp32
-accumulator after every wgmma (max_num_imprecise_acc = 0): the official fp8_gemm's fp32 accumulation, its outputs to
-5e-6 relative at M 4096 (tools/official/check_kernels.py), but each wgmma waits for the previous promotion, so it
-runs at a fraction of the FP8 rate. DEEPINFER_FP8_GEMM=triton promotes once per 128-K block (max_num_imprecise_acc =
+descriptors, `TMA_TILES`). By default (DEEPINFER_FP8_GEMM=exact) it accumulates exact products in fp32
+(max_num_imprecise_acc = 0): the official fp8_gemm's fp32 accumulation, its outputs to 5e-6 relative at M 4096
+(tools/official/check_kernels.py), but at a fraction of the FP8 rate. Triton (3.6 and 3.8, sm_90a) lowers that dot
+without wgmma: it unpacks both e4m3 tiles to f16 in registers and runs warp-level f16 MMAs (mma.sync m16n8k16,
+fp32 accumulators), the A and W tiles converted once per warp that reads them. DEEPINFER_FP8_GEMM=exact-wgmma
+(opt-in until measured on a GPU) computes the same exact products on f16 wgmma instead: e4m3 -> f16 is exact, and
+f16 x f16 products are exact in the fp32 accumulator, so each 128-K block's sum is the tensor core's fp32 sum as
+before, then scaled into the accumulator; each tile is converted once per program (`TMA_TILES_F16`). DEEPINFER_FP8_GEMM=triton promotes once per 128-K block (max_num_imprecise_acc =
 128, DeepGEMM's scheme, the DeepSeek-V3 report's promotion interval: more than twice as fast), and =auto hands the
 shapes cuBLASLt takes to its block-scaled GEMM (`gemm_vendor`, same promotion, faster still; docs/perf-log.md,
 "Prefill FP8 GEMMs on cuBLASLt, fewer decode launches"). The price of both is the tensor core's accumulator precision
@@ -143,7 +147,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, M, N, 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, KS_W,
-                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, EXACT: tl.constexpr,
+                         F16: tl.constexpr = False):
     # BK = 128; the descriptors zero-fill rows and K columns past the edges
     pdl_wait()
     pid_m, pid_n = _tile(M, N, BM, BN, GROUP_M)
@@ -155,7 +160,9 @@ def _fp8_gemm_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, c_ptr, M, N, K, KS_A, K
         w = w_desc.load([pid_n * BN, kb * 128])
         sa = tl.load(as_ptr + rm * KS_A + kb, mask=rm < M, other=0.0)
         sw = tl.load(ws_ptr + (rn // 128) * KS_W + kb, mask=rn < N, other=0.0)
-        if EXACT:  # fp32 after every wgmma, as the official kernel accumulates
+        if F16:  # e4m3 -> f16 is exact, so are f16 products in fp32: the block's sum on f16 wgmma, in fp32
+            acc += tl.dot(a.to(tl.float16), w.to(tl.float16).T) * (sa[:, None] * sw[None, :])
+        elif EXACT:  # fp32 accumulation of exact products, as the official kernel accumulates
             acc += tl.dot(a, w.T, max_num_imprecise_acc=0) * (sa[:, None] * sw[None, :])
         else:
             acc += tl.dot(a, w.T, max_num_imprecise_acc=128) * (sa[:, None] * sw[None, :])
@@ -169,6 +176,11 @@ scaled into the accumulator, so a program's tensor core idles during its own pro
 programs per SM one's promotion overlaps another's MMAs. With L2 flushed these tiles beat 128 x 128 / 8 warps /
 4 stages at every flash prefill shape, and 128 x 64 / 4 warps and 64 x 128 with 2 stages; GROUP_M 32 gave no
 consistent gain (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
+
+TMA_TILES_F16 = (64, 128, 16, 4, 3)
+"""The same for DEEPINFER_FP8_GEMM=exact-wgmma: one warpgroup's f16 wgmma on 64 x 128 tiles (offline, sm_90a, Triton
+3.6 and 3.8: 204 registers, no spill; 128 x 128 on 8 warps and 128 x 64 on 4 spill). Not yet timed: the device
+sweep (`tools/device/fp8_exact_sweep.py`) times it against the alternatives."""
 
 
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:
@@ -191,11 +203,12 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     if M == 0 or N == 0:
         return c
     if _tma_prefill(a, w, M, K):
-        BM, BN, GM, nw, ns = TMA_TILES
+        mode = gemm_vendor.mode()
+        BM, BN, GM, nw, ns = TMA_TILES_F16 if mode == "exact-wgmma" else TMA_TILES
         ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
-                                   BM=BM, BN=BN, GROUP_M=GM, EXACT=gemm_vendor.mode() == "exact",
+                                   BM=BM, BN=BN, GROUP_M=GM, EXACT=mode == "exact", F16=mode == "exact-wgmma",
                                    num_warps=nw, num_stages=ns, **pdl())
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)

@@ -28,12 +28,13 @@ import torch.nn.functional as F
 MIN_M = 65
 """From this many rows on (`fp8_gemm`'s prefill path); decode sizes stay on the split-K Triton kernel."""
 
-_MODES = ("exact", "auto", "cublas", "triton")
+_MODES = ("exact", "exact-wgmma", "auto", "cublas", "triton")
 
 
 def mode() -> str:
-    """DEEPINFER_FP8_GEMM: exact (the Triton kernel, promotion after every wgmma), auto (cuBLASLt on sm_90),
-    cublas (on any CUDA GPU that has it) or triton (the Triton kernel, promotion per 128-K block)."""
+    """DEEPINFER_FP8_GEMM: exact (the Triton kernel, exact products summed in fp32), exact-wgmma (the same sums on
+    f16 wgmma), auto (cuBLASLt on sm_90), cublas (on any CUDA GPU that has it) or triton (the Triton kernel,
+    promotion per 128-K block)."""
     from deepinfer import settings
 
     return settings.choice("DEEPINFER_FP8_GEMM") or "exact"
@@ -46,7 +47,7 @@ def _cuda_version() -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _unavailable(index: int, m: str) -> str | None:
-    if m in ("triton", "exact"):
+    if m in ("triton", "exact", "exact-wgmma"):
         return f"DEEPINFER_FP8_GEMM={m}"
     if torch.version.hip is not None:
         return "ROCm build: no cuBLASLt"

@@ -11,7 +11,9 @@
 #         with its cache write)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
 #   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
-#         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json)
+#         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json); then the prefill FP8 GEMM's exact forms
+#         (`exact`, `exact-wgmma` in six tilings) beside the per-128-K ones at the flash shapes, M 4096
+#         (tools/device/fp8_exact_sweep.py, $OUT/fp8_exact_sweep.json)
 #   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op on (first and last), all of
 #         them off, and each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one fresh bench process each
 #         ($OUT/fusions_N.json), then each one's decode drift from the on logits in one process ($OUT/fusions_drift.json)
@@ -113,7 +115,10 @@ for phase in "$@"; do
   elif [ "$phase" = fp4sweep ]; then
     timeout "$left" python tools/device/fp4_decode_sweep.py --out "$OUT/fp4_decode_sweep.json" > "$OUT/$phase.log" 2>&1
     rc=$?
-    summary=$(grep -E " us |rows," "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
+    left=$(( LIMIT - ($(date +%s) - t_start) ))
+    [ "$left" -ge 30 ] && { timeout "$left" python tools/device/fp8_exact_sweep.py --out "$OUT/fp8_exact_sweep.json" \
+      >> "$OUT/$phase.log" 2>&1 || rc=$?; }
+    summary=$(grep -E " us |rows,| ms " "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
       --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
