@@ -138,20 +138,27 @@ def _print(report: dict, con: Console) -> None:
     if pops:
         fp8 = report.get("matmul_fp8_flops")
         host = f", host issue {pops['host_issue_ms']:.1f} ms" if "host_issue_ms" in pops else ""
-        t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms device{host}): compute ops, "
-                        f"achieved rate "
-                        f"vs measured fp8 {fp8 / 1e12 if fp8 else float('nan'):.0f} / bf16 "
+        t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms device{host}): every op by "
+                        f"time, compute ops' rate vs measured fp8 {fp8 / 1e12 if fp8 else float('nan'):.0f} / bf16 "
                         f"{report['matmul_flops'] / 1e12:.0f} TFLOP/s")
         for c in ("op", "calls", "ms", "share", "TFLOP/s", "of ceiling"):
             t.add_column(c, justify="left" if c == "op" else "right")
         for r in pops["ops"]:
+            compute = r.get("compute", True)
             t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / pops['total_ms']:.1%}",
-                      f"{r['tflops']:.0f}", f"{r['of_ceiling']:.0%} {r['ceiling']}" if r["of_ceiling"] else "-")
-            for x in r.get("shapes", []) if len(r.get("shapes", [])) > 1 else []:
+                      f"{r['tflops']:.0f}" if compute else "-",
+                      f"{r['of_ceiling']:.0%} {r['ceiling']}" if compute and r["of_ceiling"] else "-")
+            for x in r.get("shapes", []) if compute and len(r.get("shapes", [])) > 1 else []:
                 t.add_row(f"[dim]  {x['shape']}[/dim]", str(x["calls"]), f"{x['ms']:.2f}",
                           f"{x['ms'] / pops['total_ms']:.1%}", f"{x['tflops']:.0f}",
                           f"{x['of_ceiling']:.0%}" if x["of_ceiling"] else "-")
+        if "outside_ops_ms" in pops:
+            t.add_row("[dim](between ops: torch glue)[/dim]", "", f"{pops['outside_ops_ms']:.2f}",
+                      f"{pops['outside_ops_ms'] / pops['total_ms']:.1%}", "", "")
         con.print(t)
+        if pops.get("host_caught_up"):
+            con.print(f"[yellow]prefill profile: the host issued the timed pass in {pops['timed_issue_ms']:.1f} ms, "
+                      f"past its {pops['head_start_ms']:.1f} ms head start: op times include launch gaps[/yellow]")
     for d in report["decode"]:
         if d.get("graph_error"):
             con.print(f"[red]batch {d['batch']}: graph capture failed, timed eagerly: {d['graph_error']}[/red]")

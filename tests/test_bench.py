@@ -296,6 +296,64 @@ def test_op_rates_time_a_real_gemm():
     assert ops.linear is not None and ops._cache["linear"].__name__ != "timed", "wrappers removed on exit"
 
 
+class _HostEvent:
+    """torch.cuda.Event's interface on the host clock (a CPU test of the event bookkeeping)."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_op_rates_of_every_op_time_the_outermost_call(monkeypatch):
+    """op_rates(None) wraps every op the dispatcher has resolved (a phase split: its prefill entry only), times an op
+    that calls another through the dispatcher once, and restores the dispatcher on exit; over a tiny prefill the
+    rows cover the ops called and add up to at most the pass."""
+    from deepinfer.bench.oprates import op_rates, summarize
+    from deepinfer.ops import ops
+
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    inner, dec = (lambda x: x + 1), (lambda x: x)
+    cache = {"inner": inner, "outer": lambda x: ops.inner(x) * 2, ("split", "decode"): dec,
+             ("split", "prefill"): lambda x: x - 1}
+    monkeypatch.setattr(ops, "_cache", dict(cache))
+    with op_rates(None) as calls:
+        assert ops._cache[("split", "decode")] is dec  # the decode entry is not the prefill's: left alone
+        assert (ops.outer(1), ops.inner(1), ops._cache[("split", "prefill")](5)) == (4, 2, 4)
+    assert [c[0] for c in calls] == ["outer", "inner", "split"]  # inner inside outer is outer's time
+    assert ops._cache == cache
+
+    monkeypatch.undo()
+    cfg = tiny_config()
+    model = Transformer(cfg, random_state(cfg, torch.device("cpu"), 0), Numerics("exact", torch.float32), "cpu")
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ids = torch.randint(2, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    row = torch.zeros(1, dtype=torch.long)
+    model.allocate(1, 41)
+    ops.phase = "prefill"
+    model.prefill(ids, rows=row)  # resolves the pass's ops
+    ops.count_calls()
+    t0, t1 = _HostEvent(), _HostEvent()
+    with op_rates(None) as calls:
+        t0.record()
+        model.prefill(ids, rows=row)
+        t1.record()
+    called = ops.count_calls(False)
+    rows = summarize(calls, None, 1e15)
+    assert {"rms_norm", "linear", "sparse_attn"} <= {r["op"] for r in rows} <= set(called)
+    assert sum(r["ms"] for r in rows) <= t0.elapsed_time(t1)
+    assert [r["compute"] for r in rows if r["op"] in ("rms_norm", "linear")] in ([False, True], [True, False])
+    assert all(type(v).__name__ != "function" or v.__name__ != "timed" for v in ops._cache.values())
+
+
 def test_captured_or_eager_keeps_the_capture_error():
     """A failed capture is reported and the eager runner is what gets timed (decode, guided and speculative rows)."""
     from deepinfer.bench.timing import captured_or_eager
@@ -451,3 +509,30 @@ def test_drift_logits_are_the_heads_of_the_last_positions():
     assert got.shape == (64, cfg.vocab_size) and not got.isnan().any()
     # fp32 GEMMs of 64 and of 70 rows may block the K sum differently: equal to fp32 reordering, not bit for bit
     torch.testing.assert_close(got, full[0, -64:].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefill_profile_table_lists_every_op_and_the_gaps():
+    """The CLI's prefill table: compute ops with their rate, other ops timed only, the time between ops last, and a
+    warning where the host caught up with the GPU."""
+    import io
+
+    from rich.console import Console
+
+    from deepinfer_cli.bench import _print
+
+    r = run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=6, gen_len=1, device="cpu", progress=False))
+    r["matmul_fp8_flops"] = 1.5e15
+    gg = {"op": "grouped_gemm", "calls": 8, "ms": 16.9, "flops": 5e12, "tflops": 296.0, "of_ceiling": 0.2,
+          "ceiling": "fp8", "compute": True, "shapes": []}
+    hp = {"op": "hc_post", "calls": 8, "ms": 1.04, "flops": 0.0, "tflops": 0.0, "of_ceiling": 0.0, "ceiling": "bf16",
+          "compute": False, "shapes": [{"shape": "", "calls": 8, "ms": 1.04, "tflops": 0.0, "of_ceiling": 0.0}] * 2}
+    r["prefill_ops"] = {"prompt_len": 4096, "total_ms": 20.0, "host_issue_ms": 30.0, "head_start_ms": 45.0,
+                        "timed_issue_ms": 50.0, "host_caught_up": True, "ops": [gg, hp], "outside_ops_ms": 2.06}
+    buf = io.StringIO()
+    _print(r, Console(file=buf, width=200))
+    out = buf.getvalue()
+    lines = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if ln.count("│") > 3}
+    assert "296" in lines["grouped_gemm"] and "20% fp8" in lines["grouped_gemm"]
+    assert "1.04" in lines["hc_post"] and "0%" not in lines["hc_post"].split("│")[5]  # timed only: no rate
+    assert "2.06" in lines["(between ops: torch glue)"] and "10.3%" in lines["(between ops: torch glue)"]
+    assert "50.0 ms, past its 45.0 ms head start" in " ".join(out.split())

@@ -87,3 +87,16 @@ def test_entries_line_carries_both_drifts():
     assert parts[1].endswith("; drift rel 1.00e-03, top-1 98%, flips 1 (main margin <= 0.01), "
                              "decode steps rel 0.00e+00, top-1 100%")
     assert "drift" not in parts[2]
+
+
+def test_prefill_profile_clause_names_the_top_ops_the_rest_and_the_gaps():
+    ops = [{"op": "grouped_gemm", "ms": 16.9, "compute": True, "of_ceiling": 0.2, "ceiling": "fp8"},
+           {"op": "hc_post", "ms": 1.0, "compute": False, "of_ceiling": None, "ceiling": "bf16"},
+           {"op": "rms_norm", "ms": 0.5, "compute": False, "of_ceiling": None, "ceiling": "bf16"},
+           {"op": "rope", "ms": 0.25, "compute": False, "of_ceiling": None, "ceiling": "bf16"}]
+    r = {"prefill_ops": {"total_ms": 20.0, "ops": ops, "outside_ops_ms": 1.35}}
+    assert summarize.prefill_ops(r, top=2) == ("; prefill profile 20.0 ms: grouped_gemm 16.90 (20% fp8), hc_post 1.00, "
+                                               "2 other ops 0.75, between ops 1.35")
+    r["prefill_ops"]["host_caught_up"] = True
+    assert "(host caught up: includes launch gaps)" in summarize.prefill_ops(r)
+    assert summarize.prefill_ops({}) == ""

@@ -83,33 +83,49 @@ MMAs); every other op against the bf16 rate. `summarize` and `ab --bench` both u
 
 
 @contextlib.contextmanager
-def op_rates(names: tuple[str, ...] = OPS):
-    """Wrap `names` in the dispatcher; yields a list that `summarize` turns into per-op rows."""
+def op_rates(names: tuple[str, ...] | None = OPS):
+    """Wrap `names` in the dispatcher; yields a list that `summarize` turns into per-op rows. names=None wraps
+    every op the dispatcher has resolved for a prefill so far (run one first): the whole pass, op by op.
+
+    Only the outermost op of a nest is timed: an op whose implementation calls other ops through the dispatcher
+    counts once, with their time inside its own, so the rows add up to the ops' share of the pass."""
     calls: list[tuple[str, torch.cuda.Event, torch.cuda.Event, tuple, dict]] = []
-    prev, ops.phase = ops.phase, "prefill"  # what it times; a phase-split map entry resolves as in a prefill
-    try:
-        saved = {n: ops.resolve(n) for n in names}
-    finally:
-        ops.phase = prev
-    key = {n: (n, "prefill") if n in ops._phased else n for n in names}
+    if names is None:  # the resolved ops, each under its prefill key (a phase-split entry: its prefill backend)
+        keys = {k if isinstance(k, str) else k[0]: k for k in ops._cache
+                if isinstance(k, str) or k[1] == "prefill"}
+        saved = {n: ops._cache[k] for n, k in keys.items()}
+    else:
+        prev, ops.phase = ops.phase, "prefill"  # what it times; a phase-split map entry resolves as in a prefill
+        try:
+            saved = {n: ops.resolve(n) for n in names}
+        finally:
+            ops.phase = prev
+        keys = {n: (n, "prefill") if n in ops._phased else n for n in names}
+    depth = [0]
 
     def wrap(name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
+            if depth[0]:  # inside another timed op: part of its time
+                return fn(*args, **kwargs)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            out = fn(*args, **kwargs)
-            e.record()
+            depth[0] += 1
+            try:
+                s.record()
+                out = fn(*args, **kwargs)
+                e.record()
+            finally:
+                depth[0] -= 1
             calls.append((name, s, e, args, kwargs))
             return out
         return timed
 
     for n, fn in saved.items():
-        ops._cache[key[n]] = wrap(n, fn)
+        ops._cache[keys[n]] = wrap(n, fn)
     try:
         yield calls
     finally:
         for n, fn in saved.items():
-            ops._cache[key[n]] = fn
+            ops._cache[keys[n]] = fn
 
 
 def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dict]:
@@ -135,6 +151,7 @@ def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dic
             x["tflops"] = x["flops"] / (x["ms"] * 1e-3) / 1e12 if x["ms"] > 0 else 0.0
             x["of_ceiling"] = x["tflops"] * 1e12 / ceiling if ceiling else None
         r["ceiling"] = "fp8" if fp8 else "bf16"
+        r["compute"] = r["op"] in OPS  # an op with a FLOP count and a rate; the others are timed only
         out.append(r)
     return out
 
@@ -156,8 +173,12 @@ HEAD_START = 1.5
 
 def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rate: float | None,
                     bf16_rate: float) -> dict:
-    """One warm P-token prefill with the compute ops timed: {"total_ms", "ops": summarize(...), "host_issue_ms",
-    "head_start_ms"}.
+    """One warm P-token prefill with every op timed: {"total_ms", "ops": summarize(...) (each row's "compute": an op
+    with a FLOP count), "compute_ms" / "other_ops_ms" (the two kinds' sums), "outside_ops_ms" (the pass's time
+    outside every op: torch glue between them), "host_issue_ms", "head_start_ms", "timed_issue_ms" (the host's
+    issue of the timed pass, events included) and "host_caught_up" (it took longer than the head start: the GPU
+    waited on the host, so the op times include launch gaps)}. The pass runs on one stream (no runner's lanes),
+    so the rows add up.
 
     The prefill is host-bound (its Python side issues launches more slowly than the GPU runs them), so events
     around an op would time the host's launch gaps as well as the kernels. The timed pass is therefore queued
@@ -177,10 +198,16 @@ def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rat
     head_ms = HEAD_START * host_ms
     torch.cuda._sleep(int(head_ms * _spin_cycles_per_ms(device)))
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with op_rates() as calls:
+    with op_rates(None) as calls:  # every op of the pass (the warm-up above resolved them)
+        t = time.perf_counter()
         t0.record()
         model.prefill(ids, rows=row)
         t1.record()
+        timed_issue_ms = (time.perf_counter() - t) * 1e3
     rows = summarize(calls, fp8_rate, bf16_rate)
-    return {"prompt_len": P, "total_ms": t0.elapsed_time(t1), "ops": rows, "host_issue_ms": host_ms,
-            "head_start_ms": head_ms}
+    total = t0.elapsed_time(t1)
+    return {"prompt_len": P, "total_ms": total, "ops": rows, "host_issue_ms": host_ms, "head_start_ms": head_ms,
+            "timed_issue_ms": timed_issue_ms, "host_caught_up": timed_issue_ms > head_ms,
+            "compute_ms": sum(r["ms"] for r in rows if r["compute"]),
+            "other_ops_ms": sum(r["ms"] for r in rows if not r["compute"]),
+            "outside_ops_ms": total - sum(r["ms"] for r in rows)}

@@ -430,7 +430,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         if device.type == "cuda":
             from deepinfer.bench.oprates import profile_prefill
 
-            log(f"timing the compute ops of one {opts.prompt_len}-token prefill ...")
+            log(f"timing every op of one {opts.prompt_len}-token prefill ...")
             report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate)
     report["fallbacks"] = sorted(ops.fallbacks)
     report["fp8_prefill_gemm"] = _fp8_prefill_gemm(device)

@@ -9,7 +9,8 @@
 #         ones KERNELS_K selects (default: the grouped GEMM with topk, in sub-steps and with its SwiGLU A, hadamard + FP4,
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
 #         with its cache write)
-#   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8 ($OUT/bench.json)
+#   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8, with --profile: every op of
+#         one prefill by device time, the eager decode step's kernels ($OUT/bench.json)
 #   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
 #         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json); then the prefill FP8 GEMM's exact forms
 #         (`exact`, `exact-wgmma` in six tilings) beside the per-128-K ones at the flash shapes, M 4096
@@ -121,7 +122,7 @@ for phase in "$@"; do
     summary=$(grep -E " us |rows,| ms " "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
-      --backend triton --device cuda --prefill-graphs --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
+      --backend triton --device cuda --prefill-graphs --profile --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
     summary=$(python tools/device/summarize.py bench "$OUT/bench.json")
   else

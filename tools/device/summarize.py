@@ -42,7 +42,22 @@ def bench(r: dict) -> str:
     return (f"TTFT eager {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x floor {pf['floor']['floor_ms']:.2f}; host "
             f"{pf['host_issue_ms']:.1f}, device {pf['device_ms']:.1f}); graph {pg.get('ttft_ms', NAN):.1f} ms "
             f"({pg.get('ratio', NAN):.2f}x; host {pg.get('host_issue_ms', NAN):.2f}, mode {pg.get('mode')}, "
-            f"error {pg.get('graph_error')}); decode {d}")
+            f"error {pg.get('graph_error')}); decode {d}{prefill_ops(r)}")
+
+
+def prefill_ops(r: dict, top: int = 8) -> str:
+    """`bench --profile`'s prefill breakdown in one clause: the `top` ops by device time, then the rest and the
+    time between ops; "" without a profile."""
+    p = r.get("prefill_ops")
+    if not p:
+        return ""
+    rows = p["ops"][:top]
+    rest = sum(x["ms"] for x in p["ops"][top:])
+    parts = [f"{x['op']} {x['ms']:.2f}" + (f" ({x['of_ceiling']:.0%} {x['ceiling']})"
+                                          if x.get("compute", True) and x.get("of_ceiling") else "") for x in rows]
+    gaps = " (host caught up: includes launch gaps)" if p.get("host_caught_up") else ""
+    return (f"; prefill profile {p['total_ms']:.1f} ms{gaps}: " + ", ".join(parts)
+            + f", {len(p['ops']) - len(rows)} other ops {rest:.2f}, between ops {p.get('outside_ops_ms', NAN):.2f}")
 
 
 def entries(b: dict) -> str:
