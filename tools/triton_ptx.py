@@ -7,7 +7,9 @@ between files or lines does not change it.
     python tools/triton_ptx.py sample gg_   # the cases whose name contains one of the words
 
 Triton compiles through its bundled ptxas for the target given here; nothing is launched. The signatures are
-those the wrappers launch with at flash shapes (bf16 logits, FP8 activations and weights).
+those the wrappers launch with at flash shapes (bf16 logits, FP8 activations and weights), with the JIT's
+specialisation of such a launch (`_sig`) and its launch options (`OPTIONS`). `tools/triton_sass.py` reads the same
+cases' registers, spills and loop SASS.
 """
 
 from __future__ import annotations
@@ -32,12 +34,20 @@ from deepinfer_kernels.triton import speculative  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _sig(fn, types: dict, consts: dict) -> ASTSource:
+def _sig(fn, types: dict, consts: dict, odd: tuple = ()) -> ASTSource:
+    """The kernel as a launch at flash shapes compiles it. Triton's JIT specialises each launch on its arguments:
+    an integer equal to 1 becomes the constant 1 (give it in `consts`), one divisible by 16 and a 16-byte-aligned
+    pointer are marked so (tt.divisibility 16), which lets loads vectorise and changes register allocation. Every
+    pointer and integer here is marked but those in `odd` (not multiples of 16 at the flash launch). Compiled
+    without the marks, a kernel can look nothing like what runs (the prefill FP4 GEMM: 852 B of spill and 1300
+    SASS a step without, none and 352 with)."""
     names = fn.arg_names
     # constexpr parameters with a default the wrapper does not pass (e.g. TOPK = 1) compile at that default
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
-    return ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in odd and (sig[n].startswith("*") or sig[n] in ("i32", "i64"))}
+    return ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
 
 
 def _ints(*names):
@@ -54,7 +64,7 @@ _GG_FP4_CONSTS = {"BM": 128, "BN": 64, "SPLIT": False, "DOT_BF16": True, "SCALE_
 _FP8_DECODE_TYPES = {
     "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", "p_ptr": "*fp32",
     "cnt_ptr": "*i32", **_ints("M", "N", "K", "KS_A", "KS_W", "KB_PER_SPLIT")}
-_FP8_DECODE_CONSTS = {"BM": 16, "BN": 64, "BK": 128, "GROUP_M": 1, "SPLIT": True}
+_FP8_DECODE_CONSTS = {"BM": 16, "BN": 64, "BK": 128, "GROUP_M": 1, "SPLIT": True, "M": 1}  # batch 1
 
 _FP8_TMA_TYPES = {"a_desc": "tensordesc<fp8e4nv[64, 128]>", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>",
                   "ws_ptr": "*fp32", "c_ptr": "*bf16", **_ints("M", "N", "K", "KS_A", "KS_W")}
@@ -64,7 +74,7 @@ _ATTN_TYPES = {
     "q_ptr": "*bf16", "kv_ptr": "*u8", "kvr_ptr": "*bf16", "sink_ptr": "*fp32", "idx_ptr": "*i64", "o_ptr": "*bf16",
     "ml_ptr": "*fp32", "acc_ptr": "*fp32", "scale": "fp32", "qc_ptr": "*fp32", "qs_ptr": "*fp32", "q_eps": "fp32",
     **_ints("S", "H", "N", "D", "KSEL", "CHUNK", "W", "WE", "ROFF", "NOPE", "QCS", "QSS", "QR0", "QHALF")}
-_ATTN_CONSTS = {"BH": 16, "BK": 32, "BD": 512, "IEEE": False, "SPLIT": True, "PACKED": True}
+_ATTN_CONSTS = {"BH": 16, "BK": 32, "BD": 512, "IEEE": False, "SPLIT": True, "PACKED": True, "S": 1}  # batch 1
 
 _MIX_TYPES = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "ws_ptr": "*fp32", "sub_ptr": "*bf16", "res_ptr": "*bf16",
               "post_ptr": "*fp32", "comb_ptr": "*fp32", "sh_ptr": "*bf16",
@@ -106,7 +116,7 @@ CASES = {
     "gg_fp8_ident": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
-        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True}),
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
     "gg_fp8_tma_topk": lambda: _sig(moe_prefill._gg_fp8_tma_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
@@ -114,11 +124,11 @@ CASES = {
     # the routed w2 at batch 1 computing its A (SwiGLU + act_quant) from w1|w3's bf16 output (swiglu_grouped_gemm)
     "gg_fp4_swiglu": lambda: _sig(moe_grouped._gg_fp4_kernel, {**_GG_FP4_TYPES, "as_ptr": "*fp32", "rows_ptr": "*i64"},
                                   {**_GG_FP4_CONSTS, "BM": 16, "BN": 128, "SPLIT": True, "IDENT": True, "A_BF16": False,
-                                   "N_FAST": False, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}),
+                                   "N_FAST": False, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
     "gg_fp8_swiglu": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
-        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}),
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
     # the prefill FP8 GEMM (TMA operands, TMA_TILES): exact products summed in fp32 (the default), on f16 wgmma
     # (DEEPINFER_FP8_GEMM=exact-wgmma) and promoted per 128-K block (=triton)
     "fp8_gemm_tma": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES, {**_FP8_TMA_CONSTS, "EXACT": True}),
@@ -159,11 +169,22 @@ CASES = {
                                   "FP4": 32}),
 }
 
+OPTIONS = {  # launch options other than the default 4 warps / 3 stages, as the wrappers launch these
+    "gg_fp4": {"num_warps": 4, "num_stages": 2}, "gg_fp4_topk": {"num_warps": 4, "num_stages": 2},  # _fp4_config
+    "gg_fp8_tma": {"num_warps": 8, "num_stages": 4}, "gg_fp8_tma_topk": {"num_warps": 8, "num_stages": 4},
+}
+
+
+def compile_case(name: str, **options):
+    """CASES[name] compiled for sm_90a with its launch options (OPTIONS), `options` overriding them."""
+    return triton.compile(CASES[name](), target=TARGET, options={**OPTIONS.get(name, {}), **options})
+
+
 _DEBUG = re.compile(r"^\s*(\.loc|\.file)\b.*$|//.*$", re.M)
 
 
 def ptx_digest(name: str) -> str:
-    ptx = triton.compile(CASES[name](), target=TARGET).asm["ptx"]
+    ptx = compile_case(name).asm["ptx"]
     body = "\n".join(ln.rstrip() for ln in _DEBUG.sub("", ptx).splitlines() if ln.strip())
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 

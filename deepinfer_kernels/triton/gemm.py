@@ -178,9 +178,11 @@ programs per SM one's promotion overlaps another's MMAs. With L2 flushed these t
 consistent gain (docs/perf-log.md, "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 
 TMA_TILES_F16 = (64, 128, 16, 4, 3)
-"""The same for DEEPINFER_FP8_GEMM=exact-wgmma: one warpgroup's f16 wgmma on 64 x 128 tiles (offline, sm_90a, Triton
-3.6 and 3.8: 204 registers, no spill; 128 x 128 on 8 warps and 128 x 64 on 4 spill). Not yet timed: the device
-sweep (`tools/device/fp8_exact_sweep.py`) times it against the alternatives."""
+"""The same for DEEPINFER_FP8_GEMM=exact-wgmma: one warpgroup's f16 wgmma on 64 x 128 tiles. Offline (sm_90a, Triton
+3.6, `tools/triton_sass.py`): 204 registers, no spill, 513 SASS a 128-K block against the exact form's 245 and 710
+(its 128 HMMA and 224 conversions); 128 x 128 on 8 warps 237 registers, 128 x 64 on 4 warps 245, neither
+spilling. Not yet timed: the device sweep (`tools/device/fp8_exact_sweep.py`) times them against the
+alternatives."""
 
 
 def _tma_prefill(a: torch.Tensor, w: torch.Tensor, M: int, K: int) -> bool:

@@ -507,10 +507,12 @@ latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
 DECODE_KSUB = 1
 """Sub-steps per 128-K step of the decode-sized FP4 kernel (blocks of <= 32 rows reading A's bf16 split form, N a
 multiple of the tile): each sub-step loads, decodes and multiplies 128 / KSUB K. 1 is the form every config sweep
-timed. Offline (sm_90a, 128 x 16 tiles, 4 warps, Triton 3.6) that form spills at 255 registers: 212 B a thread
-at batch 1, 356 B in sorted blocks. 4 sub-steps compile to 150-168 registers, no spill and 6-10 % fewer
-instructions a step (docs/perf-log.md, "2026-12-07 (second session)"). Untimed: `tools/device/fp4_decode_sweep.py`
-times 2 and 4 against 1 before this changes."""
+timed. Compiled as a flash launch specialises it (sm_90a, 128 x 16 tiles, 4 warps, Triton 3.6; `tools/triton_sass.py`)
+the whole-step form takes 127 registers at batch 1 and 167 in sorted blocks, no spill, 496-498 SASS a step; 2
+sub-steps 123-127 registers and 538-541 SASS, 4 sub-steps 64-78 registers and 590-594 SASS: fewer registers (more
+programs an SM could hold), more instructions. (An earlier offline compile without the launch's specialisation
+showed the one-step form spilling; it does not: docs/perf-log.md, "2026-12-07 (third session)".) Untimed:
+`tools/device/fp4_decode_sweep.py` times 2 and 4 against 1 before this changes."""
 A_BF16_MIN_BM = 64
 """Blocks of at least this many rows (prefill) take A pre-converted to bf16 (`a_bf16_split`, one extra
 pass over A: P x K x 3 bytes of traffic, P x K x 2 bytes of scratch) instead of converting it in every

@@ -1,7 +1,6 @@
 """The Triton FP4 expert GEMM at decode sizes under launch configs other than `_fp4_config`'s and with its 128-K steps
-in sub-steps (`DECODE_KSUB`), graph-timed in one process: is the shipped form (128 weight rows x 16 tokens, 4 warps,
-whole steps; it spills 212 B a thread at batch 1 under Triton 3.6, docs/perf-log.md "2026-12-07 (second session)")
-still the fastest?
+in sub-steps (`DECODE_KSUB`: fewer registers, more instructions a step), graph-timed in one process: is the shipped
+form (128 weight rows x 16 tokens, 4 warps, whole steps) still the fastest?
 
 Flash shapes (E 256, top-6, random FP4 codes with scale bytes 115-121, so the folded decode runs as in a model):
 w1|w3 (N 4096, K 4096) and w2 (N 4096, K 2048) at batch 1 (one token's row for its 6 pairs: IDENT blocks) and
