@@ -100,3 +100,17 @@ def test_prefill_profile_clause_names_the_top_ops_the_rest_and_the_gaps():
     r["prefill_ops"]["host_caught_up"] = True
     assert "(host caught up: includes launch gaps)" in summarize.prefill_ops(r)
     assert summarize.prefill_ops({}) == ""
+
+
+def test_bench_line_reads_a_cpu_report_and_a_broken_one_is_a_row(tmp_path):
+    """A CPU report (no device time, prefill graphs skipped) summarises; a report the script cannot read gives
+    "no report (...)" instead of a traceback that would leave the table without its row."""
+    r = {"prefill": {"ttft_ms": 43.6, "ratio": 11.39, "floor": {"floor_ms": 3.83}, "host_issue_ms": 43.6,
+                     "device_ms": None},
+         "prefill_graphs": {"skipped": "prefill graphs need CUDA"},
+         "decode": [{"batch": 1, "ms_per_step": 53.0, "ratio": 21.1}]}
+    assert summarize.bench(r) == ("TTFT eager 43.6 ms (11.39x floor 3.83; host 43.6, device nan); graph skipped "
+                                  "(prefill graphs need CUDA); decode B=1 53.000 ms (21.10x)")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prefill": {"ttft_ms": 1.0}, "decode": []}))
+    assert summarize.main(["bench", str(bad)]).startswith("no report (summarize.py bench failed: KeyError")

@@ -17,24 +17,38 @@
 #         (tools/device/fp8_exact_sweep.py, $OUT/fp8_exact_sweep.json)
 #   fusions: flash-slice:4 decode B=1 and 8 (FUSION_BATCHES) with every fused decode op on (first and last), all of
 #         them off, and each one off alone (`DEEPINFER_DECODE_FUSIONS=-OP`), one fresh bench process each
-#         ($OUT/fusions_N.json), then each one's decode drift from the on logits in one process ($OUT/fusions_drift.json)
+#         ($OUT/fusions_N.json), then each one's decode drift from the on logits in one process ($OUT/fusions_drift.json);
+#         FUSION_OPS=op[,op] turns off only those ones alone
 #   tune: `deepinfer tune` at flash shapes ($OUT/map.yaml), then flash-slice:4 with that map against Triton alone
 #         in one bench run ($OUT/bench_tuned.json)
-#         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast
+#         TUNE_CANDIDATES=triton,flaggems,torch (default: every backend importable there), TUNE_POLICY=official|fast,
+#         TUNE_OPS=REGEX (only those ops)
 #   policy: flash-slice:4 prefill 4096 (eager and as a graph), decode B=1, 8, 32, 64 (POLICY_BATCHES), official
 #         against the fast policy
 #         (`--against triton:policy=fast`; with the experts requantised to per-128 FP8, DeepGEMM's form, on the
 #         TMA FP8 grouped GEMM: `triton:experts=fp8,policy=fast`; and with TileLang's prefill kernels where
 #         tilelang is carried), each entry's drift from the official logits in the same run ($OUT/bench_policy.json)
 #   GPU_SUITE_LIMIT=560 (seconds for the whole call)
+#   GPU_SUITE_DRY=1: the bench-type phases (bench, fusions, fp4sweep, tune, policy) at deepinfer-tiny on this
+#         machine's CPU, torch for triton, the sweeps in their smoke forms: the plumbing and the summaries checked
+#         before a device call, not a measurement (tests/test_gpu_suite_dry.py)
 # Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 LIMIT=${GPU_SUITE_LIMIT:-560}
-mkdir -p /tmp/site "$OUT"
-for t in .device/*.tar.xz; do [ -f "$t" ] && tar -xJf "$t" -C /tmp/site; done
-export PYTHONPATH=/tmp/site:$PWD DEEPINFER_HOME=/tmp/dh
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${GPU_SUITE_DRY:-0}" = 1 ]; then  # the plumbing on a CPU: tiny shapes, the reference for Triton
+  PRESET=tiny DEV=cpu PLEN=32 GEN=4 BK=torch SHAPES=tiny SMOKE=--smoke SITE=${OUT}/site
+  POLICY_BATCHES=${POLICY_BATCHES:-1,2} FUSION_BATCHES=${FUSION_BATCHES:-1}
+  export TRITON_INTERPRET=1 DEEPINFER_HOME=${DEEPINFER_HOME:-/tmp/dh}
+else
+  PRESET=flash-slice:4 DEV=cuda PLEN=4096 GEN=32 BK=triton SHAPES=flash SMOKE= SITE=/tmp/site
+  export DEEPINFER_HOME=/tmp/dh
+fi
+mkdir -p "$SITE" "$OUT"
+for t in .device/*.tar.xz; do [ -f "$t" ] && [ -z "$SMOKE" ] && tar -xJf "$t" -C "$SITE"; done
+export PYTHONPATH=$SITE:$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" \
+  || echo "no nvidia-smi (GPU_SUITE_DRY=${GPU_SUITE_DRY:-0})" | tee "$OUT/gpu.txt"
 python - <<'PY' | tee -a "$OUT/gpu.txt"
 import importlib, torch, triton
 v = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
@@ -65,28 +79,33 @@ for phase in "$@"; do
   esac
   left=$(( LIMIT - ($(date +%s) - t_start) ))
   [ "$left" -lt 30 ] && { rows+=("| $phase | not run: ${left} s left |"); continue; }
-  rm -rf ~/.triton/cache ~/.tilelang /tmp/tilelang* 2>/dev/null  # every phase compiles as on a fresh machine
+  [ -n "$SMOKE" ] && [ -n "$marker$([ "$phase" = kernels ] && echo k)" ] \
+    && { rows+=("| $phase | not run: a test phase (GPU_SUITE_DRY runs the bench-type phases) |"); continue; }
+  [ -z "$SMOKE" ] && rm -rf ~/.triton/cache ~/.tilelang /tmp/tilelang* 2>/dev/null  # each phase compiles as on a fresh machine
   t0=$(date +%s)
   if [ "$phase" = tune ]; then
-    tune_args=(--policy "${TUNE_POLICY:-official}")
+    tune_args=(--policy "${TUNE_POLICY:-official}" --baseline $BK)
+    [ -n "$SMOKE" ] && TUNE_CANDIDATES=${TUNE_CANDIDATES:-torch}  # the interpreter's bf16 dot is not a kernel to pick
     [ -n "${TUNE_CANDIDATES:-}" ] && tune_args+=(--candidates "$TUNE_CANDIDATES")
-    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes flash "${tune_args[@]}" --json \
+    [ -n "${TUNE_OPS:-}" ] && tune_args+=(--ops "$TUNE_OPS")
+    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes $SHAPES "${tune_args[@]}" --json \
       > "$OUT/tune.json" 2> "$OUT/$phase.log"
     rc=$?
     if [ $rc -eq 0 ]; then
       left=$(( LIMIT - ($(date +%s) - t_start) ))
-      DEEPINFER_POLICY="${TUNE_POLICY:-official}" timeout "$left" python -m deepinfer bench --preset flash-slice:4 \
-        --batch 1,8 --prompt-len 4096 --gen-len 32 \
-        --backend triton --op "@$OUT/map.yaml" --against triton --device cuda --json > "$OUT/bench_tuned.json" \
+      DEEPINFER_POLICY="${TUNE_POLICY:-official}" timeout "$left" python -m deepinfer bench --preset $PRESET \
+        --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
+        --backend $BK --op "@$OUT/map.yaml" --against $BK --device $DEV --json > "$OUT/bench_tuned.json" \
         2>> "$OUT/$phase.log"
       rc=$?
     fi
     summary=$(python tools/device/summarize.py tune "$OUT/tune.json" "$OUT/bench_tuned.json")
   elif [ "$phase" = policy ]; then
-    peers=(--against triton:policy=fast --against triton:experts=fp8,policy=fast)
-    python -c "import tilelang" 2>/dev/null && peers+=(--against "triton:grouped_gemm=tilelang,sparse_attn=tilelang,policy=fast")
-    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch "${POLICY_BATCHES:-1,8,32,64}" \
-      --prompt-len 4096 --gen-len 32 --backend triton --device cuda --prefill-graphs "${peers[@]}" --json \
+    peers=(--against $BK:policy=fast --against $BK:experts=fp8,policy=fast)
+    [ -z "$SMOKE" ] && python -c "import tilelang" 2>/dev/null \
+      && peers+=(--against "triton:grouped_gemm=tilelang,sparse_attn=tilelang,policy=fast")
+    timeout "$left" python -m deepinfer bench --preset $PRESET --batch "${POLICY_BATCHES:-1,8,32,64}" \
+      --prompt-len $PLEN --gen-len $GEN --backend $BK --device $DEV --prefill-graphs "${peers[@]}" --json \
       > "$OUT/bench_policy.json" 2> "$OUT/$phase.log"
     rc=$?
     summary="$(python tools/device/summarize.py entries "$OUT/bench_policy.json") || targets: $(python \
@@ -96,33 +115,35 @@ for phase in "$@"; do
     # faster than later ones: perf log, 2026-11-30, call 76), every fusion on first and last; then one process with
     # every configuration as an --against entry for the decode drift from the on logits
     offs=$(python -c "from deepinfer.settings import FUSED_DECODE_OPS as F; print(*('-' + o for o in F))")
+    [ -n "${FUSION_OPS:-}" ] && offs=$(printf -- '-%s ' ${FUSION_OPS//,/ })  # a subset, e.g. FUSION_OPS=hc_post_pre_quant
     cfgs=(on off $offs on)
     i=0; rc=0; runs=()
     for c in "${cfgs[@]}"; do
       left=$(( LIMIT - ($(date +%s) - t_start) ))
       [ "$left" -lt 60 ] && { echo "fusions: $c not run, ${left} s left" >> "$OUT/$phase.log"; continue; }
       prof=(); [ $i -eq 0 ] && prof=(--profile)
-      DEEPINFER_DECODE_FUSIONS=$c timeout "$left" python -m deepinfer bench --preset flash-slice:4 \
-        --batch "${FUSION_BATCHES:-1,8}" --prompt-len 64 --gen-len 32 --backend triton --device cuda "${prof[@]}" \
+      DEEPINFER_DECODE_FUSIONS=$c timeout "$left" python -m deepinfer bench --preset $PRESET \
+        --batch "${FUSION_BATCHES:-1,8}" --prompt-len 64 --gen-len $GEN --backend $BK --device $DEV "${prof[@]}" \
         --json > "$OUT/fusions_$i.json" 2>> "$OUT/$phase.log" || rc=$?
       runs+=("$OUT/fusions_$i.json"); i=$((i + 1))
     done
-    peers=(); for c in off $offs; do peers+=(--against "triton:DEEPINFER_DECODE_FUSIONS=$c"); done
+    peers=(); for c in off $offs; do peers+=(--against "$BK:DEEPINFER_DECODE_FUSIONS=$c"); done
     left=$(( LIMIT - ($(date +%s) - t_start) ))
-    [ "$left" -ge 60 ] && { timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1 --prompt-len 64 \
-      --gen-len 4 --backend triton --device cuda --eager "${peers[@]}" --json > "$OUT/fusions_drift.json" \
+    [ "$left" -ge 60 ] && { timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1 --prompt-len 64 \
+      --gen-len 4 --backend $BK --device $DEV --eager "${peers[@]}" --json > "$OUT/fusions_drift.json" \
       2>> "$OUT/$phase.log" || rc=$?; }
     summary=$(python tools/device/summarize.py fusions "$OUT/fusions_drift.json" "${runs[@]}")
   elif [ "$phase" = fp4sweep ]; then
-    timeout "$left" python tools/device/fp4_decode_sweep.py --out "$OUT/fp4_decode_sweep.json" > "$OUT/$phase.log" 2>&1
+    timeout "$left" python tools/device/fp4_decode_sweep.py $SMOKE --out "$OUT/fp4_decode_sweep.json" \
+      > "$OUT/$phase.log" 2>&1
     rc=$?
     left=$(( LIMIT - ($(date +%s) - t_start) ))
-    [ "$left" -ge 30 ] && { timeout "$left" python tools/device/fp8_exact_sweep.py --out "$OUT/fp8_exact_sweep.json" \
-      >> "$OUT/$phase.log" 2>&1 || rc=$?; }
+    [ "$left" -ge 30 ] && { timeout "$left" python tools/device/fp8_exact_sweep.py $SMOKE \
+      --out "$OUT/fp8_exact_sweep.json" >> "$OUT/$phase.log" 2>&1 || rc=$?; }
     summary=$(grep -E " us |rows,| ms " "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
   elif [ "$phase" = bench ]; then
-    timeout "$left" python -m deepinfer bench --preset flash-slice:4 --batch 1,8 --prompt-len 4096 --gen-len 32 \
-      --backend triton --device cuda --prefill-graphs --profile --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
+    timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
+      --backend $BK --device $DEV --prefill-graphs --profile --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
     summary=$(python tools/device/summarize.py bench "$OUT/bench.json")
   else

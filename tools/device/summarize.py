@@ -39,10 +39,12 @@ def bench(r: dict) -> str:
         return f"no report ({r.get('error')})"
     pf, pg = r["prefill"], r.get("prefill_graphs") or {}
     d = " ".join(f"B={x['batch']} {x['ms_per_step']:.3f} ms ({x['ratio']:.2f}x)" for x in r["decode"])
+    graph = (f"graph skipped ({pg['skipped']})" if "skipped" in pg else
+             f"graph {num(pg.get('ttft_ms')):.1f} ms ({num(pg.get('ratio')):.2f}x; host "
+             f"{num(pg.get('host_issue_ms')):.2f}, mode {pg.get('mode')}, error {pg.get('graph_error')})")
     return (f"TTFT eager {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x floor {pf['floor']['floor_ms']:.2f}; host "
-            f"{pf['host_issue_ms']:.1f}, device {pf['device_ms']:.1f}); graph {pg.get('ttft_ms', NAN):.1f} ms "
-            f"({pg.get('ratio', NAN):.2f}x; host {pg.get('host_issue_ms', NAN):.2f}, mode {pg.get('mode')}, "
-            f"error {pg.get('graph_error')}); decode {d}{prefill_ops(r)}")
+            f"{num(pf.get('host_issue_ms')):.1f}, device {num(pf.get('device_ms')):.1f}); {graph}; decode {d}"
+            f"{prefill_ops(r)}")
 
 
 def prefill_ops(r: dict, top: int = 8) -> str:
@@ -182,8 +184,25 @@ def margin(paths: list[str]) -> str:
     return "; ".join(out)
 
 
+def num(x) -> float:
+    """A report's number for formatting: NaN where the field is absent or null (a CPU run has no device time)."""
+    return NAN if x is None else x
+
+
 def main(argv: list[str]) -> str:
     kind, args = argv[0], argv[1:]
+    if kind not in KINDS:
+        raise SystemExit(f"summarize.py: unknown kind {kind!r} ({' | '.join(KINDS)})")
+    try:
+        return _summary(kind, args)
+    except Exception as e:  # noqa: BLE001 - a report this script did not foresee is a row, not a lost table
+        return f"no report (summarize.py {kind} failed: {type(e).__name__}: {e})"
+
+
+KINDS = ("bench", "against", "entries", "tune", "margin", "targets", "fusions")
+
+
+def _summary(kind: str, args: list[str]) -> str:
     if kind == "bench":
         return bench(last(args[0]))
     if kind == "entries":
@@ -196,9 +215,7 @@ def main(argv: list[str]) -> str:
         return margin(args)
     if kind == "targets":
         return targets(last(args[0]))
-    if kind == "fusions":
-        return fusions(last(args[0]), [last(a) for a in args[1:]])
-    raise SystemExit(f"summarize.py: unknown kind {kind!r} (bench | against | entries | tune | margin | targets | fusions)")
+    return fusions(last(args[0]), [last(a) for a in args[1:]])
 
 
 if __name__ == "__main__":
