@@ -15,13 +15,14 @@ difference near 1e-6 is expected, a wrong tile is O(1)).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep_report  # noqa: E402
 
 from deepinfer.ops import REGISTRY
 from deepinfer.ops.reference import act_quant
@@ -73,10 +74,7 @@ def _graph_us(fn, calls) -> float:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (the interpreter on a CPU)")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp4_decode_sweep.json"))
-    args = ap.parse_args(argv)
+    args = sweep_report.parse(argv, "fp4_decode_sweep", "tiny shapes, no timing (the interpreter on a CPU)")
     import deepinfer_kernels.triton  # noqa: F401  (registers the Triton implementations)
     from deepinfer_kernels.triton import moe_grouped as mg
 
@@ -112,17 +110,9 @@ def main(argv: list[str]) -> int:
                 r = rows[-1]
                 print(f"{name} B={B} {vname:18s} " + (f"{us:8.1f} us {r['tb_s']:.2f} TB/s" if us else "(smoke)")
                       + f"  rel diff {diff:.1e}", flush=True)
-    dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    import triton
-
-    doc = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, args.out)
+    names = sweep_report.write(args.out, dev, rows)
     bad = [r for r in rows if r["nan"] or r["rel_diff_vs_shipped"] > 1e-3]
-    print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}: {len(rows)} rows, "
-          f"{len(bad)} wrong (NaN or > 1e-3 from the shipped config)")
+    print(f"{names}: {len(rows)} rows, {len(bad)} wrong (NaN or > 1e-3 from the shipped config)")
     return 1 if bad else 0
 
 

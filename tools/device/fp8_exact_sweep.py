@@ -14,14 +14,15 @@ beside them, not candidates for `official`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 import torch
 
 from deepinfer.ops import REGISTRY
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep_report  # noqa: E402
 
 SHAPES = [("wq_a|wkv", 1536, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared w1|w3", 4096, 4096),
           ("shared w2", 4096, 2048), ("indexer wq_b", 8192, 1024)]  # name, N, K
@@ -48,10 +49,7 @@ def _operands(N: int, K: int, m: int, dev: str, g: torch.Generator):
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="one small shape, no timing (the interpreter on a CPU)")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_exact_sweep.json"))
-    args = ap.parse_args(argv)
+    args = sweep_report.parse(argv, "fp8_exact_sweep", "one small shape, no timing (the interpreter on a CPU)")
     import triton
 
     from deepinfer_kernels.triton import gemm, gemm_vendor
@@ -94,15 +92,10 @@ def main(argv: list[str]) -> int:
                   + f"  rel err {rel:.1e}, bf16 outputs off the reference's {off_ref:.2%}, off exact's "
                   + ("-" if differ is None else f"{differ:.2%}"),
                   flush=True)
-    dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    doc = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, args.out)
+    names = sweep_report.write(args.out, dev, rows)
     bad = [r for r in rows if r.get("nan") or (r.get("rel_err") or 0) > 1e-2]
-    print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}: {len(rows)} rows, "
-          f"{sum('error' in r for r in rows)} did not run, {len(bad)} wrong (NaN or > 1e-2 from the reference)")
+    print(f"{names}: {len(rows)} rows, {sum('error' in r for r in rows)} did not run, {len(bad)} wrong (NaN or > 1e-2 "
+          "from the reference)")
     return 1 if bad else 0
 
 
