@@ -34,6 +34,7 @@ def test_bench_phases_run_dry(tmp_path):
         assert "| rc 0 |" in rows[phase] and "no report" not in rows[phase], rows[phase]
     assert "not run: a test phase" in rows["smoke"]
     assert "TTFT eager" in rows["bench"] and "graph skipped" in rows["bench"]
+    assert "torch:DEEPINFER_FP8_GEMM=exact-wgmma: TTFT" in rows["bench"]
     assert "-hc_post_pre_quant" in rows["fusions"] and "-rms_norm_rope_store" in rows["fusions"]
     assert "targets: TTFT official" in rows["policy"] and "torch:experts=fp8,policy=fast" in rows["policy"]
     out = tmp_path / "out"

@@ -10,7 +10,8 @@
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
 #         with its cache write)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8, with --profile: every op of
-#         one prefill by device time, the eager decode step's kernels ($OUT/bench.json)
+#         one prefill by device time, the eager decode step's kernels; against DEEPINFER_FP8_GEMM=exact-wgmma (the
+#         exact FP8 GEMM on f16 wgmma), with its drift from the default's logits ($OUT/bench.json)
 #   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
 #         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json); then the prefill FP8 GEMM's exact forms
 #         (`exact`, `exact-wgmma` in six tilings) beside the per-128-K ones at the flash shapes, M 4096
@@ -143,9 +144,11 @@ for phase in "$@"; do
     summary=$(grep -E " us |rows,| ms " "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
-      --backend $BK --device $DEV --prefill-graphs --profile --json > "$OUT/bench.json" 2> "$OUT/$phase.log"
+      --backend $BK --device $DEV --prefill-graphs --profile --against $BK:DEEPINFER_FP8_GEMM=exact-wgmma --json \
+      > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
-    summary=$(python tools/device/summarize.py bench "$OUT/bench.json")
+    summary="$(python tools/device/summarize.py bench "$OUT/bench.json") || $(python tools/device/summarize.py \
+      entries "$OUT/bench.json")"
   else
     files=()
     kflags=(-m "$marker")
