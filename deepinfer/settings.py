@@ -47,7 +47,8 @@ SETTINGS = {s.name: s for s in (
             "when deepinfer_kernels.triton is imported"),
     Setting("DEEPINFER_FP8_GEMM", "choice", "exact", "prefill-sized FP8 GEMMs: exact (the Triton kernel, fp32 "
             "accumulation of exact products, as the official fp8_gemm: its outputs), exact-wgmma (the same exact products "
-            "on f16 wgmma, opt-in until measured), auto (sm_90: cuBLASLt's "
+            "on f16 wgmma where the TMA prefill kernel runs, sm_90+; elsewhere exact's kernel; opt-in until "
+            "measured), auto (sm_90: cuBLASLt's "
             "block-scaled GEMM, ~10 % faster prefill, fp32 promotion per 128-K block: ~7 % of outputs one bf16 ulp "
             "off the official kernel's), cublas (cuBLASLt on any CUDA GPU that has it), triton (the Triton kernel, "
             "promotion per 128-K block)", ("exact", "exact-wgmma", "auto", "cublas", "triton")),

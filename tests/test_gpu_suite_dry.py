@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_bench_phases_run_dry(tmp_path):
     pytest.importorskip("triton")

@@ -65,6 +65,7 @@ def test_cases_carry_the_launch_specialisation():
     assert out["S"] == "constexpr"
 
 
+@pytest.mark.slow
 def test_a_case_compiles_and_reads_back():
     """One small kernel through ptxas and nvdisasm (Triton's bundled ones): a register count, no spill, its loop."""
     out = _child("import json, triton_sass as s\nprint(json.dumps(s.analyse('moe_combine_post')))")

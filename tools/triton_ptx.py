@@ -116,7 +116,7 @@ CASES = {
     "gg_fp8_ident": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
-        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True}, odd=("P",)),  # batch 1: a token's 6 pairs
     "gg_fp8_tma_topk": lambda: _sig(moe_prefill._gg_fp8_tma_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_desc": "tensordesc<fp8e4nv[128, 128]>", "ws_ptr": "*fp32",
         "c_ptr": "*bf16", "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "KS_W", "NS_W")},
@@ -124,11 +124,13 @@ CASES = {
     # the routed w2 at batch 1 computing its A (SwiGLU + act_quant) from w1|w3's bf16 output (swiglu_grouped_gemm)
     "gg_fp4_swiglu": lambda: _sig(moe_grouped._gg_fp4_kernel, {**_GG_FP4_TYPES, "as_ptr": "*fp32", "rows_ptr": "*i64"},
                                   {**_GG_FP4_CONSTS, "BM": 16, "BN": 128, "SPLIT": True, "IDENT": True, "A_BF16": False,
-                                   "N_FAST": False, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
+                                   "N_FAST": False, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True},
+                                  odd=("P", "KB_PER_SPLIT")),  # batch 1: a token's 6 pairs, 8 K blocks a split
     "gg_fp8_swiglu": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*bf16", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
-        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True}, odd=("P",)),  # batch 1: one token's 6 pairs
+        {"BM": 16, "BN": 128, "BK": 128, "IDENT": True, "A_SWIGLU": True, "LIMIT": 10.0, "WEIGHT": True},
+        odd=("P",)),  # batch 1: a token's 6 pairs
     # the prefill FP8 GEMM (TMA operands, TMA_TILES): exact products summed in fp32 (the default), on f16 wgmma
     # (DEEPINFER_FP8_GEMM=exact-wgmma) and promoted per 128-K block (=triton)
     "fp8_gemm_tma": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES, {**_FP8_TMA_CONSTS, "EXACT": True}),
@@ -136,10 +138,11 @@ CASES = {
                                      {**_FP8_TMA_CONSTS, "EXACT": False, "F16": True}),
     "fp8_gemm_tma_per128": lambda: _sig(gemm._fp8_gemm_tma_kernel, _FP8_TMA_TYPES, {**_FP8_TMA_CONSTS, "EXACT": False}),
     # the decode FP8 GEMM (split-K), and with A act_quant'ed as it is loaded (act_quant_fp8_gemm: wo_b)
-    "fp8_gemm_decode": lambda: _sig(gemm._fp8_gemm_kernel, _FP8_DECODE_TYPES, _FP8_DECODE_CONSTS),
+    "fp8_gemm_decode": lambda: _sig(gemm._fp8_gemm_kernel, _FP8_DECODE_TYPES, _FP8_DECODE_CONSTS,
+                                    odd=("KB_PER_SPLIT",)),  # 3 or 7 K blocks a split at flash shapes
     "act_quant_fp8_gemm": lambda: _sig(gemm._fp8_gemm_kernel, {**_FP8_DECODE_TYPES, "a_ptr": "*bf16",
                                                                "as_ptr": "*bf16"},
-                                       {**_FP8_DECODE_CONSTS, "QUANT_A": True}),
+                                       {**_FP8_DECODE_CONSTS, "QUANT_A": True}, odd=("KB_PER_SPLIT",)),
     # decode's sparse attention over the FP8 KV layout (latency tiles, split slots), and with the q head norm and
     # RoPE in its q load (q_norm_sparse_attn_fp8)
     "attn_fp8_decode": lambda: _sig(attention._sparse_attn_kernel, _ATTN_TYPES, _ATTN_CONSTS),

@@ -94,6 +94,8 @@ def op_rates(names: tuple[str, ...] | None = OPS):
         keys = {k if isinstance(k, str) else k[0]: k for k in ops._cache
                 if isinstance(k, str) or k[1] == "prefill"}
         saved = {n: ops._cache[k] for n, k in keys.items()}
+        if not saved:
+            raise RuntimeError("op_rates(None): the dispatcher has resolved no op yet; run the pass once first")
     else:
         prev, ops.phase = ops.phase, "prefill"  # what it times; a phase-split map entry resolves as in a prefill
         try:
@@ -115,7 +117,8 @@ def op_rates(names: tuple[str, ...] | None = OPS):
                 e.record()
             finally:
                 depth[0] -= 1
-            calls.append((name, s, e, args, kwargs))
+            # only the compute ops' arguments are read (FLOPs, shape): the others' are not kept alive to the end
+            calls.append((name, s, e, args, kwargs) if name in OPS else (name, s, e, (), {}))
             return out
         return timed
 
@@ -182,7 +185,8 @@ def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rat
 
     The prefill is host-bound (its Python side issues launches more slowly than the GPU runs them), so events
     around an op would time the host's launch gaps as well as the kernels. The timed pass is therefore queued
-    behind a GPU spin of HEAD_START x the host's issue time of one prefill (measured on an untimed pass): the
+    behind a GPU spin of HEAD_START x the host's issue time of one prefill (measured on an untimed pass with the
+    same events): the
     host has issued it all before the GPU gets there, and the events time the device. The pass never waits on
     the GPU (no host syncs in the prefill), so that holds unless the launch queue fills."""
     g = torch.Generator().manual_seed(seed + 7)
@@ -191,9 +195,10 @@ def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rat
     model.allocate(1, P + 1)
     model.prefill(ids, rows=row)  # warm-up: compiles every kernel at these shapes
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    model.prefill(ids, rows=row)
-    host_ms = (time.perf_counter() - t) * 1e3
+    with op_rates(None):  # the host's issue time as the timed pass issues it: every op bracketed by its events
+        t = time.perf_counter()
+        model.prefill(ids, rows=row)
+        host_ms = (time.perf_counter() - t) * 1e3
     torch.cuda.synchronize()
     head_ms = HEAD_START * host_ms
     torch.cuda._sleep(int(head_ms * _spin_cycles_per_ms(device)))

@@ -6,7 +6,7 @@ then multiply" up to the fp32 summation order.
 fp8_gemm: e4m3 x e4m3 tl.dot per 128-wide K block (one A scale per row and one W scale per 128x128
 block multiply the block's partial sum). The dots pass max_num_imprecise_acc=0: Hopper's FP8 wgmma
 otherwise accumulates with a ~14-bit mantissa (Triton's sm_90 default), which at K = 7168 misses the
-fp32 tolerance by 100x (seen on H200).
+fp32 tolerance by 100x (seen on H200). With it, Triton lowers the dot to f16 mma.sync on unpacked e4m3 (below).
 
 fp4_gemm: each 128-wide K block loads 64 packed bytes per weight row, decodes both nibbles, multiplies
 the per-32 power-of-two scales in (exact in bf16: e2m1 has 2 significant bits and bf16 the full fp32
