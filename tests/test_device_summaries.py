@@ -114,3 +114,9 @@ def test_bench_line_reads_a_cpu_report_and_a_broken_one_is_a_row(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"prefill": {"ttft_ms": 1.0}, "decode": []}))
     assert summarize.main(["bench", str(bad)]).startswith("no report (summarize.py bench failed: KeyError")
+
+
+def test_entries_name_a_skipped_graph():
+    r = {"backend": "torch", "prefill": {"ttft_ms": 43.6, "ratio": 11.39}, "prefill_graphs": {"skipped": "no CUDA"},
+         "decode": [{"batch": 1, "ms_per_step": 53.0}], "against": []}
+    assert summarize.entries(r) == "torch: TTFT 43.6 ms (11.39x), graph skipped; B=1 53.000"

@@ -78,8 +78,9 @@ def entries(b: dict) -> str:
         rq = r.get("requant")
         rq = (f"; experts {r['experts']}: {rq['lossy_stacks']} of {rq['stacks']} stacks lossy, "
               f"span 2^{rq['max_span_log2']}" if rq else "")
-        out.append(f"{name}: TTFT {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x), graph {pg.get('ttft_ms', NAN):.1f} "
-                   f"({pg.get('ratio', NAN):.2f}x, {pg.get('mode')}); {dec}{dr}{rq}")
+        graph = ("graph skipped" if "skipped" in pg else
+                 f"graph {num(pg.get('ttft_ms')):.1f} ({num(pg.get('ratio')):.2f}x, {pg.get('mode')})")
+        out.append(f"{name}: TTFT {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x), {graph}; {dec}{dr}{rq}")
     return " || ".join(out)
 
 
