@@ -120,3 +120,29 @@ def test_entries_name_a_skipped_graph():
     r = {"backend": "torch", "prefill": {"ttft_ms": 43.6, "ratio": 11.39}, "prefill_graphs": {"skipped": "no CUDA"},
          "decode": [{"batch": 1, "ms_per_step": 53.0}], "against": []}
     assert summarize.entries(r) == "torch: TTFT 43.6 ms (11.39x), graph skipped; B=1 53.000"
+
+
+def test_sweeps_name_the_fastest_and_the_agreement(tmp_path):
+    fp4 = {"rows": [{"shape": "w1|w3", "batch": 1, "variant": "shipped", "us": 30.0},
+                    {"shape": "w1|w3", "batch": 1, "variant": "4 sub-steps", "us": 27.0},
+                    {"shape": "w1|w3", "batch": 64, "variant": "shipped", "us": 700.0},
+                    {"shape": "w1|w3", "batch": 64, "variant": "4 sub-steps", "us": 720.0}]}
+    row = lambda shape, v, mode, ms, differ: {"shape": shape, "variant": v, "mode": mode, "ms": ms,  # noqa: E731
+                                               "differ_from_exact": differ, "rel_err": 1e-3, "nan": False}
+    fp8 = {"rows": [row("a", "exact", "exact", 2.0, 0.0), row("b", "exact", "exact", 4.0, 0.0),
+                    row("a", "exact-wgmma 64x128", "exact-wgmma", 1.0, 0.0),
+                    row("b", "exact-wgmma 64x128", "exact-wgmma", 1.0, 0.001),
+                    row("a", "exact-wgmma 128x128", "exact-wgmma", 2.0, 0.0),
+                    row("b", "exact-wgmma 128x128", "exact-wgmma", 2.0, 0.0),
+                    {"shape": "a", "variant": "cublas (per 128-K)", "mode": "cublas", "error": "RuntimeError: x"}]}
+    parts = summarize.sweeps(fp4, fp8).split("; ")
+    assert parts[0] == "fp4 w1|w3 B=1: 4 sub-steps 27.0 us (0.90x shipped 30.0 us)"
+    assert parts[1] == "fp4 w1|w3 B=64: shipped 700.0 us"
+    # geomean of exact / form: sqrt(2 * 4) = 2.83 and sqrt(1 * 2) = 1.41
+    assert parts[2] == "fp8 exact-wgmma 64x128: 2.83x exact over 2 shapes, outputs off exact's <= 0.10%, rel err <= 1.0e-03"
+    assert parts[3].startswith("fp8 exact-wgmma 128x128: 1.41x exact")
+    assert parts[4:] == ["best exact-wgmma tiling: exact-wgmma 64x128", "fp8 not run: cublas (per 128-K)"]
+    p4, p8 = tmp_path / "a.json", tmp_path / "b.json"
+    p4.write_text(json.dumps(fp4))
+    assert summarize.main(["sweeps", str(p4), str(p8)]).endswith("fp8 exact sweep: no timed rows (" +
+                                                                 summarize._whole(str(p8))["error"] + ")")

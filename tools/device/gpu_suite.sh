@@ -141,7 +141,7 @@ for phase in "$@"; do
     left=$(( LIMIT - ($(date +%s) - t_start) ))
     [ "$left" -ge 30 ] && { timeout "$left" python tools/device/fp8_exact_sweep.py $SMOKE \
       --out "$OUT/fp8_exact_sweep.json" >> "$OUT/$phase.log" 2>&1 || rc=$?; }
-    summary=$(grep -E " us |rows,| ms " "$OUT/$phase.log" | sed 's/  */ /g' | paste -sd ';' -)
+    summary=$(python tools/device/summarize.py sweeps "$OUT/fp4_decode_sweep.json" "$OUT/fp8_exact_sweep.json")
   elif [ "$phase" = bench ]; then
     timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
       --backend $BK --device $DEV --prefill-graphs --profile --against $BK:DEEPINFER_FP8_GEMM=exact-wgmma --json \

@@ -7,6 +7,7 @@
     python tools/device/summarize.py margin A.json [B.json ...]    # each margin's verdict and logits error
     python tools/device/summarize.py targets BENCH.json            # issue 49's targets, met or missed by how much
     python tools/device/summarize.py fusions DRIFT.json RUN.json...  # each fusion: decode with it off against all on
+    python tools/device/summarize.py sweeps FP4.json FP8.json      # the FP4 decode and FP8 exact sweeps' verdicts
 
 A file that is missing or holds no report gives "no report (why)" in its place: the table always gets its row.
 """
@@ -132,6 +133,52 @@ def targets(b: dict) -> str:
     return "; ".join(out)
 
 
+def _geomean(xs: list[float]) -> float:
+    import math
+
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else NAN
+
+
+def sweeps(fp4: dict, fp8: dict) -> str:
+    """The two device sweeps' verdicts. FP4 decode (fp4_decode_sweep.py): per shape and batch, the fastest variant
+    and its time against the shipped form's. FP8 exact (fp8_exact_sweep.py): per form, the geometric mean over the
+    shapes of exact's time over its own (> 1: faster than exact), its worst share of bf16 outputs off exact's and
+    its worst error against the fp32 reference; the exact-wgmma tiling with the best mean is named. A form that
+    did not run or came out NaN says so."""
+    out = []
+    rows4 = [r for r in fp4.get("rows", []) if r.get("us")]
+    if rows4:
+        for key in dict.fromkeys((r["shape"], r["batch"]) for r in rows4):
+            rs = [r for r in rows4 if (r["shape"], r["batch"]) == key]
+            ship = next((r for r in rs if r["variant"] == "shipped"), None)
+            best = min(rs, key=lambda r: r["us"])
+            vs = f" ({best['us'] / ship['us']:.2f}x shipped {ship['us']:.1f} us)" if ship and best is not ship else ""
+            out.append(f"fp4 {key[0]} B={key[1]}: {best['variant']} {best['us']:.1f} us{vs}")
+    else:
+        out.append(f"fp4 decode sweep: no timed rows ({fp4.get('error', 'smoke or empty')})")
+    rows8 = [r for r in fp8.get("rows", []) if "error" not in r]
+    exact = {r["shape"]: r["ms"] for r in rows8 if r["mode"] == "exact" and r.get("ms")}
+    forms: dict[str, list[dict]] = {}
+    for r in rows8:
+        if r["mode"] != "exact" and r.get("ms") and r["shape"] in exact:
+            forms.setdefault(r["variant"], []).append(r)
+    if not forms:
+        out.append(f"fp8 exact sweep: no timed rows ({fp8.get('error', 'smoke or empty')})")
+    speed = {v: _geomean([exact[r["shape"]] / r["ms"] for r in rs]) for v, rs in forms.items()}
+    for v, rs in forms.items():
+        bad = " NaN" if any(r.get("nan") for r in rs) else ""
+        out.append(f"fp8 {v}: {speed[v]:.2f}x exact over {len(rs)} shapes, outputs off exact's <= "
+                   f"{max(r.get('differ_from_exact') or 0 for r in rs):.2%}, rel err <= "
+                   f"{max(r['rel_err'] for r in rs):.1e}{bad}")
+    wg = {v: x for v, x in speed.items() if v.startswith("exact-wgmma")}
+    if wg:
+        out.append(f"best exact-wgmma tiling: {max(wg, key=wg.get)}")
+    skipped = sorted({r["variant"] for r in fp8.get("rows", []) if "error" in r})
+    if skipped:
+        out.append("fp8 not run: " + ", ".join(skipped))
+    return "; ".join(out)
+
+
 def fusions(drift_run: dict, runs: list[dict]) -> str:
     """Decode ms/step of fresh-process bench runs, one configuration each (`DEEPINFER_DECODE_FUSIONS` = on, off or
     -OP, as the run's settings say), each against the mean of the `on` runs -- how much slower a configuration is,
@@ -200,7 +247,7 @@ def main(argv: list[str]) -> str:
         return f"no report (summarize.py {kind} failed: {type(e).__name__}: {e})"
 
 
-KINDS = ("bench", "against", "entries", "tune", "margin", "targets", "fusions")
+KINDS = ("bench", "against", "entries", "tune", "margin", "targets", "fusions", "sweeps")
 
 
 def _summary(kind: str, args: list[str]) -> str:
@@ -216,7 +263,17 @@ def _summary(kind: str, args: list[str]) -> str:
         return margin(args)
     if kind == "targets":
         return targets(last(args[0]))
+    if kind == "sweeps":
+        return sweeps(_whole(args[0]), _whole(args[1]))
     return fusions(last(args[0]), [last(a) for a in args[1:]])
+
+
+def _whole(path: str) -> dict:
+    """A JSON document (the sweeps write one, indented); {"error": why} when there is none."""
+    try:
+        return json.loads(open(path).read())
+    except Exception as e:  # noqa: BLE001 - a missing or cut-off report is a row, not a crash
+        return {"error": str(e)}
 
 
 if __name__ == "__main__":
