@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import re
 import shlex
+import signal
 import sys
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from deepinfer.bench.run import BenchOptions, run_bench
+from deepinfer.bench.run import BenchCutOff, BenchOptions, run_bench
 from deepinfer.engine.loader import OptionError
 from deepinfer.outpath import atomic_write, check_output
 from deepinfer_cli import common
@@ -353,8 +355,9 @@ def bench_cmd(
                         profile=profile, guided=guided, speculate=speculate, against=tuple(against or ()),
                         prefill_graphs=prefill_graphs)
     err = Console(stderr=True)
-    report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
-    if record_to:
+    with _cut_off_on_sigterm():
+        report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    if record_to and not report.get("cut_off"):  # a cut-off run is no row for the perf log
         argv = ["deepinfer", "bench"] + (["--model", model] if model else ["--preset", opts.preset])
         argv += ["--batch", batch, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
         argv += ["--backend", backend] if backend else []
@@ -365,12 +368,35 @@ def bench_cmd(
         for a in against or ():
             argv += ["--against", a]
         record(record_to, report, shlex.join(argv))
+    if report.get("cut_off"):  # what finished, as JSON either way (the tables expect every section)
+        print(json.dumps(report, default=str))
+        print(f"deepinfer bench: stopped by SIGTERM; the JSON above holds what finished ({report['cut_off']})"
+              + (f"; no row recorded in {record_to}" if record_to else ""), file=sys.stderr)
+        raise typer.Exit(128 + signal.SIGTERM)
     if as_json:
         print(json.dumps(report, default=str))
         return
     _print(report, console())
     if record_to:
         print(f"recorded a row in {record_to}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _cut_off_on_sigterm():
+    """While a bench runs, SIGTERM (what `timeout` sends at its limit) stops the measurements and the report so far
+    is printed, instead of the process dying with nothing written; the handler is restored afterwards."""
+    def stop(signum, frame):
+        raise BenchCutOff("SIGTERM")
+
+    try:
+        prev = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: no handler can be set, the default stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
 
 
 def _issue(pf: dict) -> str:

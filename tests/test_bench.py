@@ -538,3 +538,49 @@ def test_the_prefill_profile_table_lists_every_op_and_the_gaps():
     assert "" not in lines  # no per-shape rows under hc_post (their shape cells would be empty)
     assert "2.06" in lines["(between ops: torch glue)"] and "10.3%" in lines["(between ops: torch glue)"]
     assert "50.0 ms, past its 45.0 ms head start" in " ".join(out.split())
+
+
+def test_a_bench_cut_off_returns_what_finished():
+    """BenchCutOff during the measurements (the CLI raises it on SIGTERM): the report holds the prefill and the
+    decode rows that finished, and "cut_off" names the step it stopped in."""
+    from deepinfer.bench.run import BenchCutOff
+
+    def log(msg):
+        if msg.startswith("decode: batch 2"):
+            raise BenchCutOff("SIGTERM")
+
+    r = run_bench(BenchOptions(preset="tiny", batches=(1, 2), prompt_len=6, gen_len=1, device="cpu", progress=False),
+                  log=log)
+    assert r["cut_off"] == "SIGTERM during: decode: batch 2, 1 steps ..."
+    assert r["prefill"]["ttft_ms"] > 0 and [d["batch"] for d in r["decode"]] == [1]
+    with pytest.raises(BenchCutOff):  # before any measurement there is nothing to report
+        run_bench(BenchOptions(preset="tiny", batches=(1,), prompt_len=6, gen_len=1, device="cpu", progress=False),
+                  log=lambda m: (_ for _ in ()).throw(BenchCutOff("SIGTERM")))
+
+
+def test_sigterm_prints_the_report_so_far(tmp_path, monkeypatch):
+    """`timeout` sends SIGTERM at its limit: bench prints the JSON of what finished, records no perf-log row, says
+    where it stopped and exits 143; the SIGTERM handler is the previous one afterwards."""
+    import os
+    import signal
+
+    import deepinfer.bench.run as run_mod
+
+    real, calls = run_mod.time_decode, []
+
+    def time_decode(*a, **k):
+        calls.append(a[2])
+        if len(calls) == 3:  # the untimed warm-up, batch 1, then batch 2: stop there
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "time_decode", time_decode)
+    before = signal.getsignal(signal.SIGTERM)
+    doc = tmp_path / "perf.md"
+    res = CliRunner().invoke(app, ["bench", "--preset", "tiny", "--batch", "1,2", "--prompt-len", "6", "--gen-len",
+                                   "1", "--device", "cpu", "--json", "--record", str(doc)])
+    assert res.exit_code == 143, res.output
+    report = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("{")))
+    assert report["cut_off"].startswith("SIGTERM during: decode: batch 2") and len(report["decode"]) == 1
+    assert "stopped by SIGTERM" in res.stderr and "no row recorded" in res.stderr and not doc.exists()
+    assert signal.getsignal(signal.SIGTERM) == before

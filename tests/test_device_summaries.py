@@ -146,3 +146,14 @@ def test_sweeps_name_the_fastest_and_the_agreement(tmp_path):
     p4.write_text(json.dumps(fp4))
     assert summarize.main(["sweeps", str(p4), str(p8)]).endswith("fp8 exact sweep: no timed rows (" +
                                                                  summarize._whole(str(p8))["error"] + ")")
+
+
+def test_a_cut_off_report_says_where_it_stopped(tmp_path):
+    r = _report()
+    r["cut_off"] = "SIGTERM during: decode: batch 64, 32 steps ..."
+    p = tmp_path / "cut.json"
+    p.write_text(json.dumps(r))
+    line = summarize.main(["targets", str(p)])
+    assert line.startswith("TTFT official") and line.endswith("[cut off: SIGTERM during: decode: batch 64, 32 steps ...]")
+    p.write_text(json.dumps(_report()))
+    assert "cut off" not in summarize.main(["targets", str(p)])

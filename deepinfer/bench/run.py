@@ -294,8 +294,31 @@ def check_expert_forms(model: Transformer, cfg: ModelConfig, opts: BenchOptions,
                             f"{device}: a smaller preset, fewer or smaller batches, or leave experts=fp8 out")
 
 
+class BenchCutOff(Exception):
+    """Raised into a running bench (the CLI raises it on SIGTERM, as `timeout` sends): the measurements stop and
+    the report holds what finished, with "cut_off" naming the step that was running."""
+
+
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
-    """Run every measurement of `deepinfer bench`; returns the JSON-able report."""
+    """Run every measurement of `deepinfer bench`; returns the JSON-able report. A BenchCutOff raised during the
+    measurements returns the report so far, with "cut_off": the step it stopped in (the last `log` message)."""
+    steps: list[str] = []
+
+    def logged(msg: str) -> None:
+        steps[:] = [msg]
+        log(msg)
+
+    partial: dict = {}
+    try:
+        return _run_bench(opts, logged, partial)
+    except BenchCutOff as e:
+        if "report" not in partial:  # cut off before any measurement: nothing to report
+            raise
+        partial["report"]["cut_off"] = f"{e or 'cut off'} during: {steps[0] if steps else 'set-up'}"
+        return partial["report"]
+
+
+def _run_bench(opts: BenchOptions, log, partial: dict) -> dict:
     from deepinfer.engine.loader import OptionError, resolve_device, resolve_numerics
 
     device = resolve_device(opts.device)
@@ -358,6 +381,7 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         "bandwidth_Bps": bw, "matmul_flops": rate, "matmul_measured": rate_what, "matmul_fp8_flops": fp8_rate,
         "prompt_len": opts.prompt_len, "gen_len": opts.gen_len,
     }
+    partial["report"] = report  # what run_bench returns if the measurements are cut off
     log(f"prefill: 1 x {opts.prompt_len} tokens ...")
     model.allocate(1, opts.prompt_len + 1)
     pf = time_prefill(model, cfg, opts.prompt_len, device, opts.seed)

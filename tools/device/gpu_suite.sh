@@ -33,7 +33,8 @@
 #   GPU_SUITE_DRY=1: the bench-type phases (bench, fusions, fp4sweep, tune, policy) at deepinfer-tiny on this
 #         machine's CPU, torch for triton, the sweeps in their smoke forms: the plumbing and the summaries checked
 #         before a device call, not a measurement (tests/test_gpu_suite_dry.py)
-# Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last.
+# Each phase writes $OUT/<phase>.log (pytest -rA) and a row of the table printed last. A bench cut off by the time
+# left (SIGTERM) still writes what finished (its JSON's "cut_off"), and the row says where it stopped.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 LIMIT=${GPU_SUITE_LIMIT:-560}
@@ -89,12 +90,12 @@ for phase in "$@"; do
     [ -n "$SMOKE" ] && TUNE_CANDIDATES=${TUNE_CANDIDATES:-torch}  # the interpreter's bf16 dot is not a kernel to pick
     [ -n "${TUNE_CANDIDATES:-}" ] && tune_args+=(--candidates "$TUNE_CANDIDATES")
     [ -n "${TUNE_OPS:-}" ] && tune_args+=(--ops "$TUNE_OPS")
-    timeout "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes $SHAPES "${tune_args[@]}" --json \
+    timeout -k 15 "$left" python -m deepinfer tune -o "$OUT/map.yaml" --shapes $SHAPES "${tune_args[@]}" --json \
       > "$OUT/tune.json" 2> "$OUT/$phase.log"
     rc=$?
     if [ $rc -eq 0 ]; then
       left=$(( LIMIT - ($(date +%s) - t_start) ))
-      DEEPINFER_POLICY="${TUNE_POLICY:-official}" timeout "$left" python -m deepinfer bench --preset $PRESET \
+      DEEPINFER_POLICY="${TUNE_POLICY:-official}" timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET \
         --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
         --backend $BK --op "@$OUT/map.yaml" --against $BK --device $DEV --json > "$OUT/bench_tuned.json" \
         2>> "$OUT/$phase.log"
@@ -105,7 +106,7 @@ for phase in "$@"; do
     peers=(--against $BK:policy=fast --against $BK:experts=fp8,policy=fast)
     [ -z "$SMOKE" ] && python -c "import tilelang" 2>/dev/null \
       && peers+=(--against "triton:grouped_gemm=tilelang,sparse_attn=tilelang,policy=fast")
-    timeout "$left" python -m deepinfer bench --preset $PRESET --batch "${POLICY_BATCHES:-1,8,32,64}" \
+    timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET --batch "${POLICY_BATCHES:-1,8,32,64}" \
       --prompt-len $PLEN --gen-len $GEN --backend $BK --device $DEV --prefill-graphs "${peers[@]}" --json \
       > "$OUT/bench_policy.json" 2> "$OUT/$phase.log"
     rc=$?
@@ -123,14 +124,14 @@ for phase in "$@"; do
       left=$(( LIMIT - ($(date +%s) - t_start) ))
       [ "$left" -lt 60 ] && { echo "fusions: $c not run, ${left} s left" >> "$OUT/$phase.log"; continue; }
       prof=(); [ $i -eq 0 ] && prof=(--profile)
-      DEEPINFER_DECODE_FUSIONS=$c timeout "$left" python -m deepinfer bench --preset $PRESET \
+      DEEPINFER_DECODE_FUSIONS=$c timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET \
         --batch "${FUSION_BATCHES:-1,8}" --prompt-len 64 --gen-len $GEN --backend $BK --device $DEV "${prof[@]}" \
         --json > "$OUT/fusions_$i.json" 2>> "$OUT/$phase.log" || rc=$?
       runs+=("$OUT/fusions_$i.json"); i=$((i + 1))
     done
     peers=(); for c in off $offs; do peers+=(--against "$BK:DEEPINFER_DECODE_FUSIONS=$c"); done
     left=$(( LIMIT - ($(date +%s) - t_start) ))
-    [ "$left" -ge 60 ] && { timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1 --prompt-len 64 \
+    [ "$left" -ge 60 ] && { timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET --batch 1 --prompt-len 64 \
       --gen-len 4 --backend $BK --device $DEV --eager "${peers[@]}" --json > "$OUT/fusions_drift.json" \
       2>> "$OUT/$phase.log" || rc=$?; }
     summary=$(python tools/device/summarize.py fusions "$OUT/fusions_drift.json" "${runs[@]}")
@@ -143,7 +144,7 @@ for phase in "$@"; do
       --out "$OUT/fp8_exact_sweep.json" >> "$OUT/$phase.log" 2>&1 || rc=$?; }
     summary=$(python tools/device/summarize.py sweeps "$OUT/fp4_decode_sweep.json" "$OUT/fp8_exact_sweep.json")
   elif [ "$phase" = bench ]; then
-    timeout "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
+    timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
       --backend $BK --device $DEV --prefill-graphs --profile --against $BK:DEEPINFER_FP8_GEMM=exact-wgmma --json \
       > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?

@@ -18,12 +18,19 @@ import sys
 NAN = float("nan")
 
 
+CUT_OFF: list[str] = []
+"""The "cut_off" of each report read for the current summary (a bench stopped by `timeout`: what finished)."""
+
+
 def last(path: str) -> dict:
     """The last line of a command's --json output, parsed; {"error": why} when there is none."""
     try:
-        return json.loads(open(path).read().strip().splitlines()[-1])
+        r = json.loads(open(path).read().strip().splitlines()[-1])
     except Exception as e:  # noqa: BLE001 - a missing or cut-off report is a row, not a crash
         return {"error": str(e)}
+    if isinstance(r, dict) and r.get("cut_off"):
+        CUT_OFF.append(r["cut_off"])
+    return r
 
 
 def against(b: dict, main: str, peer: str) -> str:
@@ -241,10 +248,12 @@ def main(argv: list[str]) -> str:
     kind, args = argv[0], argv[1:]
     if kind not in KINDS:
         raise SystemExit(f"summarize.py: unknown kind {kind!r} ({' | '.join(KINDS)})")
+    CUT_OFF.clear()
     try:
-        return _summary(kind, args)
+        line = _summary(kind, args)
     except Exception as e:  # noqa: BLE001 - a report this script did not foresee is a row, not a lost table
-        return f"no report (summarize.py {kind} failed: {type(e).__name__}: {e})"
+        line = f"no report (summarize.py {kind} failed: {type(e).__name__}: {e})"
+    return line + (f" [cut off: {'; '.join(CUT_OFF)}]" if CUT_OFF else "")
 
 
 KINDS = ("bench", "against", "entries", "tune", "margin", "targets", "fusions", "sweeps")
