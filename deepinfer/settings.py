@@ -100,14 +100,14 @@ def _raw(name: str) -> str:
 def applied(values: dict):
     """Set these settings (names of PER_CALL -> values, each checked as `check` does) for the block, and put the
     environment back as it was afterwards, also on an error."""
-    for n, v in values.items():
+    for n in values:
         if n not in PER_CALL:
             raise ValueError(f"{n}: not a setting read per call; these are: {', '.join(PER_CALL)}")
-        check(n, v)
+    checked = {n: check(n, v) for n, v in values.items()}  # every value, before the environment changes
     before = {n: os.environ.get(n) for n in values}
     try:
-        for n, v in values.items():
-            os.environ[n] = check(n, v)
+        for n, v in checked.items():
+            os.environ[n] = v
         yield
     finally:
         for n, v in before.items():

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from launch_spy import LaunchSpy
 
 _SPEC = importlib.util.spec_from_file_location(
     "fp4_decode_sweep", Path(__file__).parent.parent / "tools/device/fp4_decode_sweep.py")
@@ -23,14 +24,8 @@ def test_fp4_decode_sweep_smoke(tmp_path, monkeypatch):
     seen, shipped, ksub = [], mg._fp4_config, mg.DECODE_KSUB
     real_split = mg.split_k
     monkeypatch.setattr(mg, "split_k", lambda *a: seen.append(a[1]) or real_split(*a))  # tiles per config
-    ksubs = []
-    kernel = mg._gg_fp4_kernel
-
-    class Spy:  # records each launch's KSUB, then launches
-        def __getitem__(self, grid):
-            return lambda *a, **k: ksubs.append(k.get("KSUB", 1)) or kernel[grid](*a, **k)
-
-    monkeypatch.setattr(mg, "_gg_fp4_kernel", Spy())
+    spy = LaunchSpy(mg._gg_fp4_kernel)
+    monkeypatch.setattr(mg, "_gg_fp4_kernel", spy)
     out = tmp_path / "sweep.json"
     assert sweep.main(["--smoke", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -41,6 +36,7 @@ def test_fp4_decode_sweep_smoke(tmp_path, monkeypatch):
     # batch 1 (6 one-row blocks, N 128): 128-row tiles give 6 (block, N tile) pairs, 64-row tiles 12; the shipped
     # config is back afterwards
     assert seen[:6] == [6, 6, 12, 12, 6, 6] and mg._fp4_config is shipped and mg.DECODE_KSUB == ksub
+    ksubs = [k.get("KSUB", 1) for k in spy.launches]
     assert ksubs[:6] == [1, 1, 1, 1, 2, 4]  # the sub-step variants launch with their KSUB
 
 
@@ -57,13 +53,8 @@ def test_fp8_exact_sweep_smoke(tmp_path, monkeypatch):
     from deepinfer_kernels.triton import gemm
 
     monkeypatch.delenv("DEEPINFER_FP8_GEMM", raising=False)
-    launches, kernel, tiles = [], gemm._fp8_gemm_tma_kernel, gemm.TMA_TILES_F16
-
-    class Spy:  # records each launch's form and tile, then launches
-        def __getitem__(self, grid):
-            return lambda *a, **k: launches.append((k["EXACT"], k["F16"], k["BM"], k["BN"])) or kernel[grid](*a, **k)
-
-    monkeypatch.setattr(gemm, "_fp8_gemm_tma_kernel", Spy())
+    tiles, spy = gemm.TMA_TILES_F16, LaunchSpy(gemm._fp8_gemm_tma_kernel)
+    monkeypatch.setattr(gemm, "_fp8_gemm_tma_kernel", spy)
     out = tmp_path / "sweep.json"
     assert sweep.main(["--smoke", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -74,6 +65,7 @@ def test_fp8_exact_sweep_smoke(tmp_path, monkeypatch):
     # the exact forms and the per-128 one at M 130 give exact's bits on the interpreter (fp32 products summed in fp32)
     assert all(r["differ_from_exact"] == 0.0 for r in ran)
     # each variant launched its form with its tiles: exact, six f16 tilings, per-128-K
+    launches = [(k["EXACT"], k["F16"], k["BM"], k["BN"]) for k in spy.launches]
     assert launches == ([(True, False, 64, 128)] + [(False, True, t[0], t[1]) for m, t in sweep.VARIANTS.values()
                                                      if m == "exact-wgmma"] + [(False, False, 64, 128)])
     assert gemm.TMA_TILES_F16 == tiles and "DEEPINFER_FP8_GEMM" not in os.environ

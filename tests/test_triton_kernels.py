@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 
 from deepinfer.ops import REGISTRY  # noqa: E402
 from deepinfer.ops.reference import kv_unpack  # noqa: E402
+from launch_spy import LaunchSpy  # noqa: E402
 from tc_bounds import abs_products, assert_tensor_core_bound  # noqa: E402
 from deepinfer.quant.formats import fp4_pack  # noqa: E402
 from deepinfer.quant.kv_layout import kv_packed_width  # noqa: E402
@@ -340,19 +341,6 @@ def test_fp8_gemm(seed, M, N, K, out_dtype):
                                               "bfloat16": REGISTRY["fp8_gemm"].tol["bfloat16"]})
 
 
-class _LaunchSpy:
-    """Stands in for a @triton.jit kernel and records the keyword arguments of each launch."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("mode", ["exact", "exact-wgmma"])
 @pytest.mark.parametrize("M,N,K,out_dtype", [(130, 200, 320, torch.float32), (257, 256, 1024, torch.bfloat16)])
 def test_fp8_gemm_exact_prefill_forms(monkeypatch, mode, M, N, K, out_dtype):
@@ -362,7 +350,7 @@ def test_fp8_gemm_exact_prefill_forms(monkeypatch, mode, M, N, K, out_dtype):
     from deepinfer_kernels.triton import gemm
 
     monkeypatch.setenv("DEEPINFER_FP8_GEMM", mode)
-    spy = _LaunchSpy(gemm._fp8_gemm_tma_kernel)
+    spy = LaunchSpy(gemm._fp8_gemm_tma_kernel)
     monkeypatch.setattr(gemm, "_fp8_gemm_tma_kernel", spy)
     g = gen(11)
     a = (torch.randn(M, K, generator=g) * 50).to(torch.float8_e4m3fn).to(DEV)

@@ -302,19 +302,18 @@ class BenchCutOff(Exception):
 def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
     """Run every measurement of `deepinfer bench`; returns the JSON-able report. A BenchCutOff raised during the
     measurements returns the report so far, with "cut_off": the step it stopped in (the last `log` message)."""
-    steps: list[str] = []
+    partial: dict = {"step": "set-up"}  # the report once it exists, and the step running (the last log line)
 
     def logged(msg: str) -> None:
-        steps[:] = [msg]
+        partial["step"] = msg
         log(msg)
 
-    partial: dict = {}
     try:
         return _run_bench(opts, logged, partial)
     except BenchCutOff as e:
         if "report" not in partial:  # cut off before any measurement: nothing to report
             raise
-        partial["report"]["cut_off"] = f"{e or 'cut off'} during: {steps[0] if steps else 'set-up'}"
+        partial["report"]["cut_off"] = f"{e or 'cut off'} during: {partial['step']}"
         return partial["report"]
 
 

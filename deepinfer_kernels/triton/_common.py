@@ -257,11 +257,6 @@ def store_bf16_split(o_starts, q, s, m, QB: tl.constexpr):
     tl.store(o + QB // 2, a_o.to(tl.bfloat16), mask=m)
 
 
-def fusion(op: str) -> bool:
-    """Does the fused decode op `op` fuse: DEEPINFER_DECODE_FUSIONS (read per call) is on, or names other ops off."""
-    return settings.fusion(op)
-
-
 @triton.jit
 def swiglu_f32(g, u, w, limit, CLAMP: tl.constexpr, WEIGHT: tl.constexpr):
     """silu(min(g, limit)) * clamp(u, -limit, limit) [* w] in float32: the one expression of the SwiGLU kernels

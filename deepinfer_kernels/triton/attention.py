@@ -37,10 +37,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
 from ._common import INTERPRET as _INTERPRET
-from ._common import e8m0_f32, fusion, p2, pdl, pdl_wait, rows_2d
+from ._common import e8m0_f32, p2, pdl, pdl_wait, rows_2d
 from ._common import sms as _sms
 from .norm import rms_norm_rope as rms_norm_rope_op
 from .rope import rope as rope_op

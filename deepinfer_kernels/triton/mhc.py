@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import norm
 from .moe import combined_row
-from ._common import dot_f32, fusion, p2, pdl, pdl_wait, sms, split_k, tf32_exact
+from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 from ._common import unit_last_stride
 
 

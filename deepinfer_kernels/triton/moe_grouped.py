@@ -64,13 +64,14 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import moe_prefill
 from .moe import _TL_DTYPE
 from .moe import swiglu_quant as _swiglu_quant
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
 from ._common import expert_block_tile, quant_e4m3_rows, store_bf16_split, swiglu_f32, unit_last_stride
-from ._common import fusion, weight_scale_arg, zero_row_tile
+from ._common import weight_scale_arg, zero_row_tile
 from ._common import sms as _sms
 from ._common import INTERPRET as _INTERPRET
 from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (the row layout, shared)

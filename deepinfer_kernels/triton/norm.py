@@ -10,10 +10,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
-from ._common import fusion, p2, pdl, pdl_wait, rows_2d, store_act_quant
+from ._common import p2, pdl, pdl_wait, rows_2d, store_act_quant
 from .cache import _pack_entry
 from .cache import kv_store as kv_store_op
 

@@ -5,8 +5,9 @@ imprecise accumulation, which Triton lowers to f16 mma.sync) with the same sums,
 Per shape (M 4096 rows, the flash slice's dense FP8 GEMMs), per variant: ms (`triton.testing.do_bench`, L2 flushed
 between calls, the median), TFLOP/s, the output's relative error against the fp32 reference of the same exact
 products (`fp8_gemm`'s torch reference), the share of bf16 outputs that differ from that reference rounded to
-bf16, and the share that differ from `exact`'s (0 = the same bits). `triton` (promotion per 128-K block) and `cublas` (cuBLASLt's block-scaled GEMM) are the fast-policy rates
-beside them, not candidates for `official`.
+bf16, and the share that differ from `exact`'s (0 = the same bits). `triton` (promotion per 128-K block) and
+`cublas` (cuBLASLt's block-scaled GEMM) are the fast-policy rates beside them, not candidates for `official`. The
+operands are `ab`'s for fp8_gemm: act_quant'ed activations, block-quantised weights with power-of-two scales.
 
     PYTHONPATH=$PWD python tools/device/fp8_exact_sweep.py [--out fp8_exact_sweep.json]
     TRITON_INTERPRET=1 python tools/device/fp8_exact_sweep.py --smoke   # CPU: one small shape, no timing
@@ -40,25 +41,18 @@ VARIANTS = {  # name -> (DEEPINFER_FP8_GEMM, TMA_TILES_F16 or None)
 }
 
 
-def _operands(N: int, K: int, m: int, dev: str, g: torch.Generator):
-    a = (torch.randn(m, K, device=dev, generator=g) * 50).to(torch.float8_e4m3fn)
-    w = (torch.randn(N, K, device=dev, generator=g) * 50).to(torch.float8_e4m3fn)
-    a_s = torch.exp2(torch.randint(-6, 2, (m, K // 128), device=dev, generator=g).float())
-    w_s = torch.exp2(torch.randint(-9, -3, (N // 128, K // 128), device=dev, generator=g).float())
-    return a, a_s, w, w_s
-
-
 def main(argv: list[str]) -> int:
     args = sweep_report.parse(argv, "fp8_exact_sweep", "one small shape, no timing (the interpreter on a CPU)")
     import triton
 
+    from deepinfer.debug.ab_cases import _fp8_operands
     from deepinfer_kernels.triton import gemm, gemm_vendor
 
     dev = "cpu" if args.smoke else "cuda"
     shapes, m = ([("small", 256, 512)], 130) if args.smoke else (SHAPES, M)
     rows, tiles0, env0 = [], gemm.TMA_TILES_F16, os.environ.get("DEEPINFER_FP8_GEMM")
     for name, N, K in shapes:
-        ops = _operands(N, K, m, dev, torch.Generator(dev).manual_seed(N + K))
+        ops = _fp8_operands(torch.Generator().manual_seed(N + K), m, N, K, dev)  # `ab`'s fp8_gemm operands
         ref = REGISTRY["fp8_gemm"].ref(*ops, torch.float32)
         exact_out = None
         for vname, (mode, tiles) in VARIANTS.items():

@@ -13,6 +13,7 @@ A file that is missing or holds no report gives "no report (why)" in its place: 
 """
 
 import json
+import math
 import sys
 
 NAN = float("nan")
@@ -141,8 +142,6 @@ def targets(b: dict) -> str:
 
 
 def _geomean(xs: list[float]) -> float:
-    import math
-
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else NAN
 
 
