@@ -67,7 +67,7 @@ SETTINGS = {s.name: s for s in (
             "block)", ("ws", "plain")),
     Setting("DEEPINFER_DECODE_FUSIONS", "fusions", "on", "on: the Triton kernels of the fused decode ops (the "
             "routed w2 computing its SwiGLU input, the q-norming attention, the post-mixes inside the next mix, the kv "
-            "norm with its cache write) fuse; off: each runs its two ops (the same values); "
+            "norm with its cache write, a step's position tables in one launch) fuse; off: each runs its two ops (the same values); "
             "-OP[+OP...] (e.g. -q_norm_sparse_attn_fp8): every one but those fuses. For an A/B in one run: "
             "`bench --against triton:DEEPINFER_DECODE_FUSIONS=off`"),
     Setting("TRITON_INTERPRET", "flag", "0", "Triton's own: run Triton kernels in its CPU interpreter; read "
@@ -159,8 +159,10 @@ def choice(name: str) -> str:
 
 
 FUSED_DECODE_OPS = ("swiglu_grouped_gemm", "q_norm_sparse_attn_fp8", "hc_post_pre_quant",
-                    "moe_combine_post_pre_quant", "moe_combine_post_head", "rms_norm_rope_store")
-"""The registered decode ops whose Triton kernel fuses two ops' work, each switchable by DEEPINFER_DECODE_FUSIONS."""
+                    "moe_combine_post_pre_quant", "moe_combine_post_head", "rms_norm_rope_store",
+                    "decode_tables")
+"""The registered decode ops whose Triton kernel fuses two ops' work, each switchable by DEEPINFER_DECODE_FUSIONS
+(decode_tables: the model makes a step's position tables in one op up front, instead of each on first use)."""
 
 
 def fusions_off() -> frozenset:

@@ -191,8 +191,12 @@ def _print(report: dict, con: Console) -> None:
     if do:
         top = ", ".join(f"{k} {v}" for k, v in list(do["by_op"].items())[:6])
         kern = f", {do['kernels_per_step']:.0f} CUDA kernels (--profile)" if "kernels_per_step" in do else ""
-        con.print(f"decode step at batch {do['batch']}: {do['ops_per_step']} registry ops{kern}; most called: {top}",
-                  highlight=False)
+        glue = ""
+        if "torch_ops_per_step" in do:
+            sites = ", ".join(f"{k} {v}" for k, v in list(do["torch_ops"].items())[:4])
+            glue = f" + {do['torch_ops_per_step']} torch ops between them" + (f" ({sites})" if sites else "")
+        con.print(f"decode step at batch {do['batch']}: {do['ops_per_step']} registry ops{glue}{kern}; most called: "
+                  f"{top}", highlight=False)
     if report.get("fp8_prefill_gemm"):
         con.print(f"prefill FP8 GEMMs (M >= 65): {report['fp8_prefill_gemm']}", highlight=False)
     if report.get("fallbacks"):

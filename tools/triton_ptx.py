@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from deepinfer_kernels.triton import attention, gemm, mhc, moe_grouped, moe_prefill, norm, quant, sampling  # noqa: E402
-from deepinfer_kernels.triton import speculative  # noqa: E402
+from deepinfer_kernels.triton import rope, speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -170,6 +170,10 @@ CASES = {
                                                           "scale": "fp32"},
                                  {"N": 128, "LOGN": 7, "BM": 64, "ITERS": 1, "SPLIT": False, "NATIVE": True,
                                   "FP4": 32}),
+    # a decode step's position tables (flash: rope_head_dim 64, the CSA and HCA ratios 4 and 128), B = 1
+    "decode_tables": lambda: _sig(rope._decode_tables_kernel, {
+        "pos_ptr": "*i64", "main_ptr": "*fp32", "comp_ptr": "*fp32", "cs_ptr": "*fp32", "idx_ptr": "*i64",
+        "WIN": "i32"}, {"B": 1, "NR": 2, "R0": 4, "R1": 128, "R2": 1, "R3": 1, "ROW": 64, "BR": 64}),
 }
 
 OPTIONS = {  # launch options other than the default 4 warps / 3 stages, as the wrappers launch these

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from deepinfer.bench.glue import TorchGlue
 from deepinfer.bench.rates import sync
 from deepinfer.bench.workload import WARMUP_STEPS, random_prompts
 from deepinfer.config import ModelConfig
@@ -214,8 +215,9 @@ def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device,
 
 def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int) -> dict:
     """The registry ops one eager decode step of B rows calls (after a warm-up step): {"ops_per_step",
-    "by_op": {op: calls}}. Each op is at least one kernel boundary on a GPU; the CUDA kernel count of the step
-    is `--profile`'s `kernels_per_step`."""
+    "by_op": {op: calls}}, and the torch ops it launches between them (`bench.glue`): {"torch_ops_per_step",
+    "torch_ops": {"site op": calls}}. Each is at least one kernel boundary on a GPU; the CUDA kernel count of the
+    step is `--profile`'s `kernels_per_step`."""
     from deepinfer.engine.runner import DecodeRunner
 
     model.allocate(B + 1, P + 4)
@@ -227,11 +229,14 @@ def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, devic
     pos = torch.full((B,), P, dtype=torch.long, device=device)
     runner = DecodeRunner(model, B)
     runner.decode(ids[0], pos, rows)  # warm-up: first-call paths stay out
+    step_pos = pos + 1  # made outside the count: the runner's caller owns it
     ops.count_calls(True)
     try:
-        runner.decode(ids[1], pos + 1, rows)
+        with TorchGlue() as glue:
+            runner.decode(ids[1], step_pos, rows)
     finally:
         counts = ops.count_calls(False) or {}
     sync(device)
     return {"batch": B, "ops_per_step": sum(counts.values()),
-            "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+            "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "torch_ops_per_step": glue.total, "torch_ops": glue.by_site()}

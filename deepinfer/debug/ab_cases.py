@@ -378,6 +378,18 @@ def build_decode_slots(d: Dims, phase: str, g, device):
             Variant("hca", (pos, rows, d.window, d.window + n_hca), {"n_entries": n_hca, "ratio": hca})]
 
 
+def build_decode_tables(d: Dims, phase: str, g, device):
+    """One decode step's position tables: rope tables of decode_ctx + 1 positions, the batch's positions with the
+    first rows at a window's end and before the first, the model's CSA and HCA ratios. A decode-only op: both
+    phases run the decode batch."""
+    B = max(2, d.decode_batch)
+    half = d.rope_dim // 2
+    main, comp = (torch.randn(d.decode_ctx + 1, 2, half, generator=g).to(device) for _ in range(2))
+    pos = torch.randint(0, d.decode_ctx, (B,), generator=g)
+    pos[0], pos[1] = d.ratio - 1, 0
+    return [Variant("csa_hca", (pos.to(device), main, comp, (d.ratio, 4 * d.ratio), d.window), {})]
+
+
 def build_indexer_scores(d: Dims, phase: str, g, device):
     B, S = _bs(d, phase)
     T = max(2, (d.decode_ctx if phase == "decode" else d.prefill_len) // d.ratio)

@@ -56,6 +56,22 @@ class StepContext:
             self._memo[key] = Shared(make())
         return self._memo[key].get()
 
+    def seed_decode_tables(self, ratios: tuple[int, ...], win: int) -> None:
+        """A decode step (one position a row): make every layer's position tables now, in one op
+        (`ops.decode_tables`), under the keys the layers ask for them by -- the rope rows at pos, the
+        compressors' window-start rows and entry slots, the indexer's complete-entry counts, the ring slot --
+        instead of a few launches each on the layer that asks first. Made before any fork, so every lane reads
+        them without waiting on another."""
+        cs, idx = ops.decode_tables(self.pos, self.rope.tables["main"], self.rope.tables["compress"], ratios, win)
+        m = self._memo
+        for i, kind in enumerate(("main", "compress")):
+            m[("rope", kind)] = Shared((cs[i][..., 0, :], cs[i][..., 1, :]))
+        m[("ring", win)] = Shared(idx[0])
+        for k, r in enumerate(ratios):
+            m[("compress_first", r)] = Shared((cs[2 + k][..., 0, :], cs[2 + k][..., 1, :]))
+            m[("entry_slot", r)] = Shared(idx[1 + k])
+            m[("n_valid", r)] = Shared(idx[1 + len(ratios) + k].view(-1, 1))
+
     def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions, gathered once per step and
         kind for every layer (and indexer) of that kind."""

@@ -22,6 +22,7 @@ from deepinfer.model.numerics import Numerics
 from deepinfer.model.rope import RopeTables
 from deepinfer.model.weights import WeightSource
 from deepinfer.ops import ops
+from deepinfer.settings import fusion
 
 
 class HCParams:
@@ -210,6 +211,8 @@ class Transformer:
         if unused:  # the validator should have caught these; never ignore weights silently
             raise ValueError(f"{len(unused)} checkpoint tensors were not used by the model: {sorted(unused)[:5]}")
         self.rope = None
+        # the compression ratios a decode step's tables serve (`StepContext.seed_decode_tables`), MTP's included
+        self.decode_ratios = tuple(sorted({r for r in cfg.compress_ratios if r}))
         self.rows = self.max_seq_len = 0
         self.allocation_check = None  # (model, rows, max_seq_len) -> None or raises: the engine's refusal
 
@@ -265,7 +268,10 @@ class Transformer:
         if prefill and start + positions.size(1) > self.max_seq_len:  # decode: the caller keeps it in range
             raise ValueError(f"{start + positions.size(1)} tokens exceed max_seq_len {self.max_seq_len}")
         ops.phase = "prefill" if prefill else "decode"  # which entry of a phase-split op map the step's ops take
-        return StepContext(positions, rows, self.rope, prefill, start)
+        ctx = StepContext(positions, rows, self.rope, prefill, start)
+        if not prefill and positions.size(1) == 1 and fusion("decode_tables"):
+            ctx.seed_decode_tables(self.decode_ratios, self.cfg.window_size)
+        return ctx
 
     def _body(self, input_ids, ctx, defer_head: bool = False) -> tuple[torch.Tensor, tuple | None]:
         """The embedding and the blocks -> (streams, None), or defer_head: (streams before the last block's MoE

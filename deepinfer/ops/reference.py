@@ -289,6 +289,25 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return y.squeeze(2) if squeeze else y
 
 
+@defop("decode_tables", tol={"float32": (0.0, 0.0), "int64": (0.0, 0.0)})
+def decode_tables(pos: torch.Tensor, main: torch.Tensor, compress: torch.Tensor, ratios: tuple[int, ...],
+                  win: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's position tables, every layer's in one op (the memos of `StepContext`, which the model
+    otherwise builds a few launches each, on the layer that first asks).
+
+    pos [B] int64 query positions; main / compress [max_pos, 2, R/2] float32 (`RopeTables`: cos then sin of a
+    position); ratios: the model's compression ratios -> (cs, idx):
+    cs [2 + nr, B, 1, 2, R/2] float32: main at pos, compress at pos, then per ratio r compress at
+    max(pos - (r - 1), 0) (the window a compressor completes starts there);
+    idx [1 + 2 nr, B] int64: pos % win (the ring slot), per ratio pos // r (the entry slot), then per ratio
+    (pos + 1) // r (the entries complete). Gathers and integer arithmetic: kernels give these bits.
+    """
+    gathers = [main[pos], compress[pos]] + [compress[(pos - (r - 1)).clamp_min(0)] for r in ratios]
+    cs = torch.stack(gathers).unsqueeze(2)
+    idx = torch.stack([pos % win] + [pos // r for r in ratios] + [(pos + 1) // r for r in ratios])
+    return cs, idx
+
+
 # bf16: one ulp of the norm's output (its rsqrt may differ from torch's in the last fp32 bits and flip a bf16
 # rounding) moves a rotated value by up to one ulp of the pair's larger input, ~2^-5 for normalised values < 4,
 # even where the rotated value itself is near 0

@@ -370,6 +370,7 @@ class Dispatcher:
         self._sites: dict[tuple[str, int | None], Callable] | None = None
         self._seen: set[tuple[str, int | None]] | None = None
         self._counts: dict[str, int] | None = None  # op -> calls, while `count_calls` is on
+        self.depth = 0  # while counting: > 0 inside a registry op's call
         self._siting = False  # sites, recording or counting is on: the one check `resolve` makes on its fast path
         self._composed_by_map: set[str] = set()
 
@@ -479,6 +480,19 @@ class Dispatcher:
             print(f"deepinfer: op {name} falls back to the torch reference ({reason})", file=sys.stderr)
 
     def resolve(self, name: str) -> Callable:
+        fn = self._resolve(name)
+        if self._counts is not None:  # counting: mark the op's span, which `bench.glue` leaves out of its count
+            return functools.partial(self._in_op, fn)
+        return fn
+
+    def _in_op(self, fn: Callable, *args, **kwargs):
+        self.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+    def _resolve(self, name: str) -> Callable:
         if self._siting:
             if self._seen is not None:
                 self._seen.add((name, self.layer))

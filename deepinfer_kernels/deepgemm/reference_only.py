@@ -22,6 +22,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "indexer_scores": "DeepGEMM's fp8_mqa_logits takes FP8 q and per-row scaled FP8 keys; V4's indexer scores its "
                       "FP4-QAT q and keys in bf16 (model.py): another contract",
     "topk_indices": _NO_KERNEL,
+    "decode_tables": _NO_KERNEL,
     "decode_slots": _NO_KERNEL,
     "sparse_attn": _ATTN,
     "kv_pack": _NO_KERNEL,

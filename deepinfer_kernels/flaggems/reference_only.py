@@ -32,6 +32,7 @@ REFERENCE_ONLY: dict[str, str] = {
                       "or row-indexed key cache with model.py's bf16 roundings",
     "topk_indices": "a torch.topk; FlagGems' topk compiles for minutes at large k (the field notes: > 180 s at "
                     "k = 512) and its DSA bucket_sort_topk takes V3.2's ragged starts/ends",
+    "decode_tables": f"{_NO_KERNEL} (table gathers and index arithmetic of a decode step)",
     "decode_slots": f"{_NO_KERNEL} (index arithmetic for the window and compressed entries)",
     "kv_store": f"{_NO_KERNEL} (cache writes by indexing)",
     "rms_norm_rope_store": f"{_NO_KERNEL} (the kv norm, RoPE, then the cache write by indexing)",

@@ -22,6 +22,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "compress_pool": f"{_MODEL_PY} (Compressor: softmax-gated pooling)",
     "compress_decode": f"{_MODEL_PY} (Compressor's decode state update)",
     "topk_indices": f"{_MODEL_PY} (the indexer's torch.topk)",
+    "decode_tables": f"{_MODEL_PY} (each layer gathers its own freqs_cis rows: no kernel of its own)",
     "decode_slots": f"{_MODEL_PY} (get_window_topk_idxs and the compressed-entry indices)",
     "kv_store": f"{_MODEL_PY} (cache writes by indexing)",
     "rms_norm_rope_store": f"{_MODEL_PY} (the kv norm, apply_rotary_emb, then the cache write by indexing)",

@@ -71,3 +71,62 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
                                           *_strides(x), *_strides(out),
                                           INVERSE=bool(inverse), BH=BH, BR=p2(R // 2), **pdl())
     return out
+
+
+@triton.jit
+def _gather_row(src_ptr, p, dst_ptr, ROW: tl.constexpr, BR: tl.constexpr):
+    """dst[0:ROW] = src[p * ROW : (p + 1) * ROW]: one table row (cos then sin of position p)."""
+    i = tl.arange(0, BR)
+    tl.store(dst_ptr + i, tl.load(src_ptr + p * ROW + i, mask=i < ROW), mask=i < ROW)
+
+
+@triton.jit
+def _ratio_tables(comp_ptr, p, b, B, cs_ptr, idx_ptr, k: tl.constexpr, NR: tl.constexpr, r: tl.constexpr,
+                  ROW: tl.constexpr, BR: tl.constexpr):
+    """Ratio number k (= r): the compress row at max(p - (r - 1), 0) into cs[2 + k, b], p // r into idx[1 + k, b],
+    (p + 1) // r into idx[1 + NR + k, b]."""
+    first = tl.maximum(p - (r - 1), 0)
+    _gather_row(comp_ptr, first, cs_ptr + ((2 + k) * B + b) * ROW, ROW, BR)
+    tl.store(idx_ptr + (1 + k) * B + b, p // r)
+    tl.store(idx_ptr + (1 + NR + k) * B + b, (p + 1) // r)
+
+
+@triton.jit
+def _decode_tables_kernel(pos_ptr, main_ptr, comp_ptr, cs_ptr, idx_ptr, B, WIN, NR: tl.constexpr,
+                          R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+                          ROW: tl.constexpr, BR: tl.constexpr):
+    """Row b of `reference.decode_tables`: its position's table rows and slots (positions >= 0, so C-style
+    integer division and remainder are Python's). Up to four ratios, each a compile-time constant."""
+    pdl_wait()
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    _gather_row(main_ptr, p, cs_ptr + b * ROW, ROW, BR)
+    _gather_row(comp_ptr, p, cs_ptr + (B + b) * ROW, ROW, BR)
+    tl.store(idx_ptr + b, p % WIN)
+    if NR > 0:
+        _ratio_tables(comp_ptr, p, b, B, cs_ptr, idx_ptr, 0, NR, R0, ROW, BR)
+    if NR > 1:
+        _ratio_tables(comp_ptr, p, b, B, cs_ptr, idx_ptr, 1, NR, R1, ROW, BR)
+    if NR > 2:
+        _ratio_tables(comp_ptr, p, b, B, cs_ptr, idx_ptr, 2, NR, R2, ROW, BR)
+    if NR > 3:
+        _ratio_tables(comp_ptr, p, b, B, cs_ptr, idx_ptr, 3, NR, R3, ROW, BR)
+
+
+@implement("decode_tables", "triton")
+def decode_tables(pos: torch.Tensor, main: torch.Tensor, compress: torch.Tensor, ratios: tuple[int, ...],
+                  win: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # one launch for what the layers' memos took ~13 (flash-slice:4): a decode step's boundaries are its cost
+    ratios = tuple(int(r) for r in ratios)
+    if len(ratios) > 4 or any(r < 1 for r in ratios):
+        raise ValueError(f"decode_tables: up to four ratios >= 1, got {ratios}")
+    assert main.shape == compress.shape and main.dim() == 3 and main.size(1) == 2, (main.shape, compress.shape)
+    main, compress, pos = main.contiguous(), compress.contiguous(), pos.contiguous()
+    B, nr, half = pos.size(0), len(ratios), main.size(2)
+    cs = torch.empty(2 + nr, B, 1, 2, half, dtype=main.dtype, device=pos.device)
+    idx = torch.empty(1 + 2 * nr, B, dtype=torch.int64, device=pos.device)
+    if B:
+        r = ratios + (1,) * (4 - nr)
+        _decode_tables_kernel[(B,)](pos, main, compress, cs, idx, B, int(win), NR=nr, R0=r[0], R1=r[1], R2=r[2],
+                                    R3=r[3], ROW=2 * half, BR=p2(2 * half), **pdl())
+    return cs, idx

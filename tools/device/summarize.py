@@ -205,7 +205,8 @@ def fusions(drift_run: dict, runs: list[dict]) -> str:
     spread = {B: (max(ms) - min(ms)) / base[B] * 100 for B in batches
               if (ms := [d["ms_per_step"] for r in on for d in r["decode"] if d["batch"] == B])}
     ops = on[0].get("decode_ops") or {}
-    counts = ", ".join(f"{ops[k]:.0f} {what}" for k, what in (("ops_per_step", "ops"), ("kernels_per_step", "kernels"))
+    counts = ", ".join(f"{ops[k]:.0f} {what}" for k, what in (("ops_per_step", "ops"), ("torch_ops_per_step", "torch ops"),
+                                                                  ("kernels_per_step", "kernels"))
                        if isinstance(ops.get(k), (int, float)))
     drifts = {(a.get("settings") or {}).get(key): a.get("decode_drift") for a in drift_run.get("against", [])}
     out = [f"on ({len(on)} runs): " + " ".join(f"B={B} {base[B]:.3f} (spread {spread[B]:.1f}%)" for B in batches)
