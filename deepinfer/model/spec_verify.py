@@ -54,20 +54,31 @@ def _cache_values(a, kv: torch.Tensor) -> torch.Tensor:
     return kv
 
 
+def _feed_tables(ctx, r: int) -> tuple:
+    """Per token i of a verify step: (cos, sin) [B, 1, R/2] of its window's first position max(p - (r - 1), 0)
+    and its entry slot p // r [B], for ratio r. Made once a step (`ctx.memo`) for every compressor of that
+    ratio, the step's and its commit's: a few launches a token that each compressor made again."""
+    def make():
+        out = []
+        for i in range(ctx.positions.size(1)):
+            p = ctx.positions[:, i]
+            out.append((*ctx.rope.get("compress", (p - (r - 1)).clamp_min(0).unsqueeze(1)), p // r))
+        return tuple(out)
+
+    return ctx.memo(("feed", r), make)
+
+
 def _feed(comp, proj: tuple, pos: torch.Tensor, rows: torch.Tensor, kv_state: torch.Tensor,
-          score_state: torch.Tensor, cache: torch.Tensor, rope) -> None:
+          score_state: torch.Tensor, cache: torch.Tensor, ctx) -> None:
     """Feed S tokens through a compressor as S decode steps would: proj (kv, score) [B, S, coff·d], pos
-    [B, S], rows [B, S] into kv_state / score_state and the entry slot pos // ratio of `cache` (rows index
-    all three). Same ops, same order as `Compressor.decode`: the values are decode's."""
+    [B, S] (ctx.positions), rows [B, S] into kv_state / score_state and the entry slot pos // ratio of `cache`
+    (rows index all three). Same ops, same order as `Compressor.decode`: the values are decode's."""
     kvp, scp = proj
-    r = comp.ratio
-    for i in range(pos.size(1)):
-        p, rw = pos[:, i], rows[:, i]
-        pooled = ops.compress_decode(kvp[:, i], scp[:, i], comp.ape, p, rw, kv_state, score_state, comp.overlap,
-                                     out_dtype=comp.numerics.dtype).unsqueeze(1)
-        cos, sin = rope.get("compress", (p - (r - 1)).clamp_min(0).unsqueeze(1))
+    for i, (cos, sin, slot) in enumerate(_feed_tables(ctx, comp.ratio)):
+        pooled = ops.compress_decode(kvp[:, i], scp[:, i], comp.ape, pos[:, i], rows[:, i], kv_state, score_state,
+                                     comp.overlap, out_dtype=comp.numerics.dtype).unsqueeze(1)
         entry = comp._finish(pooled, cos, sin)[:, 0]
-        ops.kv_store(cache, rw, p // r, entry, rope_dim=comp.rd if comp.fp8_cache else 0)
+        ops.kv_store(cache, rows[:, i], slot, entry, rope_dim=comp.rd if comp.fp8_cache else 0)
 
 
 def _scratch_feed(comp, proj: tuple, ctx, cache_copy: torch.Tensor) -> None:
@@ -76,7 +87,7 @@ def _scratch_feed(comp, proj: tuple, ctx, cache_copy: torch.Tensor) -> None:
     B = ctx.rows.size(0)
     ar = torch.arange(B, device=ctx.rows.device)
     st_kv, st_sc = comp.kv_state[ctx.rows], comp.score_state[ctx.rows]  # copies
-    _feed(comp, proj, ctx.positions, ar.unsqueeze(1).expand_as(ctx.positions), st_kv, st_sc, cache_copy, ctx.rope)
+    _feed(comp, proj, ctx.positions, ar.unsqueeze(1).expand_as(ctx.positions), st_kv, st_sc, cache_copy, ctx)
 
 
 def window_idx(pos: torch.Tensor, start: torch.Tensor, win: int, n_cache: int) -> torch.Tensor:
@@ -106,7 +117,8 @@ def verify_attention(a, x: torch.Tensor, ctx, xq: tuple | None = None) -> torch.
     seq = a.kv_cache[rows]  # [B, win + E, ·], a copy: the step's entries are written into it only
     N = seq.size(1)
     pend = Pending(kv)
-    idx = window_idx(pos, pos[:, 0], win, N)
+    # the index tables are the same for every layer of one shape: made once a step (`ctx.memo`)
+    idx = ctx.memo(("verify_window", win, N), lambda: window_idx(pos, pos[:, 0], win, N))
     if a.compressor is not None:
         pend.comp = a.compressor._project(x)
         _scratch_feed(a.compressor, pend.comp, ctx, seq[:, win:])
@@ -117,11 +129,15 @@ def verify_attention(a, x: torch.Tensor, ctx, xq: tuple | None = None) -> torch.
             _scratch_feed(ix.compressor, pend.index, ctx, keys)
             scores = ops.indexer_scores(ix.query(qr, ctx), keys, ix.weights_proj(x), None, w_scale=ix.scale,
                                         rounding=ix.rounding)
-            top = ops.topk_indices(scores, min(ix.topk, keys.size(1)), (pos + 1) // ix.ratio)
+            n_valid = ctx.memo(("n_valid", ix.ratio), lambda: (ctx.positions + 1) // ix.ratio)  # as decode's
+            top = ops.topk_indices(scores, min(ix.topk, keys.size(1)), n_valid)
             ent = torch.where(top >= 0, top + win, -1)
         else:  # HCA: every entry complete at the query
-            j = torch.arange(N - win, device=x.device)
-            ent = torch.where(j < ((pos + 1) // a.ratio).unsqueeze(-1), j + win, -1)
+            def visible():
+                j = torch.arange(N - win, device=x.device)
+                return torch.where(j < ((pos + 1) // a.ratio).unsqueeze(-1), j + win, -1)
+
+            ent = ctx.memo(("verify_hca", a.ratio, win, N), visible)
         idx = torch.cat([idx, ent], -1)
     ctx.pending[a] = pend
     o = a._attend(q, torch.cat([seq, new], 1), idx, (cos, sin))
@@ -138,10 +154,10 @@ def commit(a, pend: Pending, ctx, keep: torch.Tensor, spare_row: int) -> None:
                  rope_dim=a.rd if a.fp8_kv else 0)
     if a.compressor is not None:
         c = a.compressor
-        _feed(c, pend.comp, pos, rows, c.kv_state, c.score_state, c.cache, ctx.rope)
+        _feed(c, pend.comp, pos, rows, c.kv_state, c.score_state, c.cache, ctx)
     if a.indexer is not None:
         c = a.indexer.compressor
-        _feed(c, pend.index, pos, rows, c.kv_state, c.score_state, c.cache, ctx.rope)
+        _feed(c, pend.index, pos, rows, c.kv_state, c.score_state, c.cache, ctx)
 
 
 class Snapshot:
