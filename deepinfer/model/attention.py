@@ -72,6 +72,11 @@ class StepContext:
             m[("entry_slot", r)] = Shared(idx[1 + k])
             m[("n_valid", r)] = Shared(idx[1 + len(ratios) + k].view(-1, 1))
 
+    def n_valid(self, ratio: int) -> torch.Tensor:
+        """[B, S] int64: the compressed entries of ratio `ratio` complete at each position ((t + 1) // ratio),
+        made once a step for every indexer of that ratio (decode, verify)."""
+        return self.memo(("n_valid", ratio), lambda: (self.positions + 1) // ratio)
+
     def rope_at_positions(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, S, R/2] of rope type `kind` at this step's positions, gathered once per step and
         kind for every layer (and indexer) of that kind."""
@@ -146,7 +151,7 @@ class Indexer:
             w = self.weights_proj(x)
         # the head weights as projected; the op scales them (w.float() * scale) as it loads them
         scores = ops.indexer_scores(q, keys, w, rows, w_scale=self.scale, rounding=self.rounding)  # [B, S, T]
-        n_valid = ctx.memo(("n_valid", self.ratio), lambda: (ctx.positions + 1) // self.ratio)
+        n_valid = ctx.n_valid(self.ratio)
         idx = ops.topk_indices(scores, min(self.topk, keys.size(1)), n_valid)
         if is_active():  # debug only: trim to the entries visible so far (a host sync is fine here)
             n = int(n_valid.max())

@@ -129,8 +129,7 @@ def verify_attention(a, x: torch.Tensor, ctx, xq: tuple | None = None) -> torch.
             _scratch_feed(ix.compressor, pend.index, ctx, keys)
             scores = ops.indexer_scores(ix.query(qr, ctx), keys, ix.weights_proj(x), None, w_scale=ix.scale,
                                         rounding=ix.rounding)
-            n_valid = ctx.memo(("n_valid", ix.ratio), lambda: (ctx.positions + 1) // ix.ratio)  # as decode's
-            top = ops.topk_indices(scores, min(ix.topk, keys.size(1)), n_valid)
+            top = ops.topk_indices(scores, min(ix.topk, keys.size(1)), ctx.n_valid(ix.ratio))
             ent = torch.where(top >= 0, top + win, -1)
         else:  # HCA: every entry complete at the query
             def visible():
