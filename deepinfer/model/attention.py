@@ -136,10 +136,10 @@ class Indexer:
         branch `early`, joined here before the scores read the keys) or without (done here)."""
         q = self.query(qr, ctx)
         if ctx.prefill and ctx.start:  # a later chunk: every entry complete so far, from the cache
-            n = self.compressor.extend(x, ctx.start, ctx.rows[:1], ctx.rope)
+            n = self.compressor.extend(x, ctx.start, ctx.rows[:1], ctx)
             keys = self.compressor.cache[ctx.rows[:1], :n]
         elif ctx.prefill:
-            keys = self.compressor.prefill(x, ctx.rows, ctx.rope)
+            keys = self.compressor.prefill(x, ctx.rows, ctx)
         else:  # decode: score against the key cache in place (rows), no per-step gather of every row
             if w is None:
                 w = self.start_decode(x, ctx)
@@ -442,49 +442,73 @@ class Attention:
 
     def _prefill(self, x, q, kv, qr, ctx: StepContext, rope: tuple) -> torch.Tensor:
         """The prompt from position 0: window + selected compressed entries; rope: the tokens' (cos, sin), whose
-        inverse the output gets (`_attend`)."""
+        inverse the output gets (`_attend`). The index tables that depend only on the shapes (the window's, HCA's
+        with its visible entries, the ring slots) are made once a step per layer shape (`ctx.memo`)."""
         B, S, _ = x.shape
-        dev = x.device
-        idx = _window_idx_prefill(S, self.win, dev).unsqueeze(0).expand(B, -1, -1)
-        kv_all = kv
+        dev, win = x.device, self.win
+        window = ctx.memo(("window_prefill", S, win, B),
+                          lambda: _window_idx_prefill(S, win, dev).unsqueeze(0).expand(B, -1, -1))
+        idx, kv_all = window, kv
         if self.compressor is not None:
-            entries = self.compressor.prefill(x, ctx.rows, ctx.rope)  # [B, S//r, hd]
+            entries = self.compressor.prefill(x, ctx.rows, ctx)  # [B, S//r, hd]
             if is_active():
                 tap(self.name + ".compressed_kv", self._entries(entries, q.dtype))
             kv_all = torch.cat([kv, entries], 1)
-            sel = self._select(x, qr, ctx, entries.size(1))
-            idx = torch.cat([idx, torch.where(sel >= 0, sel + S, -1)], -1)
+            n = entries.size(1)
+            if self.indexer is not None:  # CSA: the indexer's picks, after the window's S slots
+                sel = self._select(x, qr, ctx, n)
+                idx = torch.cat([window, torch.where(sel >= 0, sel + S, -1)], -1)
+            else:  # HCA: every entry complete at the query's position, the same for each layer of the shape
+                def hca():
+                    sel = self._select(x, qr, ctx, n)
+                    return torch.cat([window, torch.where(sel >= 0, sel + S, -1)], -1)
+
+                idx = ctx.memo(("hca_prefill", self.ratio, n, S, win, B), hca)
         o = self._attend(q, kv_all, idx, rope)
         # ring buffer: the last min(S, win) positions at slot p % win
-        keep = min(S, self.win)
-        p = torch.arange(S - keep, S, device=dev)
-        rows = ctx.rows.repeat_interleave(keep)
-        ops.kv_store(self.kv_cache, rows, (p % self.win).repeat(B), kv[:, S - keep:].flatten(0, 1))
+        keep = min(S, win)
+
+        def ring():
+            p = torch.arange(S - keep, S, device=dev)
+            return ctx.rows.repeat_interleave(keep), (p % win).repeat(B)
+
+        rows, slots = ctx.memo(("ring_prefill", S, win, B), ring)
+        ops.kv_store(self.kv_cache, rows, slots, kv[:, S - keep:].flatten(0, 1))
         return o
 
     def _extend(self, x, q, kv, qr, ctx: StepContext, rope: tuple) -> torch.Tensor:
         """A later prompt chunk of one row (B == 1) at positions p0 .. p0+S-1: the window reads earlier
         positions from the ring and the chunk's own keys; entries come from the cache after the
-        compressor has pooled the windows this chunk completes. rope: as `_prefill`."""
+        compressor has pooled the windows this chunk completes. rope: as `_prefill`; the shape-only tables
+        once a step per layer shape, as there."""
         B, S, _ = x.shape
         assert B == 1, "chunked prefill runs one row at a time"
         p0, win, dev = ctx.start, self.win, x.device
         row = ctx.rows[:1]
-        t = torch.arange(p0, p0 + S, device=dev).unsqueeze(1)  # query positions
-        u = t - win + 1 + torch.arange(win, device=dev)  # its window positions, ascending
-        idx = torch.where(u < p0, u % win, win + u - p0)  # ring slot (earlier chunks) | this chunk
-        idx = torch.where(u >= 0, idx, -1).unsqueeze(0)  # [1, S, win]
+
+        def window():
+            t = torch.arange(p0, p0 + S, device=dev).unsqueeze(1)  # query positions
+            u = t - win + 1 + torch.arange(win, device=dev)  # its window positions, ascending
+            idx = torch.where(u < p0, u % win, win + u - p0)  # ring slot (earlier chunks) | this chunk
+            return torch.where(u >= 0, idx, -1).unsqueeze(0)  # [1, S, win]
+
+        idx = ctx.memo(("window_extend", p0, S, win), window)
         parts = [self.kv_cache[row, :win], kv]
         if self.compressor is not None:
-            n = self.compressor.extend(x, p0, row, ctx.rope)  # entries complete after this chunk
+            n = self.compressor.extend(x, p0, row, ctx)  # entries complete after this chunk
             entries = self.kv_cache[row, win:win + n]
             parts.append(entries)
             sel = self._select(x, qr, ctx, n)
             idx = torch.cat([idx, torch.where(sel >= 0, sel + win + S, -1)], -1)
         o = self._attend(q, torch.cat(parts, 1), idx, rope)
         keep = min(S, win)  # ring: the chunk's last positions (earlier ones stay where they are)
-        p = torch.arange(p0 + S - keep, p0 + S, device=dev)
-        ops.kv_store(self.kv_cache, row.repeat(keep), p % win, kv[0, S - keep:])
+
+        def ring():
+            p = torch.arange(p0 + S - keep, p0 + S, device=dev)
+            return row.repeat(keep), p % win
+
+        rows, slots = ctx.memo(("ring_extend", p0, S, win), ring)
+        ops.kv_store(self.kv_cache, rows, slots, kv[0, S - keep:])
         return o
 
     def _cache_form(self, kv: torch.Tensor, ctx: StepContext) -> torch.Tensor:

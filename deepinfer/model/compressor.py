@@ -66,60 +66,90 @@ class Compressor:
         n = self.coff * self.d
         return y[..., :n], y[..., n:]
 
-    def prefill(self, x: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, rows: torch.Tensor, ctx) -> torch.Tensor:
         """x [B, S, D] from position 0 -> the S // ratio complete entries [B, S//ratio, d] (FP8-layout rows
         [B, S//ratio, W] when `fp8_cache`); also writes them to `cache` and leaves the carry-over (overlap
-        half, partial window) in the state."""
-        # fresh sequences in these rows: empty state. index_fill_ takes the value as a kernel argument; an indexed
-        # store of a Python scalar (`state[rows] = 0.0`) copies it from the host, which a CUDA graph capture refuses
-        self.kv_state.index_fill_(0, rows.long(), 0.0)
-        self.score_state.index_fill_(0, rows.long(), float("-inf"))
-        n = self.extend(x, 0, rows, rope)
-        return self.cache[rows, :n] if self.fp8_cache else self.cache[rows, :n].to(self.numerics.dtype)
+        half, partial window) in the state. ctx: the step's `StepContext` (its rope tables and memo)."""
+        n, entries = self._pool(x, 0, rows, ctx, fresh=True)
+        if entries is None:  # no window complete: no entry
+            entries = self.cache[rows, :0]
+        return entries if self.fp8_cache else entries.to(self.numerics.dtype)
 
-    def extend(self, x: torch.Tensor, start: int, rows: torch.Tensor, rope) -> int:
+    def extend(self, x: torch.Tensor, start: int, rows: torch.Tensor, ctx) -> int:
         """x [B, S, D] at positions start .. start+S-1 of each row, the state holding positions < start (an
         earlier `prefill` / `extend`, or empty at 0). Pools every window the tokens complete into
         `cache[rows, start // ratio ..]` and leaves the new carry-over in the state, exactly as one pass
         over the whole prompt would (chunked prefill). Returns the number of entries now complete.
         """
+        return self._pool(x, start, rows, ctx, fresh=False)[0]
+
+    def _chunk_tables(self, ctx, start: int, S: int, B: int) -> tuple:
+        """The position tables of a prompt chunk at start .. start+S-1 for this ratio, made once a step and
+        shared by every compressor of the ratio (`ctx.memo`): (pos % ratio [S], the (cos, sin) [B, n, rd/2] at
+        the first positions of the n windows the chunk completes, or None when it completes none)."""
+        r = self.ratio
+
+        def make():
+            pos = torch.arange(start, start + S, device=ctx.positions.device)
+            part = start % r
+            n = (part + S) // r
+            if not n:
+                return pos % r, None
+            first = (start - part + torch.arange(n, device=pos.device) * r).unsqueeze(0).expand(B, n)
+            return pos % r, ctx.rope.get("compress", first)
+
+        return ctx.memo(("compress_chunk", r, start, S, B), make)
+
+    def _pool(self, x: torch.Tensor, start: int, rows: torch.Tensor, ctx, fresh: bool) -> tuple:
+        """`extend`'s work -> (entries complete after the chunk, the chunk's new entries in the cache's form
+        [B, n, ·] or None when it completes none). fresh: rows start a new sequence (start 0): their state is
+        empty (zeros, -inf scores) whatever it holds, so it is neither reset nor read, only written."""
         B, S = x.size(0), x.size(1)
         r, d = self.ratio, self.d
         kv, score = self._project(x)  # [B, S, coff*d]
         off = r if self.overlap else 0
-        st_kv, st_sc = self.kv_state[rows], self.score_state[rows]
+        st_kv, st_sc = (None, None) if fresh else (self.kv_state[rows], self.score_state[rows])
         # the sequence from the current window's first position w0: carried partial window + the tokens
         w0, part = start - start % r, start % r
-        pos = torch.arange(start, start + S, device=x.device)
-        kv_seq = torch.cat([st_kv[:, off:off + part], kv], 1)
-        sc_seq = torch.cat([st_sc[:, off:off + part], score + self.ape[pos % r]], 1)  # state already has ape
+        phase, rope_first = self._chunk_tables(ctx, start, S, B)
+        kv_seq, sc_seq = kv, score + self.ape[phase]  # the state's scores already have ape
+        if part:
+            kv_seq = torch.cat([st_kv[:, off:off + part], kv_seq], 1)
+            sc_seq = torch.cat([st_sc[:, off:off + part], sc_seq], 1)
         L = part + S
         n = L // r  # windows completed here
         cutoff = n * r
-        new_kv, new_sc = torch.zeros_like(st_kv), torch.full_like(st_sc, float("-inf"))
+        shape = self.kv_state.shape[1:]
+        new_kv = kv.new_zeros(B, *shape)
+        new_sc = kv.new_full((B, *shape), float("-inf"))
         if self.overlap:  # next window's overlap half: the last complete window's slots (or the old one)
             if n:
                 new_kv[:, :r], new_sc[:, :r] = kv_seq[:, cutoff - r:cutoff], sc_seq[:, cutoff - r:cutoff]
-            else:
+            elif not fresh:
                 new_kv[:, :r], new_sc[:, :r] = st_kv[:, :r], st_sc[:, :r]
         if L % r:
             new_kv[:, off:off + L % r], new_sc[:, off:off + L % r] = kv_seq[:, cutoff:], sc_seq[:, cutoff:]
-        self.kv_state[rows], self.score_state[rows] = new_kv, new_sc
         first_entry = w0 // r
+        if n and self.overlap:  # slots: previous window's first half | this window's second half
+            kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
+            scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
+            # window w0/r - 1: the state's overlap half, empty (weight 0) for a fresh sequence
+            if fresh:
+                before_kv, before_sc = kv.new_zeros(B, 1, r, d), kv.new_full((B, 1, r, d), float("-inf"))
+            else:
+                before_kv, before_sc = st_kv[:, None, :r, :d], st_sc[:, None, :r, :d]
+            kvw = torch.cat([torch.cat([before_kv, kvw[:, :-1, :, :d]], 1), kvw[..., d:]], 2)
+            scw = torch.cat([torch.cat([before_sc, scw[:, :-1, :, :d]], 1), scw[..., d:]], 2)
+        elif n:
+            kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
+            scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
+        self.kv_state[rows], self.score_state[rows] = new_kv, new_sc
         if n == 0:
-            return first_entry
-        kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
-        scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
-        if self.overlap:  # slots: previous window's first half | this window's second half
-            prev_kv = torch.cat([st_kv[:, :r].unsqueeze(1), kvw[:, :-1]], 1)  # window w0/r - 1 from the state
-            prev_sc = torch.cat([st_sc[:, :r].unsqueeze(1), scw[:, :-1]], 1)
-            kvw = torch.cat([prev_kv[..., :d], kvw[..., d:]], 2)
-            scw = torch.cat([prev_sc[..., :d], scw[..., d:]], 2)
+            return first_entry, None
         pooled = ops.compress_pool(kvw, scw)
-        first = (w0 + torch.arange(n, device=x.device) * r).unsqueeze(0).expand(B, n)
-        entries = self._finish(pooled, *rope.get("compress", first))
-        self.cache[rows, first_entry:first_entry + n] = self._encode(entries)
-        return first_entry + n
+        entries = self._encode(self._finish(pooled, *rope_first))
+        self.cache[rows, first_entry:first_entry + n] = entries
+        return first_entry + n, entries
 
     def decode(self, x: torch.Tensor, ctx) -> None:
         """x [B, 1, D] at the step's per-row positions ctx.pos [B] (< the allocated max_seq_len), cache rows
