@@ -197,6 +197,11 @@ def _print(report: dict, con: Console) -> None:
             glue = f" + {do['torch_ops_per_step']} torch ops between them" + (f" ({sites})" if sites else "")
         con.print(f"decode step at batch {do['batch']}: {do['ops_per_step']} registry ops{glue}{kern}; most called: "
                   f"{top}", highlight=False)
+    pl = report.get("prefill_launches")
+    if pl:
+        sites = ", ".join(f"{k} {v}" for k, v in list(pl["torch_by_site"].items())[:4])
+        con.print(f"prefill of {pl['tokens']} tokens: {pl['ops']} registry ops + {pl['torch_ops']} torch ops between "
+                  f"them" + (f" ({sites})" if sites else ""), highlight=False)
     if report.get("fp8_prefill_gemm"):
         con.print(f"prefill FP8 GEMMs (M >= 65): {report['fp8_prefill_gemm']}", highlight=False)
     if report.get("fallbacks"):

@@ -198,11 +198,15 @@ def test_prefill_host_issue_and_graphs_row():
     do = out["decode_ops"]
     assert do["batch"] == 1 and do["ops_per_step"] == sum(do["by_op"].values()) > 50
     assert do["by_op"]["fp8_gemm"] > 0 and "hc_pre_quant" in do["by_op"]
+    # and of one eager prefill of the prompt: its registry ops and the torch ops between them, by site
+    pl = out["prefill_launches"]
+    assert pl["tokens"] == 6 and pl["ops"] == sum(pl["by_op"].values()) > 50 and "grouped_gemm" in pl["by_op"]
+    assert pl["torch_ops"] == sum(pl["torch_by_site"].values()) > 0
     from deepinfer.ops import ops
     assert ops._counts is None and not ops._siting  # counting is off again
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0 and "host issue" in res.output and "prefill as a CUDA graph: skipped" in res.output
-    assert "registry ops" in res.output
+    assert "registry ops" in res.output and "prefill of 6 tokens:" in res.output
 
 
 def test_bench_against_same_run_same_floors(tmp_path):

@@ -39,8 +39,8 @@ from deepinfer import settings
 from deepinfer.bench.drift import drift, drift_logits
 from deepinfer.bench.floor import floors, held_bytes, model_bytes
 from deepinfer.bench.rates import measure_bandwidth, measure_fp8_matmul, measure_matmul, sync
-from deepinfer.bench.timing import (GUIDED_MODES, count_decode_ops, profile_decode, time_decode, time_guided,
-                                    time_prefill)
+from deepinfer.bench.timing import (GUIDED_MODES, count_decode_ops, count_prefill_ops, profile_decode, time_decode,
+                                    time_guided, time_prefill)
 from deepinfer.config import ModelConfig
 from deepinfer.engine.loader import build_model
 from deepinfer.engine.memory import check_model_fits
@@ -444,6 +444,8 @@ def _run_bench(opts: BenchOptions, log, partial: dict) -> dict:
                 "measured acceptance is near 0 and says nothing about a real checkpoint; read the projection"]
     log(f"counting the registry ops of one decode step at batch {batches[0]} ...")
     report["decode_ops"] = count_decode_ops(model, cfg, batches[0], min(opts.prompt_len, 16), device, opts.seed)
+    log(f"counting the launches of one eager {opts.prompt_len}-token prefill ...")
+    report["prefill_launches"] = count_prefill_ops(model, cfg, opts.prompt_len, device, opts.seed)
     if opts.profile:
         log(f"profiling one eager decode step at batch {batches[0]} ...")
         counts: dict = {}

@@ -213,6 +213,26 @@ def profile_decode(model: Transformer, cfg: ModelConfig, B: int, P: int, device,
              "share": getattr(e, key) / total} for e in evs[:top]]
 
 
+def count_prefill_ops(model: Transformer, cfg: ModelConfig, P: int, device, seed: int) -> dict:
+    """The registry ops one eager P-token prefill into row 0 calls (after a warm-up prefill), and the torch ops it
+    launches between them (`bench.glue`): {"tokens", "ops", "by_op": {op: calls}, "torch_ops", "torch_by_site":
+    {"site op": calls}}. On a GPU each is a kernel and, eagerly, a host issue of its own: what a prefill graph
+    replays without the host, and what the eager TTFT's host issue is made of."""
+    model.allocate(1, P + 4)
+    rows = torch.zeros(1, dtype=torch.long, device=device)
+    prompt = random_prompts(cfg, 1, P, seed + 3).to(device)
+    model.prefill(prompt, rows=rows)  # warm-up: first-call paths stay out
+    ops.count_calls(True)
+    try:
+        with TorchGlue() as glue:
+            model.prefill(prompt, rows=rows)
+    finally:
+        counts = ops.count_calls(False) or {}
+    sync(device)
+    return {"tokens": P, "ops": sum(counts.values()), "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "torch_ops": glue.total, "torch_by_site": glue.by_site()}
+
+
 def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int) -> dict:
     """The registry ops one eager decode step of B rows calls (after a warm-up step): {"ops_per_step",
     "by_op": {op: calls}}, and the torch ops it launches between them (`bench.glue`): {"torch_ops_per_step",
