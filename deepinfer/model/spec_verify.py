@@ -17,7 +17,7 @@ So verify reads the caches and writes none of them:
 * what a commit needs is kept in `ctx.pending[attention]`: the S tokens' normed kv and the compressors'
   projections of x.
 
-`commit(attention, pending, keep)` then writes the kept tokens (keep [B, S], a prefix per row) exactly
+`commit(attention, pending, ctx, rows)` then writes the kept tokens (a prefix of each row) exactly
 as decode steps over those tokens would have: their kv into the ring, and the compressors fed token by
 token (`compress_decode` + the entry of the window into the cache). The other tokens are written to
 the spare row (the decode runner's padding row), so the shapes never depend on the acceptance and
@@ -58,12 +58,11 @@ def _feed_tables(ctx, r: int) -> tuple:
     """Per token i of a verify step: (cos, sin) [B, 1, R/2] of its window's first position max(p - (r - 1), 0)
     and its entry slot p // r [B], for ratio r. Made once a step (`ctx.memo`) for every compressor of that
     ratio, the step's and its commit's: a few launches a token that each compressor made again."""
-    def make():
-        out = []
-        for i in range(ctx.positions.size(1)):
-            p = ctx.positions[:, i]
-            out.append((*ctx.rope.get("compress", (p - (r - 1)).clamp_min(0).unsqueeze(1)), p // r))
-        return tuple(out)
+    def make():  # one gather and one division for all S tokens, sliced per token (views)
+        p = ctx.positions
+        cos, sin = ctx.rope.get("compress", (p - (r - 1)).clamp_min(0))  # [B, S, R/2]
+        slot = p // r
+        return tuple((cos[:, i:i + 1], sin[:, i:i + 1], slot[:, i]) for i in range(p.size(1)))
 
     return ctx.memo(("feed", r), make)
 
@@ -85,7 +84,7 @@ def _scratch_feed(comp, proj: tuple, ctx, cache_copy: torch.Tensor) -> None:
     """`_feed` on copies of the rows' carried state, writing entries into `cache_copy` [B, E, ·] (this
     step's gathered copy): the entries the step completes, seen by its own later queries only."""
     B = ctx.rows.size(0)
-    ar = torch.arange(B, device=ctx.rows.device)
+    ar = ctx.memo(("verify_copy_rows", B), lambda: torch.arange(B, device=ctx.rows.device))
     st_kv, st_sc = comp.kv_state[ctx.rows], comp.score_state[ctx.rows]  # copies
     _feed(comp, proj, ctx.positions, ar.unsqueeze(1).expand_as(ctx.positions), st_kv, st_sc, cache_copy, ctx)
 
@@ -143,14 +142,13 @@ def verify_attention(a, x: torch.Tensor, ctx, xq: tuple | None = None) -> torch.
     return a.out(o)
 
 
-def commit(a, pend: Pending, ctx, keep: torch.Tensor, spare_row: int) -> None:
-    """Write the kept tokens of a verify step into `a`'s caches, as decode steps over them would: keep [B, S]
-    bool (a prefix of each row). The other tokens go to `spare_row` (never a live row), so nothing here
-    depends on the host."""
+def commit(a, pend: Pending, ctx, rows: torch.Tensor) -> None:
+    """Write the kept tokens of a verify step into `a`'s caches, as decode steps over them would: rows [B, S] the
+    cache row each token goes to -- its own row for the kept ones (a prefix of each row), the spare row (never a
+    live row) for the others, made once a step by `Transformer.commit` -- so nothing here depends on the host."""
     pos = ctx.positions
-    rows = torch.where(keep, ctx.rows.unsqueeze(1), spare_row)  # [B, S]
-    ops.kv_store(a.kv_cache, rows.flatten(), (pos % a.win).flatten(), pend.kv.flatten(0, 1),
-                 rope_dim=a.rd if a.fp8_kv else 0)
+    ring = ctx.memo(("commit_ring", a.win), lambda: (pos % a.win).flatten())  # the same for every layer
+    ops.kv_store(a.kv_cache, rows.flatten(), ring, pend.kv.flatten(0, 1), rope_dim=a.rd if a.fp8_kv else 0)
     if a.compressor is not None:
         c = a.compressor
         _feed(c, pend.comp, pos, rows, c.kv_state, c.score_state, c.cache, ctx)

@@ -380,5 +380,6 @@ class Transformer:
 
         spare = self.rows - 1 if spare_row is None else spare_row
         keep = torch.arange(ctx.positions.size(1), device=self.device) < n_keep.to(self.device).view(-1, 1)
+        rows = torch.where(keep, ctx.rows.unsqueeze(1), spare)  # [B, S]: the dropped tokens to the spare row
         for a, pend in ctx.pending.items():
-            commit(a, pend, ctx, keep, spare)
+            commit(a, pend, ctx, rows)
