@@ -145,9 +145,15 @@ def test_gpu_verify_against_official(rev):
 def test_model_py_runs_on_our_inputs_on_cpu(rev, tiny_dir):
     """The comparison's plumbing on a CPU, where DeepSeek's files are present: the release's own model.py with a
     plain-PyTorch stand-in for its TileLang kernel.py (tests/official_kernel_torch.py), each module on our dump's
-    inputs. Our numerics of the release match its model.py in every cell (both releases: the KV form and the
-    shared expert's clamp); ours with the other release's KV form is off by what the issue measured on a GPU
-    (attention 3.5-4 %, kv and entries ~2 %)."""
+    inputs. Our numerics of the release match its model.py in every prefill cell and the logits (both releases: the
+    KV form and the shared expert's clamp), and every decode cell within the verdict's limits; ours with the other
+    release's KV form is off by what the issue measured on a GPU (attention 3.5-4 %, kv and entries ~2 %).
+
+    Decode cells are held to the verdict's limits, not to 1e-4: on a CPU, bf16 official numerics are not stable
+    under the summation order of torch's threaded reductions (a one-ulp move flips an FP8 activation code, or an
+    indexer pick at a near-tie). On a 2-core AMD EPYC (2026-12-07) our own tiny logits moved 0.8-2.6 % between 1
+    and 2 threads, and the efc85512 layer-3 decode attention against model.py was 0.31 % with 2 threads and 0 with
+    1; the 2026-12-05 machine had every cell at 0."""
     d = os.path.join(RELEASE_DIR, rev)
     if not os.path.isdir(d):
         pytest.skip(f"no {d}")
@@ -160,8 +166,9 @@ def test_model_py_runs_on_our_inputs_on_cpu(rev, tiny_dir):
     ids = lm.tokenizer.encode_prompt("北京是中国的首都，上海是中国最大的城市", "raw")
     res = official.verify_official(lm, d, ids, 3, "torch", kernel=kernel)
     assert {r["kind"] for r in res.rows} == {"swa", "csa", "hca"}
-    assert res.passed and max(v[0] for v in res.worst.values()) < 1e-4, res.line()
     assert {"attn", "kv", "entries", "index_keys", "moe", "block", "logits"} <= set(res.worst)
+    prefill = [v for r in res.rows for k, v in r.items() if k.endswith("_prefill")]
+    assert res.passed and max(prefill) < 1e-4 and res.logits["prefill"] < 1e-4, res.line()
     other = load_model(None, f"official@{rev}", "bfloat16", "cpu", progress=False,
                        kv="bf16" if rev == "60d8d707" else "fp8").model
     lm.model = other
