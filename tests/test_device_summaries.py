@@ -111,8 +111,9 @@ def test_bench_line_reads_a_cpu_report_and_a_broken_one_is_a_row(tmp_path):
          "decode": [{"batch": 1, "ms_per_step": 53.0, "ratio": 21.1}]}
     assert summarize.bench(r) == ("TTFT eager 43.6 ms (11.39x floor 3.83; host 43.6, device nan); graph skipped "
                                   "(prefill graphs need CUDA); decode B=1 53.000 ms (21.10x)")
+    r["decode_ops"] = {"batch": 1, "ops_per_step": 84, "torch_ops_per_step": 1}  # a report from before the prefill's
+    assert summarize.bench(r).endswith("(21.10x); launches: decode B=1 84 ops + 1 torch")
     r["prefill_launches"] = {"tokens": 4096, "ops": 116, "torch_ops": 124}
-    r["decode_ops"] = {"batch": 1, "ops_per_step": 84, "torch_ops_per_step": 1}
     assert summarize.bench(r).endswith("decode B=1 53.000 ms (21.10x); launches: prefill 116 ops + 124 torch, "
                                        "decode B=1 84 ops + 1 torch")
     bad = tmp_path / "bad.json"

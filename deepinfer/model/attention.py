@@ -443,7 +443,8 @@ class Attention:
     def _prefill(self, x, q, kv, qr, ctx: StepContext, rope: tuple) -> torch.Tensor:
         """The prompt from position 0: window + selected compressed entries; rope: the tokens' (cos, sin), whose
         inverse the output gets (`_attend`). The index tables that depend only on the shapes (the window's, HCA's
-        with its visible entries, the ring slots) are made once a step per layer shape (`ctx.memo`)."""
+        with its visible entries, the ring slots) are made once a step per layer shape (`ctx.memo`) and held for
+        the step: 8 * (win + S / ratio) bytes a token, against the MB a token of `memory.prefill_token_bytes`."""
         B, S, _ = x.shape
         dev, win = x.device, self.win
         window = ctx.memo(("window_prefill", S, win, B),

@@ -52,8 +52,9 @@ def bench(r: dict) -> str:
              f"graph {num(pg.get('ttft_ms')):.1f} ms ({num(pg.get('ratio')):.2f}x; host "
              f"{num(pg.get('host_issue_ms')):.2f}, mode {pg.get('mode')}, error {pg.get('graph_error')})")
     pl, do = r.get("prefill_launches") or {}, r.get("decode_ops") or {}
-    launches = (f"; launches: prefill {pl['ops']} ops + {pl['torch_ops']} torch" if pl else "") + (
-        f", decode B={do['batch']} {do['ops_per_step']} ops + {do.get('torch_ops_per_step', '?')} torch" if do else "")
+    parts = ([f"prefill {pl['ops']} ops + {pl['torch_ops']} torch"] if pl else []) + (
+        [f"decode B={do['batch']} {do['ops_per_step']} ops + {do.get('torch_ops_per_step', '?')} torch"] if do else [])
+    launches = f"; launches: {', '.join(parts)}" if parts else ""
     return (f"TTFT eager {pf['ttft_ms']:.1f} ms ({pf['ratio']:.2f}x floor {pf['floor']['floor_ms']:.2f}; host "
             f"{num(pf.get('host_issue_ms')):.1f}, device {num(pf.get('device_ms')):.1f}); {graph}; decode {d}"
             f"{launches}{prefill_ops(r)}")
