@@ -32,7 +32,7 @@ def _counted_prefill(m, ids, row):
 def test_prefill_tables_once_a_step(tiny_dir):
     """deepinfer-tiny (layers swa, csa 4, hca 16, csa 4; 5 compressors of 2 ratios), a 40-token prefill: one
     `arange` per table kind (the positions, the window's two, the ring's, HCA's visible entries, each ratio's
-    positions and window starts), where every layer and compressor made its own (20), and at most 130 torch launches
+    positions and window starts), where every layer and compressor made its own (24), and at most 130 torch launches
     between the registry ops (208 when each made its own)."""
     m = _model()
     m.allocate(1, 48)
