@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.bench.glue import TorchGlue
+from deepinfer.bench.glue import counting
 from deepinfer.engine.loader import load_model
 from deepinfer.ops import ops
 
@@ -20,13 +20,9 @@ def _model(backend="torch", numerics="official", dtype="bfloat16"):
 
 
 def _counted_prefill(m, ids, row):
-    ops.count_calls(True)
-    try:
-        with TorchGlue() as glue:
-            logits, _ = m.prefill(ids, torch.tensor([row]), all_logits=True)
-    finally:
-        counts = ops.count_calls(False)
-    return logits, counts, glue
+    with counting() as n:
+        logits, _ = m.prefill(ids, torch.tensor([row]), all_logits=True)
+    return logits, n.ops, n.glue
 
 
 def test_prefill_tables_once_a_step(tiny_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,3 +80,24 @@ class TorchGlue(TorchDispatchMode):
     def by_site(self) -> dict[str, int]:
         """{"site op": calls}, most first."""
         return {f"{s} {o}": n for (s, o), n in self.counts.most_common()}
+
+
+class Launches:
+    """What `counting()` saw: `ops` {registry op: calls} (filled when the block ends) and `glue`, the TorchGlue."""
+
+    def __init__(self):
+        self.ops: dict = {}
+        self.glue = TorchGlue()
+
+
+@contextmanager
+def counting():
+    """Count the block's registry ops (`ops.count_calls`) and the torch launches between them (`TorchGlue`):
+    `with counting() as n: step()`, then n.ops and n.glue. Counting is off again when the block ends."""
+    n = Launches()
+    ops.count_calls(True)
+    try:
+        with n.glue:
+            yield n
+    finally:
+        n.ops = ops.count_calls(False) or {}

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from deepinfer.bench.glue import TorchGlue
+from deepinfer.bench.glue import counting
 from deepinfer.bench.rates import sync
 from deepinfer.bench.workload import WARMUP_STEPS, random_prompts
 from deepinfer.config import ModelConfig
@@ -222,15 +222,11 @@ def count_prefill_ops(model: Transformer, cfg: ModelConfig, P: int, device, seed
     rows = torch.zeros(1, dtype=torch.long, device=device)
     prompt = random_prompts(cfg, 1, P, seed + 3).to(device)
     model.prefill(prompt, rows=rows)  # warm-up: first-call paths stay out
-    ops.count_calls(True)
-    try:
-        with TorchGlue() as glue:
-            model.prefill(prompt, rows=rows)
-    finally:
-        counts = ops.count_calls(False) or {}
+    with counting() as n:
+        model.prefill(prompt, rows=rows)
     sync(device)
-    return {"tokens": P, "ops": sum(counts.values()), "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-            "torch_ops": glue.total, "torch_by_site": glue.by_site()}
+    return {"tokens": P, "ops": sum(n.ops.values()), "by_op": dict(sorted(n.ops.items(), key=lambda kv: -kv[1])),
+            "torch_ops": n.glue.total, "torch_by_site": n.glue.by_site()}
 
 
 def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, device, seed: int) -> dict:
@@ -250,13 +246,9 @@ def count_decode_ops(model: Transformer, cfg: ModelConfig, B: int, P: int, devic
     runner = DecodeRunner(model, B)
     runner.decode(ids[0], pos, rows)  # warm-up: first-call paths stay out
     step_pos = pos + 1  # made outside the count: the runner's caller owns it
-    ops.count_calls(True)
-    try:
-        with TorchGlue() as glue:
-            runner.decode(ids[1], step_pos, rows)
-    finally:
-        counts = ops.count_calls(False) or {}
+    with counting() as n:
+        runner.decode(ids[1], step_pos, rows)
     sync(device)
-    return {"batch": B, "ops_per_step": sum(counts.values()),
-            "by_op": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-            "torch_ops_per_step": glue.total, "torch_ops": glue.by_site()}
+    return {"batch": B, "ops_per_step": sum(n.ops.values()),
+            "by_op": dict(sorted(n.ops.items(), key=lambda kv: -kv[1])),
+            "torch_ops_per_step": n.glue.total, "torch_ops": n.glue.by_site()}

@@ -130,9 +130,10 @@ class Compressor:
         if L % r:
             new_kv[:, off:off + L % r], new_sc[:, off:off + L % r] = kv_seq[:, cutoff:], sc_seq[:, cutoff:]
         first_entry = w0 // r
-        if n and self.overlap:  # slots: previous window's first half | this window's second half
+        if n:
             kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
             scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
+        if n and self.overlap:  # slots: previous window's first half | this window's second half
             # window w0/r - 1: the state's overlap half, empty (weight 0) for a fresh sequence
             if fresh:
                 before_kv, before_sc = kv.new_zeros(B, 1, r, d), kv.new_full((B, 1, r, d), float("-inf"))
@@ -140,9 +141,6 @@ class Compressor:
                 before_kv, before_sc = st_kv[:, None, :r, :d], st_sc[:, None, :r, :d]
             kvw = torch.cat([torch.cat([before_kv, kvw[:, :-1, :, :d]], 1), kvw[..., d:]], 2)
             scw = torch.cat([torch.cat([before_sc, scw[:, :-1, :, :d]], 1), scw[..., d:]], 2)
-        elif n:
-            kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
-            scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
         self.kv_state[rows], self.score_state[rows] = new_kv, new_sc
         if n == 0:
             return first_entry, None
