@@ -571,6 +571,46 @@ def test_compress_decode(seed, overlap, r, D, out_dtype):
     check("compress_decode", score_state, ref_states[1])
 
 
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("overlap,r,D", [(True, 4, 24), (False, 16, 20), (True, 2, 130), (False, 1, 17)])
+@pytest.mark.parametrize("start,S,fresh", [(0, 11, True), (0, 11, False), (6, 13, False), (5, 1, False),
+                                           (8, 7, False), (0, 3, True)])
+def test_compress_prefill(seed, overlap, r, D, start, S, fresh):
+    """A prompt chunk's windows pooled and its carry-over stored: the pooled entries and both states (every slot of
+    every row, untouched rows included) equal the reference's. Chunks from position 0 (fresh: the rows' old state,
+    NaN here, is never read) and continuing ones inside a window and at a window's start, chunks that complete
+    several windows, one, or none (the old overlap half then stays); kv and score are the two halves of one
+    [B, S, 2·C2] projection (strided rows), as the compressor passes them; bf16 entries for the CSA case."""
+    g = gen(seed)
+    coff = 2 if overlap else 1
+    B, R, C2 = 2, 4, coff * D
+    kv_state, score_state = randn(g, R, coff * r, C2), randn(g, R, coff * r, C2, scale=2.0)
+    rows = torch.randperm(R, generator=g)[:B].to(DEV)
+    score_state[rows[1], :r] = float("-inf")  # an empty half (a sequence's first window)
+    if fresh:
+        kv_state[rows], score_state[rows] = float("nan"), float("nan")
+    proj = torch.cat([randn(g, B, S, C2), randn(g, B, S, C2, scale=2.0)], -1)
+    out_dtype = torch.bfloat16 if overlap and r == 4 else torch.float32
+    args = (proj[..., :C2], proj[..., C2:], randn(g, r, C2), start, rows)
+    ref_states = (kv_state.clone(), score_state.clone())
+    ref = REGISTRY["compress_prefill"].ref(*args, *ref_states, overlap, fresh, out_dtype)
+    assert ref.shape == (B, (start % r + S) // r, D) and ref.dtype == out_dtype
+    with poisoned():
+        out = REGISTRY["compress_prefill"].impls["triton"](*args, kv_state, score_state, overlap, fresh, out_dtype)
+    check("compress_prefill", out, ref)
+    for got, want in zip((kv_state, score_state), ref_states):
+        assert torch.equal(got[rows], want[rows]), (got[rows] - want[rows]).abs().max()  # copies: bit for bit
+        assert torch.equal(got.isnan(), want.isnan()) and not got[rows].isnan().any()
+
+
+def test_compress_prefill_refuses_a_fresh_chunk_past_zero():
+    kv = torch.zeros(1, 4, 8, device=DEV)
+    st = torch.zeros(1, 4, 8, device=DEV)
+    for impl in (REGISTRY["compress_prefill"].ref, REGISTRY["compress_prefill"].impls["triton"]):
+        with pytest.raises(ValueError, match="fresh chunk starts at position 0, not 4"):
+            impl(kv, kv, torch.zeros(4, 8, device=DEV), 4, torch.tensor([0], device=DEV), st, st.clone(), False, True)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("slots,D", [(5, 20), (8, 300), (1, 16)])
 def test_compress_pool(seed, slots, D):

@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from deepinfer_kernels.triton import attention, gemm, mhc, moe_grouped, moe_prefill, norm, quant, sampling  # noqa: E402
-from deepinfer_kernels.triton import rope, speculative  # noqa: E402
+from deepinfer_kernels.triton import compressor, rope, speculative  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -85,6 +85,11 @@ _NR_TYPES = {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": 
              "eps": "fp32", "cache_ptr": "*bf16", "cacher_ptr": "*bf16", "rows_ptr": "*i64", "slots_ptr": "*i64",
              **_ints("N", "XS", "H", "CS", "SS", "HALF", "s_c0", "s_c1", "ES", "ROFF", "NOPE", "NB")}
 _NR_CONSTS = {"HAS_W": True, "BLOCK": 512, "BR": 32}
+
+_CP_TYPES = {"kv_ptr": "*fp32", "sc_ptr": "*fp32", "ape_ptr": "*fp32", "rows_ptr": "*i64", "skv_ptr": "*fp32",
+             "ssc_ptr": "*fp32", "y_ptr": "*bf16",
+             **_ints("n", "part", "L", "r", "D", "C2", "SLOTS_ST", "KV_BS", "KV_SS", "SC_BS", "SC_SS", "OFF")}
+_CP_ODD = ("n", "part", "L", "r", "SLOTS_ST", "OFF")  # a prompt's window count and phase, the ratio's slot counts
 
 CASES = {
     "sample": lambda: _sig(sampling._sample_kernel, {
@@ -170,6 +175,19 @@ CASES = {
                                                           "scale": "fp32"},
                                  {"N": 128, "LOGN": 7, "BM": 64, "ITERS": 1, "SPLIT": False, "NATIVE": True,
                                   "FP4": 32}),
+    # a prompt's compressor windows pooled (compress_pool: CSA at flash, 8 slots x 512 channels) and the one-op
+    # form that gathers them from the projections and the state (compress_prefill: its pooling for CSA, fresh and
+    # continued, then its state store for CSA and HCA)
+    "compress_pool": lambda: _sig(compressor._compress_pool_kernel, {
+        "kv_ptr": "*fp32", "sc_ptr": "*fp32", "y_ptr": "*fp32", **_ints("SLOTS", "D")}, {"BS": 8, "BD": 512}),
+    "compress_prefill_pool": lambda: _sig(compressor._compress_prefill_pool_kernel, _CP_TYPES,
+                                          {"OVERLAP": True, "FRESH": True, "BS": 8, "BD": 512}, odd=_CP_ODD),
+    "compress_prefill_pool_cont": lambda: _sig(compressor._compress_prefill_pool_kernel, _CP_TYPES,
+                                               {"OVERLAP": True, "FRESH": False, "BS": 8, "BD": 512}, odd=_CP_ODD),
+    "compress_prefill_state": lambda: _sig(compressor._compress_prefill_state_kernel, _CP_TYPES,
+                                           {"FRESH": True, "BS": 8, "BC": 256}, odd=_CP_ODD),
+    "compress_prefill_state_hca": lambda: _sig(compressor._compress_prefill_state_kernel, _CP_TYPES,
+                                               {"FRESH": False, "BS": 128, "BC": 16}, odd=_CP_ODD),
     # a decode step's position tables (flash: rope_head_dim 64, the CSA and HCA ratios 4 and 128), B = 1
     "decode_tables": lambda: _sig(rope._decode_tables_kernel, {
         "pos_ptr": "*i64", "main_ptr": "*fp32", "comp_ptr": "*fp32", "cs_ptr": "*fp32", "idx_ptr": "*i64",

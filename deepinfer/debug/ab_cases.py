@@ -164,6 +164,7 @@ COMPARE: dict[str, CompareSpec] = {
     "kv_store": CompareSpec(inplace=(0,)),
     "rms_norm_rope_store": CompareSpec(inplace=(6,)),  # y, then the cache
     "compress_decode": CompareSpec(inplace=(5, 6)),  # the pooled entry, then both states
+    "compress_prefill": CompareSpec(inplace=(5, 6)),  # the pooled windows, then both states
     "fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 2), tc_rel=TC_REL),  # (a, a_s, w, w_s)
     "act_quant_fp8_gemm": CompareSpec(abs_args=_abs_gemm(0, 1), tc_rel=TC_REL),  # (x, w, w_s)
     "grouped_gemm": CompareSpec(abs_args=_abs_gemm(0, 3), tc_rel=TC_REL),  # (a, a_s, e, w, w_s)
@@ -332,6 +333,29 @@ def build_compress_pool(d: Dims, phase: str, g, device):
     score = torch.randn(B, W, slots, d.head_dim, generator=g) * 3
     score[:, 0, : d.ratio] = float("-inf")  # the first window has no previous half: -inf slots
     return [Variant("csa", (kv.to(device), score.to(device)), {})]
+
+
+def build_compress_prefill(d: Dims, phase: str, g, device):
+    """A prompt chunk through the CSA (overlapping, ratio r) and HCA-like (one window of 4r) compressors: a fresh
+    prompt from position 0 (the rows' old state never read) and a chunk continuing one mid-window, over a state of
+    B + 2 rows. The decode phase runs a short chunk (a few tokens: speculative verify and extend sizes)."""
+    B, S = (1, max(3, d.ratio + 1)) if phase == "decode" else _bs(d, phase)
+    out = []
+    for name, overlap, r in (("csa", True, d.ratio), ("hca", False, 4 * d.ratio)):
+        coff = 2 if overlap else 1
+        C2 = coff * d.head_dim
+        R = B + 2
+        rows = torch.randperm(R, generator=g)[:B]
+        proj = torch.randn(B, S, 2 * C2, generator=g)
+        proj[..., C2:] *= 2
+        for start, fresh in ((0, True), (r + r // 2 + 1, False)):
+            kv_state = torch.randn(R, coff * r, C2, generator=g)
+            score_state = torch.randn(R, coff * r, C2, generator=g) * 2
+            score_state[rows[0], :r] = float("-inf")  # the sequence's first window: no previous half
+            args = (proj[..., :C2].to(device), proj[..., C2:].to(device), torch.randn(r, C2, generator=g).to(device),
+                    start, rows.to(device), kv_state.to(device), score_state.to(device), overlap, fresh)
+            out.append(Variant(f"{name}_{'fresh' if fresh else 'continued'}", args, {}))
+    return out
 
 
 def build_compress_decode(d: Dims, phase: str, g, device):

@@ -83,20 +83,19 @@ class Compressor:
         """
         return self._pool(x, start, rows, ctx, fresh=False)[0]
 
-    def _chunk_tables(self, ctx, start: int, S: int, B: int) -> tuple:
-        """The position tables of a prompt chunk at start .. start+S-1 for this ratio, made once a step and
-        shared by every compressor of the ratio (`ctx.memo`): (pos % ratio [S], the (cos, sin) [B, n, rd/2] at
-        the first positions of the n windows the chunk completes, or None when it completes none)."""
+    def _window_rope(self, ctx, start: int, S: int, B: int):
+        """The (cos, sin) [B, n, rd/2] at the first positions of the n windows a prompt chunk at start ..
+        start+S-1 completes for this ratio, or None when it completes none: made once a step and shared by every
+        compressor of the ratio (`ctx.memo`)."""
         r = self.ratio
 
         def make():
-            pos = torch.arange(start, start + S, device=ctx.positions.device)
             part = start % r
             n = (part + S) // r
             if not n:
-                return pos % r, None
-            first = (start - part + torch.arange(n, device=pos.device) * r).unsqueeze(0).expand(B, n)
-            return pos % r, ctx.rope.get("compress", first)
+                return None
+            first = (start - part + torch.arange(n, device=ctx.positions.device) * r).unsqueeze(0).expand(B, n)
+            return ctx.rope.get("compress", first)
 
         return ctx.memo(("compress_chunk", r, start, S, B), make)
 
@@ -105,47 +104,15 @@ class Compressor:
         [B, n, ·] or None when it completes none). fresh: rows start a new sequence (start 0): their state is
         empty (zeros, -inf scores) whatever it holds, so it is neither reset nor read, only written."""
         B, S = x.size(0), x.size(1)
-        r, d = self.ratio, self.d
         kv, score = self._project(x)  # [B, S, coff*d]
-        off = r if self.overlap else 0
-        st_kv, st_sc = (None, None) if fresh else (self.kv_state[rows], self.score_state[rows])
-        # the sequence from the current window's first position w0: carried partial window + the tokens
-        w0, part = start - start % r, start % r
-        phase, rope_first = self._chunk_tables(ctx, start, S, B)
-        kv_seq, sc_seq = kv, score + self.ape[phase]  # the state's scores already have ape
-        if part:
-            kv_seq = torch.cat([st_kv[:, off:off + part], kv_seq], 1)
-            sc_seq = torch.cat([st_sc[:, off:off + part], sc_seq], 1)
-        L = part + S
-        n = L // r  # windows completed here
-        cutoff = n * r
-        shape = self.kv_state.shape[1:]
-        new_kv = kv.new_zeros(B, *shape)
-        new_sc = kv.new_full((B, *shape), float("-inf"))
-        if self.overlap:  # next window's overlap half: the last complete window's slots (or the old one)
-            if n:
-                new_kv[:, :r], new_sc[:, :r] = kv_seq[:, cutoff - r:cutoff], sc_seq[:, cutoff - r:cutoff]
-            elif not fresh:
-                new_kv[:, :r], new_sc[:, :r] = st_kv[:, :r], st_sc[:, :r]
-        if L % r:
-            new_kv[:, off:off + L % r], new_sc[:, off:off + L % r] = kv_seq[:, cutoff:], sc_seq[:, cutoff:]
-        first_entry = w0 // r
-        if n:
-            kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
-            scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
-        if n and self.overlap:  # slots: previous window's first half | this window's second half
-            # window w0/r - 1: the state's overlap half, empty (weight 0) for a fresh sequence
-            if fresh:
-                before_kv, before_sc = kv.new_zeros(B, 1, r, d), kv.new_full((B, 1, r, d), float("-inf"))
-            else:
-                before_kv, before_sc = st_kv[:, None, :r, :d], st_sc[:, None, :r, :d]
-            kvw = torch.cat([torch.cat([before_kv, kvw[:, :-1, :, :d]], 1), kvw[..., d:]], 2)
-            scw = torch.cat([torch.cat([before_sc, scw[:, :-1, :, :d]], 1), scw[..., d:]], 2)
-        self.kv_state[rows], self.score_state[rows] = new_kv, new_sc
+        # the windows the chunk completes, pooled, and the carry-over (overlap half, partial window) in the state:
+        # one op (two launches on Triton) where the assembly of the windows was ~17 torch launches
+        pooled = ops.compress_prefill(kv, score, self.ape, start, rows, self.kv_state, self.score_state,
+                                      self.overlap, fresh, out_dtype=self.numerics.dtype)
+        first_entry, n = start // self.ratio, pooled.size(1)
         if n == 0:
             return first_entry, None
-        pooled = ops.compress_pool(kvw, scw)
-        entries = self._encode(self._finish(pooled, *rope_first))
+        entries = self._encode(self._finish(pooled, *self._window_rope(ctx, start, S, B)))
         self.cache[rows, first_entry:first_entry + n] = entries
         return first_entry + n, entries
 

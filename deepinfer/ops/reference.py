@@ -386,6 +386,65 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return (kv.float() * score.float().softmax(dim=2)).sum(dim=2)
 
 
+@defop("compress_prefill")
+def compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, start: int, rows: torch.Tensor,
+                     kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool, fresh: bool = False,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A prompt chunk through a compressor's windows: the windows it completes pooled, the carry-over stored.
+
+    kv, score [B, S, coff·d] float32: the chunk's wkv / wgate projections at positions start .. start+S-1
+    (coff = 2 if `overlap`; rows may be strided views, e.g. the two halves of one fused projection);
+    ape [r, coff·d] the window-position bias (a token at position p scores + ape[p % r]); rows [B] state rows;
+    kv_state, score_state [R, coff·r, coff·d] float32: row rows[b] holds what precedes `start` (with `overlap`,
+    slots 0..r-1 the previous window's, then from slot r the current window's first start % r tokens; else those
+    from slot 0; empty slots kv 0 and score -inf). fresh: start is 0 and the rows' state is neither read nor
+    reset, only written (a new sequence, whatever the row held). The rows' state is replaced by the carry-over
+    after the chunk, as one pass over the whole prompt would leave it.
+    Returns [B, n, d] in `out_dtype` (pooled in float32, then cast), n = (start % r + S) // r: `compress_pool`
+    of each window the chunk completes (overlap: the previous window's r slots of the first d channels, then
+    the window's r slots of the last d channels -- an empty previous window for the first; else its r slots).
+    """
+    B, S = kv.shape[:2]
+    r = ape.size(0)
+    d = kv.size(-1) // (2 if overlap else 1)
+    off = r if overlap else 0
+    w0, part = start - start % r, start % r
+    if fresh and start:
+        raise ValueError(f"compress_prefill: a fresh chunk starts at position 0, not {start}")
+    phase = torch.arange(start, start + S, device=kv.device) % r
+    kv_seq, sc_seq = kv.float(), score.float() + ape.float()[phase]  # the state's scores already have ape
+    st_kv, st_sc = (None, None) if fresh else (kv_state[rows], score_state[rows])
+    if part:  # the sequence from the current window's first position w0: carried partial window + the tokens
+        kv_seq = torch.cat([st_kv[:, off:off + part], kv_seq], 1)
+        sc_seq = torch.cat([st_sc[:, off:off + part], sc_seq], 1)
+    L = part + S
+    n = L // r  # windows completed here
+    cutoff = n * r
+    new_kv = kv_seq.new_zeros(B, *kv_state.shape[1:])
+    new_sc = kv_seq.new_full((B, *kv_state.shape[1:]), float("-inf"))
+    if overlap:  # next window's overlap half: the last complete window's slots (or the old one)
+        if n:
+            new_kv[:, :r], new_sc[:, :r] = kv_seq[:, cutoff - r:cutoff], sc_seq[:, cutoff - r:cutoff]
+        elif not fresh:
+            new_kv[:, :r], new_sc[:, :r] = st_kv[:, :r], st_sc[:, :r]
+    if L % r:
+        new_kv[:, off:off + L % r], new_sc[:, off:off + L % r] = kv_seq[:, cutoff:], sc_seq[:, cutoff:]
+    kv_state[rows], score_state[rows] = new_kv, new_sc
+    if n == 0:
+        return kv_seq.new_zeros(B, 0, d).to(out_dtype)
+    kvw = kv_seq[:, :cutoff].unflatten(1, (n, r))
+    scw = sc_seq[:, :cutoff].unflatten(1, (n, r))
+    if overlap:  # slots: previous window's first half | this window's second half
+        # window w0/r - 1: the state's overlap half, empty (weight 0) for a fresh sequence
+        if fresh:
+            before_kv, before_sc = kvw.new_zeros(B, 1, r, d), kvw.new_full((B, 1, r, d), float("-inf"))
+        else:
+            before_kv, before_sc = st_kv[:, None, :r, :d], st_sc[:, None, :r, :d]
+        kvw = torch.cat([torch.cat([before_kv, kvw[:, :-1, :, :d]], 1), kvw[..., d:]], 2)
+        scw = torch.cat([torch.cat([before_sc, scw[:, :-1, :, :d]], 1), scw[..., d:]], 2)
+    return compress_pool(kvw, scw).to(out_dtype)
+
+
 @defop("compress_decode")
 def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
                     kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool,

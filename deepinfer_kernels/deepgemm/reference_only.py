@@ -18,6 +18,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "rope": _NO_KERNEL,
     "rms_norm_rope": _NO_KERNEL,
     "compress_pool": _NO_KERNEL,
+    "compress_prefill": _NO_KERNEL,
     "compress_decode": _NO_KERNEL,
     "indexer_scores": "DeepGEMM's fp8_mqa_logits takes FP8 q and per-row scaled FP8 keys; V4's indexer scores its "
                       "FP4-QAT q and keys in bf16 (model.py): another contract",

@@ -26,6 +26,7 @@ REFERENCE_ONLY: dict[str, str] = {
             "rotates one tensor by given cos/sin, also inversely",
     "rms_norm_rope": f"{_NO_KERNEL} (the q/kv head norms, then RoPE)",
     "compress_pool": f"{_NO_KERNEL} (the compressor's softmax-gated pooling)",
+    "compress_prefill": f"{_NO_KERNEL} (the compressor's prompt windows and carried state)",
     "compress_decode": f"{_NO_KERNEL} (the compressor's decode state update)",
     "indexer_scores": "FlagGems' DSA indexer (triton_lighting_indexer_k_tiled) is V3.2's ragged layout "
                       "(cu_seqlen ranges over one flat key list, fp32 logits); ours is [B, S, T] against a batched "

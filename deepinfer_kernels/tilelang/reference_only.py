@@ -20,6 +20,7 @@ REFERENCE_ONLY: dict[str, str] = {
     "rope": f"{_MODEL_PY} (apply_rotary_emb)",
     "rms_norm_rope": f"{_MODEL_PY} (the q/kv norms, then apply_rotary_emb)",
     "compress_pool": f"{_MODEL_PY} (Compressor: softmax-gated pooling)",
+    "compress_prefill": f"{_MODEL_PY} (Compressor.forward over a prompt: window assembly, pooling, carried state)",
     "compress_decode": f"{_MODEL_PY} (Compressor's decode state update)",
     "topk_indices": f"{_MODEL_PY} (the indexer's torch.topk)",
     "decode_tables": f"{_MODEL_PY} (each layer gathers its own freqs_cis rows: no kernel of its own)",
