@@ -40,6 +40,7 @@ from deepinfer.ops.registry import implement
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
+from ._common import cdiv
 from ._common import INTERPRET as _INTERPRET
 from ._common import e8m0_f32, p2, pdl, pdl_wait, rows_2d
 from ._common import sms as _sms
@@ -240,15 +241,15 @@ def _plan(tokens: int, H: int, BD: int, KSEL: int, fp32_dots: bool, sms: int):
     prefill tiles")."""
     BH, BK, nw, ns = _tiles(H, BD, tokens, fp32_dots)
     min_tiles = 2
-    if tokens * triton.cdiv(H, 64) < LATENCY_TOKENS and KSEL <= LATENCY_MAX_SLOTS:
+    if tokens * cdiv(H, 64) < LATENCY_TOKENS and KSEL <= LATENCY_MAX_SLOTS:
         BH, BK, nw = max(1, min(BH, LATENCY_TILES[0])), min(BK, LATENCY_TILES[1]), LATENCY_TILES[2]
         min_tiles = 1
-    progs = tokens * triton.cdiv(H, BH)
+    progs = tokens * cdiv(H, BH)
     splits = 1
     if progs < 2 * sms and KSEL > min_tiles * BK:
-        splits = min(triton.cdiv(2 * sms, progs), triton.cdiv(KSEL, min_tiles * BK))
-    chunk = triton.cdiv(triton.cdiv(KSEL, splits), BK) * BK if KSEL else BK
-    return BH, BK, nw, ns, max(1, triton.cdiv(KSEL, chunk)), chunk
+        splits = min(cdiv(2 * sms, progs), cdiv(KSEL, min_tiles * BK))
+    chunk = cdiv(cdiv(KSEL, splits), BK) * BK if KSEL else BK
+    return BH, BK, nw, ns, max(1, cdiv(KSEL, chunk)), chunk
 
 
 def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope=None, q_norm=None):
@@ -264,7 +265,7 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope
         return o
     BD = max(16, p2(D))
     BH, BK, nw, ns, splits, chunk = _plan(B * S, H, BD, KSEL, ieee and not _INTERPRET, _sms(q.device))
-    hbs = triton.cdiv(H, BH)
+    hbs = cdiv(H, BH)
     meta = dict(BH=BH, BK=BK, BD=BD, IEEE=ieee, SPLIT=splits > 1, PACKED=kvr is not None, num_warps=nw,
                 num_stages=ns)
     kvr = kv if kvr is None else kvr
@@ -292,7 +293,7 @@ def _launch(q, kv, kvr, sink, idx, scale, N, ieee, packed=(0, 0, 0, 0), out_rope
         cos, sin, rd = out_rope
         cos, sin = rows_2d(cos, rd // 2), rows_2d(sin, rd // 2)  # [B·S, rd/2] rows of the gathered tables
         rope = (cos, sin, cos.stride(0), sin.stride(0), (D - rd) // 2, rd // 2)
-    _sparse_attn_combine_kernel[(B * S, triton.cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits, *rope,
+    _sparse_attn_combine_kernel[(B * S, cdiv(H, BHc))](ml, acc, sink, o, B * S, H, D, splits, *rope,
                                                               BH=BHc, BD=BD, BSP=BSP, ROPE=out_rope is not None,
                                                               num_warps=4, **pdl())
     return o
@@ -385,6 +386,6 @@ def decode_slots(pos: torch.Tensor, rows: torch.Tensor, win: int, n_slots: int, 
     if B and L:
         BL = min(1024, p2(L))
         ent = entries if entries is not None else out
-        _decode_slots_kernel[(B, triton.cdiv(L, BL))](pos, rows, ent, out, win, n_slots, K, L, ent.stride(0),
+        _decode_slots_kernel[(B, cdiv(L, BL))](pos, rows, ent, out, win, n_slots, K, L, ent.stride(0),
                                                       max(int(ratio), 1), MODE=mode, BL=BL, **pdl())
     return out

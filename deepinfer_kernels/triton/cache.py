@@ -11,6 +11,7 @@ import triton.language as tl
 from deepinfer.ops.registry import implement
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
 
+from ._common import cdiv
 from ._common import e8m0_f32, p2, pdl, pdl_wait, quant_e4m3_rows
 
 
@@ -62,7 +63,7 @@ def kv_store(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, value
         return None
     values = values.reshape(M, D).contiguous()
     BD = min(p2(D), 1024)
-    _kv_store_kernel[(M, triton.cdiv(D, BD))](cache, rows.contiguous(), slots.contiguous(), values,
+    _kv_store_kernel[(M, cdiv(D, BD))](cache, rows.contiguous(), slots.contiguous(), values,
                                               cache.size(1), D, cache.stride(0), cache.stride(1), BD=BD,
                                               **pdl())
     return None

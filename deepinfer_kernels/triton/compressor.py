@@ -9,6 +9,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import p2, pdl, pdl_wait, unit_last_stride
 
 
@@ -51,7 +52,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     if B * W == 0 or D == 0:
         return y
     BS, BD = _pool_tile(SL, D)
-    _compress_pool_kernel[(B * W, triton.cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD, **pdl())
+    _compress_pool_kernel[(B * W, cdiv(D, BD))](kv, score, y, SL, D, BS=BS, BD=BD, **pdl())
     return y
 
 
@@ -173,12 +174,12 @@ def compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, s
     strides = (coff * r, kv.stride(0), kv.stride(1), score.stride(0), score.stride(1))
     if n:
         BS, BD = _pool_tile(coff * r, D)
-        _compress_prefill_pool_kernel[(B * n, triton.cdiv(D, BD))](
+        _compress_prefill_pool_kernel[(B * n, cdiv(D, BD))](
             kv, score, ape, rows, kv_state, score_state, y, n, part, r, D, C2, *strides, off, OVERLAP=bool(overlap),
             FRESH=bool(fresh), BS=BS, BD=BD, **pdl())
     BS = p2(coff * r)
     BC = max(16, min(p2(C2), 2048 // BS))
-    _compress_prefill_state_kernel[(B, triton.cdiv(C2, BC))](
+    _compress_prefill_state_kernel[(B, cdiv(C2, BC))](
         kv, score, ape, rows, kv_state, score_state, n, part, L, r, C2, *strides, off, FRESH=bool(fresh), BS=BS,
         BC=BC, **pdl())
     return y
@@ -261,7 +262,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     kv, score = unit_last_stride(kv.float()), unit_last_stride(score.float())
     BS = p2(r)
     BD = max(16, min(p2(D), 2048 // BS))
-    _compress_decode_kernel[(B, triton.cdiv(D, BD))](
+    _compress_decode_kernel[(B, cdiv(D, BD))](
         kv, score, ape.float().contiguous(), pos.contiguous(), rows.contiguous(), kv_state, score_state, y,
         coff * r, C2, D, r, kv.stride(0), score.stride(0), OVERLAP=bool(overlap), BS=BS, BD=BD, **pdl())
     return y

@@ -62,6 +62,7 @@ from deepinfer.quant.grouped import grouped_bmm
 
 from . import gemm_vendor
 from .quant import act_quant
+from ._common import cdiv, next_power_of_2
 from ._common import INTERPRET as _INTERPRET
 from ._common import dot_f32, e8m0_f32, pdl, pdl_wait, split_buffers, splitk_store, tma_ok, weight_scale_arg
 from ._common import quant_e4m3_rows
@@ -79,13 +80,13 @@ least MIN_KB_PER_SPLIT 128-K blocks."""
 
 def _config(M: int, N: int, K: int, device: torch.device):
     """(BM, BN, GROUP_M, splits, K blocks per split, num_warps, num_stages) for C[M, N] with BK = 128."""
-    nkb = triton.cdiv(K, 128)
+    nkb = cdiv(K, 128)
     if M <= 64:
-        BM, BN = max(16, triton.next_power_of_2(M)), 64
-        tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-        splits = max(1, min(nkb // MIN_KB_PER_SPLIT, triton.cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), tiles)))
-        per = triton.cdiv(nkb, splits)
-        return BM, BN, 1, triton.cdiv(nkb, per), per, 4, 3
+        BM, BN = max(16, next_power_of_2(M)), 64
+        tiles = cdiv(M, BM) * cdiv(N, BN)
+        splits = max(1, min(nkb // MIN_KB_PER_SPLIT, cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), tiles)))
+        per = cdiv(nkb, splits)
+        return BM, BN, 1, cdiv(nkb, per), per, 4, 3
     BM = 64 if M <= 128 else 128
     return BM, 128, 8, 1, nkb, 8, 3
 
@@ -208,7 +209,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
         mode = gemm_vendor.mode()
         BM, BN, GM, nw, ns = TMA_TILES_F16 if mode == "exact-wgmma" else TMA_TILES
         ad, wd = TensorDescriptor.from_tensor(a, [BM, 128]), TensorDescriptor.from_tensor(w, [BN, 128])
-        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        grid = (cdiv(M, BM) * cdiv(N, BN),)
         _fp8_gemm_tma_kernel[grid](ad, a_s, wd, w_s, c, M, N, K, a_s.size(1), w_s.size(1),
                                    BM=BM, BN=BN, GROUP_M=GM, EXACT=mode == "exact", F16=mode == "exact-wgmma",
                                    num_warps=nw, num_stages=ns, **pdl())
@@ -216,7 +217,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
     if BN == 128 and M > 64:
         ns = 4  # 2 x 16 KB of fp8 operands per stage
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    grid = (cdiv(M, BM) * cdiv(N, BN), splits)
     part, cnt = split_buffers(c, splits, grid[0])
     _fp8_gemm_kernel[grid](a, a_s, w, w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, num_warps=nw, num_stages=ns,
@@ -237,7 +238,7 @@ def act_quant_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
     x, w, w_s = x.contiguous(), w.contiguous(), w_s.float().contiguous()
     c = torch.empty(M, N, dtype=out_dtype, device=x.device)
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, x.device)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    grid = (cdiv(M, BM) * cdiv(N, BN), splits)
     part, cnt = split_buffers(c, splits, grid[0])
     _fp8_gemm_kernel[grid](x, x, w, w_s, c, part, cnt, M, N, K, K // 128, w_s.size(1), per,
                            BM=BM, BN=BN, BK=128, GROUP_M=GM, SPLIT=splits > 1, QUANT_A=True, num_warps=nw,
@@ -307,7 +308,7 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Ten
     if M == 0 or N == 0:
         return c
     BM, BN, GM, splits, per, nw, ns = _config(M, N, K, a.device)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), splits)
+    grid = (cdiv(M, BM) * cdiv(N, BN), splits)
     part, cnt = split_buffers(c, splits, grid[0])
     _fp4_gemm_kernel[grid](a, a_s, w.view(torch.uint8), w_s, c, part, cnt, M, N, K, a_s.size(1), w_s.size(1), per,
                            BM=BM, BN=BN, GROUP_M=GM, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0,
@@ -410,7 +411,7 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
         x = x.contiguous()
     if T > W8_TILED_MAX_M or R % 16:  # prefill (or groups no 16-row tile divides): dequantise once, cuBLAS bmm
         wd = torch.empty(N, K, dtype=x.dtype, device=x.device)
-        _fp8_dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, w_s, wd, N, K, w_s.size(1), BN=64, BK=128,
+        _fp8_dequant_kernel[(cdiv(N, 64), cdiv(K, 128))](w, w_s, wd, N, K, w_s.size(1), BN=64, BK=128,
                                                                        **pdl())
         return grouped_bmm(x, wd.view(G, R, K))
     y = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
@@ -420,9 +421,9 @@ def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor) -> t
     if T <= 64:  # decode: split K as the FP8 decode GEMM does (~2 programs per SM)
         BM, _, _, splits, per, _, _ = _config(T, N, K, x.device)
     else:
-        BM, splits, per = 64, 1, triton.cdiv(K, 128)
+        BM, splits, per = 64, 1, cdiv(K, 128)
     c = y.view(T, N)
-    grid = (triton.cdiv(T, BM) * triton.cdiv(N, BN), splits)
+    grid = (cdiv(T, BM) * cdiv(N, BN), splits)
     part, cnt = split_buffers(c, splits, grid[0])
     dot16 = x.dtype in (torch.bfloat16, torch.float16) and not (_INTERPRET and x.dtype == torch.bfloat16)
     _fp8w_group_kernel[grid](x, w, w_s, c, part, cnt, T, N, K, R, x.stride(0), x.stride(1), w_s.size(1), per,

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import key_index, p2, pdl, pdl_wait, round_bf16, sort_key
 
 
@@ -78,7 +79,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torc
     # not T/32; the whole head dim (<= 128) per step
     BT = max(16, min(p2(T), 8192 // BH, 128))
     BD = max(16, min(p2(D), 128))
-    _indexer_scores_kernel[(B * S, triton.cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, float(w_scale), BH=BH,
+    _indexer_scores_kernel[(B * S, cdiv(T, BT))](q, k, w, out, rows_t, S, H, T, D, float(w_scale), BH=BH,
                                                         BT=BT, BD=BD, IEEE=ieee, ROWS=rows is not None,
                                                         BF16=rounding == "bf16", num_warps=4,
                                                         **pdl())
@@ -155,7 +156,7 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
     sc = scores.contiguous()
     nv = n_valid.to(torch.int64).contiguous()
     if rows * T * T <= RANK_MAX_COMPARES:
-        _topk_rank_kernel[(rows, triton.cdiv(max(T, k), RANK_BI))](sc, nv, out, T, k, BI=RANK_BI, BJ=RANK_BJ,
+        _topk_rank_kernel[(rows, cdiv(max(T, k), RANK_BI))](sc, nv, out, T, k, BI=RANK_BI, BJ=RANK_BJ,
                                                                    **pdl())
         return out
     KP = p2(k)
@@ -168,13 +169,13 @@ def topk_indices(scores: torch.Tensor, k: int, n_valid: torch.Tensor) -> torch.T
         _topk_round_kernel[(rows, 1)](sc, nv, out, out, T, 0, k, FROM_SCORES=True, FINAL=True, C=Cf, KP=KP,
                                       **pdl())
         return out
-    nch = triton.cdiv(T, C)
+    nch = cdiv(T, C)
     cand = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
     _topk_round_kernel[(rows, nch)](sc, nv, cand, out, T, nch * KP, k, FROM_SCORES=True, FINAL=False, C=C, KP=KP,
                                     **pdl())
     n = nch * KP
     while n > C:
-        nch = triton.cdiv(n, C)
+        nch = cdiv(n, C)
         nxt = torch.empty(rows, nch * KP, dtype=torch.int64, device=scores.device)
         _topk_round_kernel[(rows, nch)](cand, nv, nxt, out, n, nch * KP, k, FROM_SCORES=False, FINAL=False, C=C, KP=KP,
                                         **pdl())

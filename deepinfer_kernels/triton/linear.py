@@ -36,6 +36,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import INTERPRET as _INTERPRET
 from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_buffers, split_k, splitk_store, tf32_exact
 
@@ -161,8 +162,8 @@ def _gemv(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     BM = max(2, p2(M))
     BK = max(16, min(p2(K), 128))
     BN = max(2, min(p2(N), 8192 // (BM * BK)))
-    n_tiles = triton.cdiv(N, BN)
-    per, ns = split_k(triton.cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
+    n_tiles = cdiv(N, BN)
+    per, ns = split_k(cdiv(K, BK), n_tiles, GEMV_PROGRAMS_PER_SM * sms(x2.device))
     ws, cnt = split_buffers(y, ns, n_tiles)
     _linear_gemv_kernel[(n_tiles, ns)](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK,
                                        W_TO_X=y.dtype == x2.dtype, DIRECT=ns == 1, **pdl())
@@ -185,9 +186,9 @@ def _tiled(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     M, K = x2.shape
     N = w.size(0)
     BM, BN, BK, nw, stages = _tile_config(M, N, K)
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    per, ns = split_k(triton.cdiv(K, BK), tiles, 2 * sms(x2.device))
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), ns)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    per, ns = split_k(cdiv(K, BK), tiles, 2 * sms(x2.device))
+    grid = (cdiv(M, BM), cdiv(N, BN), ns)
     native = _native(x2, w, y)
     ws, cnt = split_buffers(y, ns, tiles)
     _linear_kernel[grid](x2, w, y, ws, cnt, M, N, K, per * BK, BM=BM, BN=BN, BK=BK, F32=not native,
@@ -216,7 +217,7 @@ def _head_form(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
         return False
     if x2.dtype == torch.float32:
         return True
-    return x2.dtype == torch.bfloat16 and triton.cdiv(w.size(0), 128) >= 2 * sms(x2.device)
+    return x2.dtype == torch.bfloat16 and cdiv(w.size(0), 128) >= 2 * sms(x2.device)
 
 
 @implement("linear", "triton")
@@ -238,7 +239,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
             # LM head tiles"); fp32 x keeps 64-deep steps, 3 stages (its x tile is twice the bytes: at 64 rows
             # a 128-deep stage is 64 KB, so 4 stages exceed the 228 KB of shared memory -- not measured)
             BN, BK, ns = (128, 128, 4) if x2.dtype == torch.bfloat16 else (128, 64, 3)
-            _linear_x3_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
+            _linear_x3_kernel[(cdiv(N, BN), cdiv(M, BM))](
                 x2, w, y, M, N, K, BM=BM, BN=BN, BK=BK, DOT_BF16=not _INTERPRET,
                 X_BF16=x2.dtype == torch.bfloat16, num_warps=4, num_stages=ns, **pdl())
         elif M <= GEMV_MAX_M and (not _native(x2, w, y) or (_INTERPRET and x2.dtype == torch.bfloat16)):

@@ -35,6 +35,7 @@ from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import norm
 from .moe import combined_row
+from ._common import cdiv
 from ._common import dot_f32, p2, pdl, pdl_wait, sms, split_k, tf32_exact
 from ._common import unit_last_stride
 
@@ -247,10 +248,10 @@ def _mix(xc, T, HC, D, R, fn, post_in=None) -> tuple[torch.Tensor, int, bool]:
     # decode sizes: the split of one token whatever T, so a token's partials -- and the order the apply sums
     # them in -- do not depend on how many tokens share the call (a verify step of S tokens, a batch of B
     # rows: the same bits as one decode step of that row)
-    per, ns = split_k(triton.cdiv(KD, BK), triton.cdiv(T, BT) if tiled else 1, 2 * sms(xc.device))
+    per, ns = split_k(cdiv(KD, BK), cdiv(T, BT) if tiled else 1, 2 * sms(xc.device))
     ws = torch.empty(T, ns, R + 1, dtype=torch.float32, device=xc.device)
     if tiled:
-        _hc_mix_tiles_kernel[(triton.cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
+        _hc_mix_tiles_kernel[(cdiv(T, BT), ns)](xc, fn, ws, T, R, KD, per * BK, ns, BT=BT, BR=BR, BK=BK,
                                                        X_TF32=tf32_exact(xc), **pdl())
     else:
         mode, post = 0, (xc, xc, xc, xc, 0, 0, xc, 0, 0, 0, 0)
@@ -304,7 +305,7 @@ def _mix_and_apply(xc, fn, scale, base, y, post, comb, HC, D, norm_eps, hc_eps, 
     ws, ns, tiled = _mix(xc, T, HC, D, R, fn, post_in)
     args = (xc, ws, scale, base, y, post, comb, HC, D, ns, float(norm_eps), float(hc_eps), int(iters))
     meta = _apply_meta(HC, R, D, ns, tiled, full)
-    grid = (T, triton.cdiv(D, meta["BD"]))
+    grid = (T, cdiv(D, meta["BD"]))
     if side is None:
         _hc_apply_kernel[grid](*args, **meta, **pdl())
         return
@@ -475,7 +476,7 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     if B * S == 0:
         return y
     BHC, BD = _post_bd(HC, D)
-    _hc_post_kernel[(B * S, triton.cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, **pdl())
+    _hc_post_kernel[(B * S, cdiv(D, BD))](x, residual, post, comb, y, HC, D, BHC=BHC, BD=BD, **pdl())
     return y
 
 
@@ -492,7 +493,7 @@ def moe_combine_post(routed: torch.Tensor, shared: torch.Tensor, residual: torch
     if T == 0:
         return y
     BHC, BD = _post_bd(HC, D)
-    _moe_combine_post_kernel[(T, triton.cdiv(D, BD))](routed, shared, residual, post, comb, y, HC, D, K,
+    _moe_combine_post_kernel[(T, cdiv(D, BD))](routed, shared, residual, post, comb, y, HC, D, K,
                                                       routed.stride(0), routed.stride(1), shared.stride(0),
                                                       BHC=BHC, BD=BD, **pdl())
     return y

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv, next_power_of_2
 from ._common import dot_f32, key_index, p2, pdl, pdl_wait, rows_2d, sms, sort_key, split_k, tf32_exact
 from ._common import store_act_quant, swiglu_f32, tile_counters, unit_last_stride
 
@@ -208,8 +209,8 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         BT, per_sm = 2, ROUTE_ONE_TOKEN_PER_SM
         BD = max(16, min(p2(D), ROUTE_ONE_TOKEN_BD))
         BE = max(2, min(p2(E), 8192 // (BT * BD)))
-    tiles = (triton.cdiv(T, BT) if dot else 1) * triton.cdiv(E, BE)
-    per, ns = split_k(triton.cdiv(D, BD), tiles, per_sm * sms(x.device))
+    tiles = (cdiv(T, BT) if dot else 1) * cdiv(E, BE)
+    per, ns = split_k(cdiv(D, BD), tiles, per_sm * sms(x.device))
     ws = scores if ns == 1 else torch.empty(ns, T, E, dtype=torch.float32, device=x.device)
     BE2 = max(16, p2(E))
     BT2 = BT if not dot else max(2, min(16, p2(T)))  # the GEMV path's fused select takes the logits' token tiles
@@ -218,12 +219,12 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     sel_args = (bias.contiguous() if bias is not None else ws, tid2eid.contiguous() if tid2eid is not None else ws,
                 input_ids.contiguous(), weights, indices, scores, k, float(route_scale))
     fused = not dot and FUSED_SELECT
-    cnt = tile_counters(x.device, triton.cdiv(T, BT)) if fused else ws
-    _moe_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE), ns)](
+    cnt = tile_counters(x.device, cdiv(T, BT)) if fused else ws
+    _moe_logits_kernel[(cdiv(T, BT), cdiv(E, BE), ns)](
         x, gate_w, ws, T, E, D, per * BD, cnt, *sel_args, BT=BT, BE=BE, BD=BD, DOT=dot, X_TF32=tf32_exact(x),
         SELECT=fused, BE2=BE2, **sel, **pdl())
     if not fused:
-        _moe_select_kernel[(triton.cdiv(T, BT2),)](ws, *sel_args[:6], T, E, ns, *sel_args[6:], BT=BT2, BE=BE2, **sel,
+        _moe_select_kernel[(cdiv(T, BT2),)](ws, *sel_args[:6], T, E, ns, *sel_args[6:], BT=BT2, BE=BE2, **sel,
                                                    **pdl())
     return weights, indices, scores
 
@@ -259,7 +260,7 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dty
     if T == 0 or D == 0:
         return y
     BD = max(16, min(p2(D), 512))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](routed, shared, y, K, D, routed.stride(0), routed.stride(1),
+    _moe_combine_kernel[(T, cdiv(D, BD))](routed, shared, y, K, D, routed.stride(0), routed.stride(1),
                                                  shared.stride(0), BD=BD, **pdl())
     return y
 
@@ -311,7 +312,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     g2, u2 = rows_2d(gate, N), rows_2d(up, N)
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     BLOCK = 1024
-    _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
+    _swiglu_kernel[(cdiv(n, BLOCK),)](g2, u2, w, y, n, N, g2.stride(0), u2.stride(0), float(limit),
                                              CLAMP=limit > 0, WEIGHT=weight is not None, BLOCK=BLOCK, **pdl())
     return y
 
@@ -323,7 +324,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.bfloat16, block: int = 128, split: bool = False) -> tuple:
     N = gate.size(-1)
-    assert N % block == 0 and block == triton.next_power_of_2(block), \
+    assert N % block == 0 and block == next_power_of_2(block), \
         f"swiglu_quant: last dim {N} is not a multiple of {block}"
     assert block == 128 or not split, f"swiglu_quant: split needs block 128, not {block}"
     q = torch.empty(gate.shape, dtype=torch.float8_e4m3fn, device=gate.device)
@@ -336,8 +337,8 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: tor
     g2, u2 = rows_2d(gate, N), rows_2d(up, N)
     w = weight.reshape(-1).float().contiguous() if weight is not None else g2
     NB = N // block
-    RB = min(triton.next_power_of_2(NB), max(1, 4096 // block))
-    _swiglu_quant_kernel[(rows, triton.cdiv(NB, RB))](g2, u2, w, q, s, o if split else q, N, NB, g2.stride(0),
+    RB = min(next_power_of_2(NB), max(1, 4096 // block))
+    _swiglu_quant_kernel[(rows, cdiv(NB, RB))](g2, u2, w, q, s, o if split else q, N, NB, g2.stride(0),
                                                        u2.stride(0), float(limit), Y_DTYPE=_TL_DTYPE[out_dtype],
                                                        CLAMP=limit > 0, WEIGHT=weight is not None, QB=block, RB=RB,
                                                        SPLIT=split, **pdl())

@@ -69,6 +69,7 @@ from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 from . import moe_prefill
 from .moe import _TL_DTYPE
 from .moe import swiglu_quant as _swiglu_quant
+from ._common import cdiv, next_power_of_2
 from ._common import e2m1_x2p14, e8m0_f32, pdl, pdl_wait, sm90_nvidia, split_buffers, split_k, splitk_store
 from ._common import expert_block_tile, quant_e4m3_rows, store_bf16_split, swiglu_f32, unit_last_stride
 from ._common import weight_scale_arg, zero_row_tile
@@ -150,13 +151,13 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
     rows = torch.full((nb * block_m,), P, dtype=torch.int64, device=e.device)
     bexp = torch.empty(nb, dtype=torch.int64, device=e.device)
     rank = torch.empty(P, dtype=torch.int32, device=e.device)
-    BE = max(16, triton.next_power_of_2(E))
+    BE = max(16, next_power_of_2(E))
     BP = max(16, min(64, 16384 // BE))
-    nc = triton.cdiv(P, BP)
+    nc = cdiv(P, BP)
     cnt = torch.empty(nc, BE, dtype=torch.int32, device=e.device)  # every chunk writes its whole row
     e = e.reshape(-1).long().contiguous()
     _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4, **pdl())
-    BC = max(2, min(triton.next_power_of_2(nc), 8192 // BE))
+    BC = max(2, min(next_power_of_2(nc), 8192 // BE))
     _align_scatter_kernel[(nc,)](e, cnt, rank, rows, bexp, P, E, nb, nc, BM=block_m, BP=BP, BE=BE, BC=BC,
                                  num_warps=4, **pdl())
     return rows, bexp
@@ -307,7 +308,7 @@ def a_bf16_split(a: torch.Tensor, a_s: torch.Tensor) -> torch.Tensor:
     o = torch.empty(P, K, dtype=torch.bfloat16, device=a.device)
     if P:
         BR = 32
-        _a_bf16_split_kernel[(triton.cdiv(P, BR), K // 128)](a, a_s, o, P, K, a.stride(0), a_s.stride(0), BR=BR,
+        _a_bf16_split_kernel[(cdiv(P, BR), K // 128)](a, a_s, o, P, K, a.stride(0), a_s.stride(0), BR=BR,
                                                              num_warps=4, **pdl())
     return o
 
@@ -488,10 +489,10 @@ def _fp4_config(nb: int, N: int, K: int, BM: int, n_fast: bool, device: torch.de
     tokens (BM 128), and level with 128 x 128 / 8 warps at 2048 (BM 64).
     Otherwise (K not a multiple of 128) BM 64: 64 x 64 tiles, 4 warps; BM 128: 128 x 128, 8 warps.
     """
-    nkb = triton.cdiv(K, 128)
+    nkb = cdiv(K, 128)
     if BM <= 32:
         BN = 64 if N <= 64 else 128
-        per, splits = split_k(nkb, nb * triton.cdiv(N, BN), 2 * _sms(device))
+        per, splits = split_k(nkb, nb * cdiv(N, BN), 2 * _sms(device))
         return BN, splits, per, 4, 3
     if n_fast:
         return 64, 1, nkb, 4, 2
@@ -571,8 +572,8 @@ def _zero_dead_rows(c: torch.Tensor, e: torch.Tensor, E: int) -> None:
     "Decode latency tiles, bf16 compressor weights, 64-row FP8 prefill tiles")."""
     P, N = c.shape
     BR = 32
-    BN = max(16, min(256, triton.next_power_of_2(N)))
-    _zero_rows_kernel[(triton.cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, **pdl())
+    BN = max(16, min(256, next_power_of_2(N)))
+    _zero_rows_kernel[(cdiv(P, BR),)](c, e.reshape(-1), P, N, E, BR=BR, BN=BN, num_warps=4, **pdl())
 
 
 def _fp4_launch(a, a_s, w, w_s, c, rows, bexp, K: int, ks_a: int, sa_r: int, BM: int, ident: bool, a_bf16: bool,
@@ -589,8 +590,8 @@ def _fp4_launch(a, a_s, w, w_s, c, rows, bexp, K: int, ks_a: int, sa_r: int, BM:
     w_s, e8m0 = weight_scale_arg(w_s)  # raw ue8m0 bytes: 1/4 of the f32 bytes
     n_fast = a_bf16 and BM >= A_BF16_MIN_BM  # prefill-sized blocks (never IDENT, never split)
     BN, splits, per, nw, ns = _fp4_config(nb, N, K, BM, n_fast, c.device)
-    part, cnt = split_buffers(c, splits, nb * triton.cdiv(N, BN))  # no zero fill: each tile's rows only
-    grid = (triton.cdiv(N, BN), nb, 1) if n_fast else (nb, triton.cdiv(N, BN), splits)
+    part, cnt = split_buffers(c, splits, nb * cdiv(N, BN))  # no zero fill: each tile's rows only
+    grid = (cdiv(N, BN), nb, 1) if n_fast else (nb, cdiv(N, BN), splits)
     even = N % BN == 0 and K % 128 == 0
     ksub = DECODE_KSUB if a_bf16 and even and BM <= 32 else 1
     _gg_fp4_kernel[grid](
@@ -632,7 +633,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         if moe_prefill.usable(a, w, BM):  # prefill: TMA weight tiles, promotion per 128-K block
             return moe_prefill.fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM, topk)
         BN = 64 if N <= 64 else 128
-        _gg_fp8_kernel[(nb, triton.cdiv(N, BN))](
+        _gg_fp8_kernel[(nb, cdiv(N, BN))](
             a, a_s, w, w_s, c, rows, bexp, P, N, K, a_s.size(1), w_s.size(1), w_s.size(2), E, BM=BM, BN=BN, BK=128,
             TOPK=topk, IDENT=ident, **pdl())
     elif fp4:
@@ -654,7 +655,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         assert w.size(2) == K, "grouped_gemm float: w [E, N, K]"
         a = a.contiguous()
         BN, BK = 64, 64 if a.dtype != torch.float32 else 32
-        _gg_float_kernel[(nb, triton.cdiv(N, BN))](
+        _gg_float_kernel[(nb, cdiv(N, BN))](
             a, w, c, rows, bexp, P, N, K, BM=BM, BN=BN, BK=BK, IEEE=a.dtype == torch.float32, TOPK=topk, **pdl())
     return c
 
@@ -689,7 +690,7 @@ def swiglu_grouped_gemm(h: torch.Tensor, limit: float, weight: torch.Tensor | No
         assert w.size(2) == I, "swiglu_grouped_gemm fp8: w [E, N, I] for h [P, 2I]"
         w_s = w_s.float().contiguous()
         BN = 64 if N <= 64 else 128
-        _gg_fp8_kernel[(P, triton.cdiv(N, BN))](
+        _gg_fp8_kernel[(P, cdiv(N, BN))](
             h, wt, w, w_s, c, bexp, bexp, P, N, I, I // 128, w_s.size(1), w_s.size(2), E, BM=16, BN=BN, BK=128,
             IDENT=True, **fuse, **pdl())
         return c

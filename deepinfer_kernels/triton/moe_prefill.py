@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._common import cdiv
 from ._common import expert_block_tile, pdl, pdl_wait, tma_ok
 
 
@@ -66,7 +67,7 @@ def fp8_grouped(a, a_s, w, w_s, c, rows, bexp, BM, topk: int = 1):
     block BM."""
     E, N, K = w.shape
     wd = TensorDescriptor.from_tensor(w.view(E * N, K), [128, 128])
-    _gg_fp8_tma_kernel[(triton.cdiv(N, 128), bexp.numel())](
+    _gg_fp8_tma_kernel[(cdiv(N, 128), bexp.numel())](
         a, a_s, wd, w_s, c, rows, bexp, c.size(0), N, K, a_s.size(1), w_s.size(2), w_s.size(1),
         BM=BM, BN=128, TOPK=topk, num_warps=8, num_stages=4, **pdl())
     return c

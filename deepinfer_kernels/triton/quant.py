@@ -22,6 +22,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import INTERPRET as _INTERPRET
 from ._common import p2, pdl, pdl_wait, pow2_ceil, quant_e4m3_rows, sms, tf32_hi
 
@@ -56,7 +57,7 @@ def _per_program(nblk: int, device: torch.device) -> int:
     """Blocks per program: BLOCKS_PER_PROGRAM, fewer (a power of two) while that leaves under ~2 programs
     per SM -- a decode step's few dozen blocks keep one program each, as before."""
     per = BLOCKS_PER_PROGRAM
-    while per > 1 and triton.cdiv(nblk, per) < 2 * sms(device):
+    while per > 1 and cdiv(nblk, per) < 2 * sms(device):
         per //= 2
     return per
 
@@ -72,7 +73,7 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, q, s, q, nblk, block, FAKE=False, BLOCK=p2(block), BR=BR,
+        _fp8_block_kernel[(cdiv(nblk, BR),)](xc, q, s, q, nblk, block, FAKE=False, BLOCK=p2(block), BR=BR,
                                                     **pdl())
     return q, s
 
@@ -86,7 +87,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp8_block_kernel[(triton.cdiv(nblk, BR),)](xc, y, y, y, nblk, block, FAKE=True, BLOCK=p2(block), BR=BR,
+        _fp8_block_kernel[(cdiv(nblk, BR),)](xc, y, y, y, nblk, block, FAKE=True, BLOCK=p2(block), BR=BR,
                                                     **pdl())
     return y
 
@@ -128,7 +129,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     nblk = xc.numel() // block
     if nblk:
         BR = _per_program(nblk, x.device)
-        _fp4_fake_kernel[(triton.cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR, **pdl())
+        _fp4_fake_kernel[(cdiv(nblk, BR),)](xc, y, nblk, block, BLOCK=p2(block), BR=BR, **pdl())
     return y
 
 
@@ -197,13 +198,13 @@ def hadamard(x: torch.Tensor, fp4_block: int = 0) -> torch.Tensor:
         xp[:, :N] = xc.reshape(M, N)
         yp = torch.empty_like(xp)
         # H_16 restricted to the first N rows/cols is H_N (Sylvester); rescale 1/sqrt(N).
-        _hadamard_kernel[(triton.cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, ITERS=1, SPLIT=split,
+        _hadamard_kernel[(cdiv(M, 16),)](xp, yp, M, N ** -0.5, N=16, LOGN=4, BM=16, ITERS=1, SPLIT=split,
                                                 NATIVE=native, **pdl())
         return yp[:, :N].reshape(x.shape).to(x.dtype)
     BM = 64 if N <= 128 else (32 if N <= 256 else 16)
-    nblk = triton.cdiv(M, BM)
+    nblk = cdiv(M, BM)
     iters = 8 if nblk >= 8 * 264 else (4 if nblk >= 4 * 264 else 1)  # amortise building S_N per program
-    _hadamard_kernel[(triton.cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
+    _hadamard_kernel[(cdiv(nblk, iters),)](xc, y, M, N ** -0.5, N=N, LOGN=N.bit_length() - 1, BM=BM,
                                                     ITERS=iters, SPLIT=split, NATIVE=native, FP4=fp4_block,
                                                     num_warps=8 if N >= 128 else 4, **pdl())
     return y

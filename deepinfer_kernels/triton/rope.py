@@ -8,6 +8,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import p2, pdl, pdl_wait, rows_2d, sms, unit_last_stride
 
 
@@ -66,8 +67,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     if T == 0 or x.numel() == 0:
         return out
     # all 64 heads of a token in one program at prefill; at decode (few tokens) 16-head programs keep ~2+ per SM
-    BH = min(p2(H), 64 if T * triton.cdiv(H, 64) >= 2 * sms(x.device) else 16)
-    _rope_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, cos.stride(0), sin.stride(0),
+    BH = min(p2(H), 64 if T * cdiv(H, 64) >= 2 * sms(x.device) else 16)
+    _rope_kernel[(T, cdiv(H, BH))](x, cos, sin, out, S, H, R // 2, cos.stride(0), sin.stride(0),
                                           *_strides(x), *_strides(out),
                                           INVERSE=bool(inverse), BH=BH, BR=p2(R // 2), **pdl())
     return out

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 
+from ._common import cdiv
 from ._common import INTERPRET as _INTERPRET
 from ._common import key_index, p2, pdl, pdl_wait, sort_key, tf32_hi
 
@@ -330,5 +331,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     y = torch.empty_like(x)
     if B and V:
         BLOCK = 1024
-        _bitmask_kernel[(B, triton.cdiv(V, BLOCK))](x, m, y, V, m.size(-1), BLOCK=BLOCK, **pdl())
+        _bitmask_kernel[(B, cdiv(V, BLOCK))](x, m, y, V, m.size(-1), BLOCK=BLOCK, **pdl())
     return y
