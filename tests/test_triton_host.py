@@ -45,3 +45,56 @@ def test_an_eager_step_never_calls_tritons_constexpr_helpers(monkeypatch, tiny_d
     c, _ = m.prefill(ids[:, 5:], torch.tensor([1]), start=5)
     d = m.decode(ids[:, -1:].expand(2, 1).contiguous(), torch.tensor([9, 9]), torch.tensor([0, 1]))
     assert all(torch.isfinite(t).all() for t in (a, b, c, d))
+
+
+def test_a_layers_expert_gemms_sort_their_pairs_once(monkeypatch):
+    """grouped_gemm past IDENT_MAX_P pairs sorts them (`align`, 3 launches). Inside `same_routing(e)` the GEMMs of
+    that very tensor sort once; outside the scope, or for another tensor of the same values inside it, every
+    call sorts. The outputs equal a fresh sort's."""
+    import os
+
+    from deepinfer.ops import REGISTRY
+    from deepinfer.ops.reference import act_quant
+    from deepinfer.ops.routing import same_routing
+    from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
+    from deepinfer_kernels.triton import moe_grouped
+
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    sorts = []
+    real = moe_grouped.align
+    monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
+    g = torch.Generator().manual_seed(7)
+    E, N, K, P = 4, 128, 128, 24
+    w, w_s = quant_fp8_block(torch.randn(E * N, K, generator=g) * 0.05)
+    w, w_s = w.view(E, N, K).to(dev), e8m0_to_float(w_s).view(E, N // 128, K // 128).to(dev)
+    a, a_s = (t.to(dev) for t in act_quant(torch.randn(P, K, generator=g), 128))
+    e = torch.randint(0, E, (P,), generator=g).to(dev)
+    gg = REGISTRY["grouped_gemm"].impls["triton"]
+    alone = gg(a, a_s, e, w, w_s)
+    gg(a, a_s, e, w, w_s)
+    assert len(sorts) == 2  # no scope: each call sorts
+    with same_routing(e):
+        first, second = gg(a, a_s, e, w, w_s), gg(a, a_s, e, w, w_s)
+        assert len(sorts) == 3 and torch.equal(first, alone) and torch.equal(second, alone)
+        gg(a, a_s, e.clone(), w, w_s)  # same values, another tensor: sorted again
+        assert len(sorts) == 4
+    gg(a, a_s, e, w, w_s)
+    assert len(sorts) == 5  # the scope is over
+
+
+@pytest.mark.slow
+def test_a_moe_layer_sorts_once(monkeypatch, tiny_dir):
+    """A 20-token Triton prefill of deepinfer-tiny (4 MoE layers, each a w1|w3 and a w2 grouped GEMM of 120 pairs):
+    4 sorts, one a layer, where each GEMM sorted (8)."""
+    from deepinfer_kernels.triton import moe_grouped
+
+    ops.configure("triton")
+    m = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+    m.allocate(1, 24)
+    ids = torch.randint(2, m.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    sorts = []
+    real = moe_grouped.align
+    monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
+    logits, _ = m.prefill(ids, torch.tensor([0]))
+    assert torch.isfinite(logits).all()
+    assert len(sorts) == 4, sorts

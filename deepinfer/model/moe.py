@@ -20,6 +20,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.branch import fork
 from deepinfer.model.weights import Linear, WeightSource
 from deepinfer.ops import ops
+from deepinfer.ops.routing import same_routing
 from deepinfer.quant.formats import float_to_e8m0
 
 
@@ -185,7 +186,12 @@ class RoutedExperts:
     def run(self, a: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, e: torch.Tensor,
             dt: torch.dtype, topk: int = 1) -> torch.Tensor:
         """`__call__` from the rows' w1 / w3 input as `quantize_input` gives it (a [P, D] [+ scales], or with topk
-        > 1 one row per token for its topk consecutive pairs: [P / topk, D]) -> [P, D] dt."""
+        > 1 one row per token for its topk consecutive pairs: [P / topk, D]) -> [P, D] dt. The GEMMs read e
+        unchanged (`same_routing`: a backend may sort the pairs once for all of them)."""
+        with same_routing(e):
+            return self._run(a, w, e, dt, topk)
+
+    def _run(self, a, w: torch.Tensor, e: torch.Tensor, dt: torch.dtype, topk: int) -> torch.Tensor:
         if self.fused:
             h13 = self.w13(a, e, dt, topk)
             h1, h3 = h13[:, :self.inter], h13[:, self.inter:]

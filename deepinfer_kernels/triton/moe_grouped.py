@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
+from deepinfer.ops.routing import routing_memo
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import moe_prefill
@@ -623,7 +624,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         BM, rows, bexp = 16, e, e.reshape(-1).long().contiguous()
     else:
         BM = _block_m(P, E)
-        rows, bexp = align(e, E, BM)
+        # a MoE layer's GEMMs of the same pairs sort them once (`same_routing`: the caller vouches for e)
+        stream = torch.cuda.current_stream(e.device) if e.is_cuda else None
+        rows, bexp = routing_memo(e, ("align", E, BM, e.device, stream), lambda: align(e, E, BM))
     nb = bexp.numel()
     w = w.contiguous()
     if w.dtype == torch.float8_e4m3fn:

@@ -1,0 +1,52 @@
+"""A routing shared by several expert GEMMs: the scope in which a backend may sort the pairs once.
+
+A MoE layer's routed experts run two or three `grouped_gemm`s (w1|w3, or w1 and w3, then w2) on the same (row,
+expert) pairs `e`. A kernel backend that sorts the pairs into expert blocks before its GEMM (Triton's `align`: 3
+launches, on the layer's critical path) would sort them once per GEMM. Inside `same_routing(e)` the caller promises
+that this very tensor is not changed, so `routing_memo(e, key, make)` makes a value once per key and scope. Outside
+a scope, or for another tensor, it makes it every call: nothing is assumed about an `e` nobody vouched for (an
+inference tensor has no version counter to check).
+
+    with same_routing(e):
+        h = ops.grouped_gemm(a, a_s, e, w13, w13_s)
+        y = ops.swiglu_grouped_gemm(h, limit, weights, e, w2, w2_s)
+
+Under a CUDA graph capture the GEMMs then read the one captured sort.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+
+class _Scope:
+    __slots__ = ("e", "memo")
+
+    def __init__(self, e: torch.Tensor):
+        self.e, self.memo = e, {}
+
+
+_SCOPES: list[_Scope] = []
+
+
+@contextmanager
+def same_routing(e: torch.Tensor):
+    """The expert GEMMs issued inside read `e` [P] unchanged (module docstring)."""
+    _SCOPES.append(_Scope(e))
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
+
+
+def routing_memo(e: torch.Tensor, key: tuple, make: Callable):
+    """make() once per key inside the innermost `same_routing` scope over this very tensor e; elsewhere every call."""
+    s = _SCOPES[-1] if _SCOPES else None
+    if s is None or s.e is not e:
+        return make()
+    if key not in s.memo:
+        s.memo[key] = make()
+    return s.memo[key]
