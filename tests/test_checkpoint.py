@@ -339,3 +339,25 @@ def test_tiny_model_race_uses_winner(tmp_path, monkeypatch, mini_tensors):
     assert tiny.ensure_tiny_model(progress=False) == d
     assert json.loads(pathlib.Path(d, "config.json").read_text()) == {"winner": True}
     assert os.listdir(tmp_path / "models") == ["deepinfer-tiny-v1"]  # loser's temporary dir removed
+
+
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_hash_table_routing_outside_the_experts_is_refused(monkeypatch, bad, tiny_dir):
+    """A tid2eid entry outside 0..n_routed_experts-1 is refused at load, naming the tensor and the range: the
+    expert GEMMs rely on every routed id being an expert (no row of theirs is left unwritten)."""
+    from deepinfer.engine.loader import load_model
+    from deepinfer.model.weights import WeightSource
+
+    real = WeightSource.raw
+
+    def raw(self, name):
+        t = real(self, name)
+        if name.endswith("gate.tid2eid"):
+            t = t.clone()
+            t[3, 1] = bad
+        return t
+
+    monkeypatch.setattr(WeightSource, "raw", raw)
+    with pytest.raises(ValueError, match=rf"layers.0.ffn.gate.tid2eid routes to experts .*{bad}.*outside the "
+                                         r"model's 0\.\.7"):
+        load_model(None, progress=False)

@@ -82,10 +82,47 @@ def test_a_layers_expert_gemms_sort_their_pairs_once(monkeypatch):
     assert len(sorts) == 5  # the scope is over
 
 
+def test_rows_are_zeroed_unless_the_scope_vouches_every_one_is_local(monkeypatch):
+    """grouped_gemm zeroes the output rows no local expert computes (e = -1 or >= E: expert parallelism) with one
+    launch; inside `same_routing(e, every_row_local=True)` it skips that launch. Without the vouching, -1 rows
+    come out 0 (the output is poisoned with NaN first)."""
+    import os
+
+    from deepinfer.ops import REGISTRY
+    from deepinfer.ops.reference import act_quant
+    from deepinfer.ops.routing import same_routing
+    from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
+    from deepinfer_kernels.triton import moe_grouped
+
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    zeroed = []
+    real = moe_grouped._zero_dead_rows
+    monkeypatch.setattr(moe_grouped, "_zero_dead_rows", lambda *a: zeroed.append(1) or real(*a))
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.float32).is_floating_point else real_empty(*a, **k))
+    g = torch.Generator().manual_seed(8)
+    E, N, K, P = 4, 128, 128, 24
+    w, w_s = quant_fp8_block(torch.randn(E * N, K, generator=g) * 0.05)
+    w, w_s = w.view(E, N, K).to(dev), e8m0_to_float(w_s).view(E, N // 128, K // 128).to(dev)
+    a, a_s = (t.to(dev) for t in act_quant(torch.randn(P, K, generator=g), 128))
+    gg = REGISTRY["grouped_gemm"].impls["triton"]
+    e = torch.randint(0, E, (P,), generator=g).to(dev)
+    with same_routing(e, every_row_local=True):
+        local = gg(a, a_s, e, w, w_s)
+    assert zeroed == [] and torch.isfinite(local).all()
+    assert torch.equal(local, gg(a, a_s, e, w, w_s)) and zeroed == [1]
+    e[::5] = -1  # another rank's experts
+    with same_routing(e):
+        c = gg(a, a_s, e, w, w_s)
+    assert zeroed == [1, 1] and (c[e < 0] == 0).all() and torch.equal(c[e >= 0], local[e >= 0])
+
+
 @pytest.mark.slow
 def test_a_moe_layer_sorts_once(monkeypatch, tiny_dir):
     """A 20-token Triton prefill of deepinfer-tiny (4 MoE layers, each a w1|w3 and a w2 grouped GEMM of 120 pairs):
-    4 sorts, one a layer, where each GEMM sorted (8)."""
+    4 sorts, one a layer, where each GEMM sorted (8), and no zeroing of rows (8 launches before): every expert is
+    local."""
     from deepinfer_kernels.triton import moe_grouped
 
     ops.configure("triton")
@@ -95,6 +132,10 @@ def test_a_moe_layer_sorts_once(monkeypatch, tiny_dir):
     sorts = []
     real = moe_grouped.align
     monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
+    zeroed = []
+    real_zero = moe_grouped._zero_dead_rows
+    monkeypatch.setattr(moe_grouped, "_zero_dead_rows", lambda *a: zeroed.append(1) or real_zero(*a))
     logits, _ = m.prefill(ids, torch.tensor([0]))
     assert torch.isfinite(logits).all()
     assert len(sorts) == 4, sorts
+    assert zeroed == []  # all experts local: no row is left for a zeroing launch

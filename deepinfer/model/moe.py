@@ -184,11 +184,12 @@ class RoutedExperts:
         return (self.w13 if self.fused else self.w1).fmt
 
     def run(self, a: tuple[torch.Tensor, torch.Tensor | None], w: torch.Tensor, e: torch.Tensor,
-            dt: torch.dtype, topk: int = 1) -> torch.Tensor:
+            dt: torch.dtype, topk: int = 1, every_row_local: bool = False) -> torch.Tensor:
         """`__call__` from the rows' w1 / w3 input as `quantize_input` gives it (a [P, D] [+ scales], or with topk
         > 1 one row per token for its topk consecutive pairs: [P / topk, D]) -> [P, D] dt. The GEMMs read e
-        unchanged (`same_routing`: a backend may sort the pairs once for all of them)."""
-        with same_routing(e):
+        unchanged (`same_routing`: a backend may sort the pairs once for all of them). every_row_local: every
+        id in e is one of these experts (no -1 rows), so no output row needs zeroing."""
+        with same_routing(e, every_row_local):
             return self._run(a, w, e, dt, topk)
 
     def _run(self, a, w: torch.Tensor, e: torch.Tensor, dt: torch.dtype, topk: int) -> torch.Tensor:
@@ -223,6 +224,10 @@ class MoE:
         self.gate_w = W.f32(prefix + "gate.weight")
         self.bias = None if hash_routed else W.f32(prefix + "gate.bias")
         self.tid2eid = W.raw(prefix + "gate.tid2eid").long() if hash_routed else None
+        if self.tid2eid is not None and self.tid2eid.numel() and not (
+                0 <= int(self.tid2eid.min()) and int(self.tid2eid.max()) < self.n_experts):
+            raise ValueError(f"{prefix}gate.tid2eid routes to experts {int(self.tid2eid.min())}.."
+                             f"{int(self.tid2eid.max())}, outside the model's 0..{self.n_experts - 1}")
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_offset = lo
         self.experts = RoutedExperts(W, prefix, range(lo, hi), cfg.swiglu_limit)
@@ -280,13 +285,15 @@ class MoE:
         T, k = idx.shape
         e = idx.reshape(-1)
         e = e - self.expert_offset if self.expert_offset else e
+        # every routed id a local expert (all of them here; the router's ids and tid2eid lie in 0..n_experts-1)
+        local = not self.expert_offset and len(self.experts) == self.n_experts
         if xq is not None and self.experts.quantised_input:
             if T == 1:  # one token (batch-1 decode): its k rows as a stride-0 view, no copy kernels
                 a = tuple(t.reshape(1, -1).expand(k, -1) for t in xq)  # (q, s[, split form])
-                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype)
+                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype, every_row_local=local)
             else:  # the tokens' rows, each read by its k pairs in the GEMM: no [T*k, D] copy (grouped_gemm topk)
                 a = tuple(t.reshape(T, -1) for t in xq[:2])
-                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype, topk=k)
+                out = self.experts.run(a, weights.reshape(-1), e, xt.dtype, topk=k, every_row_local=local)
         else:
             out = self.compute_experts(xt.repeat_interleave(k, dim=0), weights.reshape(-1), e)
         return out.view(T, k, -1)

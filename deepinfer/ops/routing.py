@@ -5,7 +5,8 @@ expert) pairs `e`. A kernel backend that sorts the pairs into expert blocks befo
 launches, on the layer's critical path) would sort them once per GEMM. Inside `same_routing(e)` the caller promises
 that this very tensor is not changed, so `routing_memo(e, key, make)` makes a value once per key and scope. Outside
 a scope, or for another tensor, it makes it every call: nothing is assumed about an `e` nobody vouched for (an
-inference tensor has no version counter to check).
+inference tensor has no version counter to check). A scope may also vouch that every row has a local expert
+(`every_row_local`: all experts on this process), so a backend need not zero rows no expert computes.
 
     with same_routing(e):
         h = ops.grouped_gemm(a, a_s, e, w13, w13_s)
@@ -23,19 +24,21 @@ import torch
 
 
 class _Scope:
-    __slots__ = ("e", "memo")
+    __slots__ = ("e", "local", "memo")
 
-    def __init__(self, e: torch.Tensor):
-        self.e, self.memo = e, {}
+    def __init__(self, e: torch.Tensor, local: bool):
+        self.e, self.local, self.memo = e, local, {}
 
 
 _SCOPES: list[_Scope] = []
 
 
 @contextmanager
-def same_routing(e: torch.Tensor):
-    """The expert GEMMs issued inside read `e` [P] unchanged (module docstring)."""
-    _SCOPES.append(_Scope(e))
+def same_routing(e: torch.Tensor, every_row_local: bool = False):
+    """The expert GEMMs issued inside read `e` [P] unchanged (module docstring). every_row_local: every id in e
+    is a local expert (0 <= e < the GEMMs' E: all experts on this process, no padding rows), so no output row is
+    left for a backend to zero."""
+    _SCOPES.append(_Scope(e, bool(every_row_local)))
     try:
         yield
     finally:
@@ -50,3 +53,10 @@ def routing_memo(e: torch.Tensor, key: tuple, make: Callable):
     if key not in s.memo:
         s.memo[key] = make()
     return s.memo[key]
+
+
+def every_row_local(e: torch.Tensor) -> bool:
+    """Whether the innermost `same_routing` scope over this very tensor e vouches that every row has a local
+    expert (False outside a scope: a backend then zeroes the rows it does not compute)."""
+    s = _SCOPES[-1] if _SCOPES else None
+    return s is not None and s.e is e and s.local

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.registry import implement
-from deepinfer.ops.routing import routing_memo
+from deepinfer.ops.routing import every_row_local, routing_memo
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import moe_prefill
@@ -618,7 +618,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
         return c
     if E == 0:
         return c.zero_()
-    if not ident:
+    if not ident and not every_row_local(e):  # all experts here (same_routing vouches): no row is left unwritten
         _zero_dead_rows(c, e, E)
     if ident:  # block p = row p: no sort, no align launch (one token's top-k hits distinct experts)
         BM, rows, bexp = 16, e, e.reshape(-1).long().contiguous()
