@@ -8,8 +8,13 @@ these were a third of a prefill's wrapper time.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# compiled on a CUDA host (the tests then run there), interpreted on a CPU (tests/conftest.py sets TRITON_INTERPRET)
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
 
 triton = pytest.importorskip("triton")
 
@@ -31,7 +36,7 @@ def test_an_eager_step_never_calls_tritons_constexpr_helpers(monkeypatch, tiny_d
     """Triton-backend prefills (a whole prompt, a chunk after another) and a decode step of two rows of
     deepinfer-tiny call neither helper (with one reintroduced in a wrapper, this fails); their logits are finite."""
     ops.configure("triton")
-    m = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+    m = load_model(None, "official", "bfloat16", DEV, progress=False).model
     m.allocate(2, 24)
     ids = torch.randint(2, m.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
 
@@ -51,15 +56,13 @@ def test_a_layers_expert_gemms_sort_their_pairs_once(monkeypatch):
     """grouped_gemm past IDENT_MAX_P pairs sorts them (`align`, 3 launches). Inside `same_routing(e)` the GEMMs of
     that very tensor sort once; outside the scope, or for another tensor of the same values inside it, every
     call sorts. The outputs equal a fresh sort's."""
-    import os
-
     from deepinfer.ops import REGISTRY
     from deepinfer.ops.reference import act_quant
     from deepinfer.ops.routing import same_routing
     from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
     from deepinfer_kernels.triton import moe_grouped
 
-    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    dev = DEV
     sorts = []
     real = moe_grouped.align
     monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
@@ -86,15 +89,13 @@ def test_rows_are_zeroed_unless_the_scope_vouches_every_one_is_local(monkeypatch
     """grouped_gemm zeroes the output rows no local expert computes (e = -1 or >= E: expert parallelism) with one
     launch; inside `same_routing(e, every_row_local=True)` it skips that launch. Without the vouching, -1 rows
     come out 0 (the output is poisoned with NaN first)."""
-    import os
-
     from deepinfer.ops import REGISTRY
     from deepinfer.ops.reference import act_quant
     from deepinfer.ops.routing import same_routing
     from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
     from deepinfer_kernels.triton import moe_grouped
 
-    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    dev = DEV
     zeroed = []
     real = moe_grouped._zero_dead_rows
     monkeypatch.setattr(moe_grouped, "_zero_dead_rows", lambda *a: zeroed.append(1) or real(*a))
@@ -126,7 +127,7 @@ def test_a_moe_layer_sorts_once(monkeypatch, tiny_dir):
     from deepinfer_kernels.triton import moe_grouped
 
     ops.configure("triton")
-    m = load_model(None, "official", "bfloat16", "cpu", progress=False).model
+    m = load_model(None, "official", "bfloat16", DEV, progress=False).model
     m.allocate(1, 24)
     ids = torch.randint(2, m.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
     sorts = []

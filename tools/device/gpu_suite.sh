@@ -8,7 +8,7 @@
 #   kernels: kernel tests that carry no gpu mark (they run in the interpreter on a CPU) compiled on this GPU, the
 #         ones KERNELS_K selects (default: the grouped GEMM with topk, in sub-steps and with its SwiGLU A, hadamard + FP4,
 #         act_quant_fp8_gemm, the GEMMs, the q-norming attention, the post-mixes inside the next mix, the kv norm
-#         with its cache write)
+#         with its cache write, the compressor's prompt windows, the wrappers' host helpers and the MoE's one sort)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8, with --profile: every op of
 #         one prefill by device time, the eager decode step's kernels; against DEEPINFER_FP8_GEMM=exact-wgmma (the
 #         exact FP8 GEMM on f16 wgmma), with its drift from the default's logits ($OUT/bench.json)
@@ -155,8 +155,8 @@ for phase in "$@"; do
     kflags=(-m "$marker")
     if [ "$phase" = kernels ]; then
       files=(tests/test_moe_grouped.py tests/test_triton_kernels.py tests/test_ops_reference.py
-             tests/test_swiglu_grouped_gemm.py)
-      kflags=(-k "${KERNELS_K:-sub_steps or topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope}")
+             tests/test_swiglu_grouped_gemm.py tests/test_triton_host.py)
+      kflags=(-k "${KERNELS_K:-sub_steps or topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope or compress_prefill or constexpr or sort or zeroed}")
     fi
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
                                    tests/test_branch.py tests/test_compose.py tests/test_graft.py
