@@ -110,6 +110,20 @@ def test_moe_align_shapes_depend_on_sizes_only():
     assert (c[1] == -1).all() and (c[0] == 50).all()
 
 
+@pytest.mark.parametrize("P,E,BM,seed", [(37, 5, 16, 1), (150, 256, 16, 7), (700, 256, 16, 8), (3000, 256, 64, 10)])
+def test_align_kernels_write_their_own_padding(P, E, BM, seed, monkeypatch):
+    """The count launch fills the rows' padding (P) itself, so no fill launch precedes it: with every new tensor
+    poisoned, the kernels' layout equals moe_align's (the torch form) entry for entry."""
+    mg = _triton()
+    e = _align_input(P, E, seed)
+    want = mg.moe_align(e, E, BM)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(
+        -(2**40) + 7 if k.get("dtype") == torch.int64 else -7))
+    rows, bexp = mg.align(e, E, BM)
+    assert torch.equal(rows, want[0]) and torch.equal(bexp, want[1])
+
+
 # --------------------------------------------------------------------------------------- grouped_gemm
 def _weights(g, fmt, E, N, K, wdtype=torch.float32):
     if fmt == "fp8":

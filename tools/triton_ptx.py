@@ -188,6 +188,10 @@ CASES = {
                                            {"FRESH": True, "BS": 8, "BC": 256}, odd=_CP_ODD),
     "compress_prefill_state_hca": lambda: _sig(compressor._compress_prefill_state_kernel, _CP_TYPES,
                                                {"FRESH": False, "BS": 128, "BC": 16}, odd=_CP_ODD),
+    # the routing sort's first launch at batch 8 (48 pairs of 256 experts, one chunk): counts, ranks, the padding
+    "align_count": lambda: _sig(moe_grouped._align_count_kernel, {
+        "e_ptr": "*i64", "cnt_ptr": "*i32", "rank_ptr": "*i32", "rows_ptr": "*i64", **_ints("P", "E", "NR", "FILL")},
+        {"BP": 64, "BE": 256, "BF": 256}, odd=("P", "NR", "FILL")),
     # a decode step's position tables (flash: rope_head_dim 64, the CSA and HCA ratios 4 and 128), B = 1
     "decode_tables": lambda: _sig(rope._decode_tables_kernel, {
         "pos_ptr": "*i64", "main_ptr": "*fp32", "comp_ptr": "*fp32", "cs_ptr": "*fp32", "idx_ptr": "*i64",

@@ -82,12 +82,18 @@ from deepinfer.quant.grouped import align_max_blocks, moe_align  # noqa: F401  (
 
 # ------------------------------------------------------------------------------------- row alignment
 @triton.jit
-def _align_count_kernel(e_ptr, cnt_ptr, rank_ptr, P, E, BP: tl.constexpr, BE: tl.constexpr):
+def _align_count_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, P, E, NR, FILL, BP: tl.constexpr, BE: tl.constexpr,
+                        BF: tl.constexpr):
     """`moe_align` in two launches, parallel over chunks of BP rows (decode sizes). This one, chunk c:
     its per-expert row counts -> cnt[c, :], and each row's rank among the chunk's earlier rows of its
-    expert (a BP x BP comparison) -> rank."""
+    expert (a BP x BP comparison) -> rank; and its FILL entries of rows [NR] set to P (padding), which the
+    scatter launch then overwrites with the sorted rows (no fill launch of its own)."""
     pdl_wait()
     c = tl.program_id(0)
+    f0 = c.to(tl.int64) * FILL
+    for j in range(0, FILL, BF):
+        f = f0 + j + tl.arange(0, BF)
+        tl.store(rows_ptr + f, tl.zeros([BF], tl.int64) + P, mask=(f < f0 + FILL) & (f < NR))
     i = tl.arange(0, BP)
     xs = tl.arange(0, BE)
     p = c * BP + i
@@ -103,8 +109,8 @@ def _align_scatter_kernel(e_ptr, cnt_ptr, rank_ptr, rows_ptr, bexp_ptr, P, E, NB
                           BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr):
     """Chunk c again: from every chunk's counts, the experts' totals (-> block offsets, the cumsum of
     ceil(count / BM)) and the rows of each expert in chunks before c; each row goes to its expert's
-    start * BM + those earlier rows + its rank (rows_ptr comes prefilled with P). Blocks c*BP .. get
-    their expert: #experts whose blocks end at or before the block (>= E: unused, -1)."""
+    start * BM + those earlier rows + its rank (rows_ptr comes filled with P by the count launch). Blocks
+    c*BP .. get their expert: #experts whose blocks end at or before the block (>= E: unused, -1)."""
     pdl_wait()
     c = tl.program_id(0)
     xs = tl.arange(0, BE)
@@ -149,7 +155,7 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
     if P > ALIGN_KERNEL_MAX_P or E > 1024 or P == 0:
         return moe_align(e, E, block_m)
     nb = align_max_blocks(P, E, block_m)
-    rows = torch.full((nb * block_m,), P, dtype=torch.int64, device=e.device)
+    rows = torch.empty(nb * block_m, dtype=torch.int64, device=e.device)  # padding P: the count launch writes it
     bexp = torch.empty(nb, dtype=torch.int64, device=e.device)
     rank = torch.empty(P, dtype=torch.int32, device=e.device)
     BE = max(16, next_power_of_2(E))
@@ -157,7 +163,8 @@ def align(e: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, 
     nc = cdiv(P, BP)
     cnt = torch.empty(nc, BE, dtype=torch.int32, device=e.device)  # every chunk writes its whole row
     e = e.reshape(-1).long().contiguous()
-    _align_count_kernel[(nc,)](e, cnt, rank, P, E, BP=BP, BE=BE, num_warps=4, **pdl())
+    _align_count_kernel[(nc,)](e, cnt, rank, rows, P, E, rows.numel(), cdiv(rows.numel(), nc), BP=BP, BE=BE,
+                               BF=256, num_warps=4, **pdl())
     BC = max(2, min(next_power_of_2(nc), 8192 // BE))
     _align_scatter_kernel[(nc,)](e, cnt, rank, rows, bexp, P, E, nb, nc, BM=block_m, BP=BP, BE=BE, BC=BC,
                                  num_warps=4, **pdl())
