@@ -11,6 +11,7 @@
 import pytest
 import torch
 
+from backend_device import device_for
 from deepinfer.capture import capturing
 from deepinfer.engine.loader import load_model
 from deepinfer.model import branch
@@ -55,7 +56,7 @@ def _counted_official_steps(backend: str, seed: int) -> tuple:
     if backend == "triton":
         pytest.importorskip("triton")
     ops.configure(backend)
-    lm = load_model(None, "official", "bfloat16", "cpu", progress=False)
+    lm = load_model(None, "official", "bfloat16", device_for(backend), progress=False)
     ids = torch.randint(2, 129280, (1, 12), generator=torch.Generator().manual_seed(seed))
     ops.count_calls(True)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend_device import device_for
 from deepinfer.bench.glue import TorchGlue, launches
 from deepinfer.engine.loader import load_model
 from deepinfer.ops import REGISTRY, ops
@@ -36,8 +37,9 @@ def test_triton_decode_tables_equal_the_reference_bitwise(ratios, B):
     pytest.importorskip("triton")
     ops.configure("triton")  # loads the backend
     g = torch.Generator().manual_seed(B * 31 + len(ratios))
-    main, comp = _tables(g, 300, 8)
-    pos = _positions(g, B, ratios, 300)
+    dev = device_for("triton")
+    main, comp = (t.to(dev) for t in _tables(g, 300, 8))
+    pos = _positions(g, B, ratios, 300).to(dev)
     win = 7
     got = REGISTRY["decode_tables"].impls["triton"](pos, main, comp, ratios, win)
     want = REGISTRY["decode_tables"].ref(pos, main, comp, ratios, win)
@@ -67,7 +69,7 @@ def _decode(backend, monkeypatch, fusions, numerics="official", dtype="bfloat16"
     seeded tokens (the same in every call) -> (stacked logits, {op: calls} of the last step, its TorchGlue)."""
     monkeypatch.setenv("DEEPINFER_DECODE_FUSIONS", fusions)
     ops.configure(backend)
-    m = load_model(None, numerics, dtype, "cpu", progress=False).model
+    m = load_model(None, numerics, dtype, device_for(backend), progress=False).model
     g = torch.Generator().manual_seed(3)
     lens = [13, 6][:B]  # row 0 past the tiny model's window (8) and a ratio-16 entry boundary, row 1 before them
     m.allocate(B, max(lens) + steps + 2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from backend_device import device_for
 from deepinfer.engine.generate import SamplingParams, generate
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.prefill_runner import PrefillRunner, prefill_runner
@@ -90,11 +91,13 @@ def test_triton_prefill_issues_no_host_sync():
     """What a prefill graph captures must not read the device from the host: after a warm-up call (which may
     read weight facts once), a Triton-backend prefill -- whole prompt and a later chunk -- calls no ATen op that
     synchronises or copies from the host (a scalar stored by index failed the capture on an H100, 2026-12-06). The torch reference's MoE does (the check sees it), which is why graphs need a kernel backend."""
-    m = _tiny(backend="triton")
+    dev = device_for("triton")  # interpreted on a CPU, compiled on a CUDA host
+    m = _tiny(dev, backend="triton")
     m.allocate(2, 64)
-    ids = _ids(24, 3, m.cfg.vocab_size)
-    m.prefill(ids[:, :16], torch.tensor([0]))  # warm-up
-    row0, row1 = torch.tensor([0]), torch.tensor([1])  # made outside the check: a graph's inputs are device tensors
+    ids = _ids(24, 3, m.cfg.vocab_size, dev)
+    m.prefill(ids[:, :16], torch.tensor([0], device=dev))  # warm-up
+    # made outside the check: a graph's inputs are device tensors
+    row0, row1 = torch.tensor([0]), torch.tensor([1], device=dev)
     with _HostSyncs() as d:
         m.prefill(ids[:, :16], row1)
         m.prefill(ids[:, 16:], row1, start=16)
@@ -102,7 +105,7 @@ def test_triton_prefill_issues_no_host_sync():
     ref = _tiny(backend="torch")
     ref.allocate(1, 64)
     with _HostSyncs() as d:
-        ref.prefill(ids[:, :16], row0)
+        ref.prefill(ids[:, :16].cpu(), row0)
     assert d.seen, "the check no longer sees the reference MoE's host reads"
 
 

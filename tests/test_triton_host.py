@@ -8,13 +8,11 @@ these were a third of a prefill's wrapper time.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from backend_device import device_for
 
-# compiled on a CUDA host (the tests then run there), interpreted on a CPU (tests/conftest.py sets TRITON_INTERPRET)
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+DEV = device_for("triton")  # compiled on a CUDA host (the tests then run there), interpreted on a CPU
 
 triton = pytest.importorskip("triton")
 
