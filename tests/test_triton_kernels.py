@@ -603,6 +603,23 @@ def test_compress_prefill(seed, overlap, r, D, start, S, fresh):
         assert torch.equal(got.isnan(), want.isnan()) and not got[rows].isnan().any()
 
 
+@pytest.mark.parametrize("start,S,fresh", [(0, 300, True), (100, 200, False)])
+def test_compress_prefill_hca_ratio(start, S, fresh):
+    """Flash's HCA ratio (128 slots a window, no overlap): windows completed across a carried partial one."""
+    g = gen(5)
+    B, R, r, D = 1, 3, 128, 16
+    kv_state, score_state = randn(g, R, r, D), randn(g, R, r, D, scale=2.0)
+    rows = torch.tensor([2], device=DEV)
+    args = (randn(g, B, S, D), randn(g, B, S, D, scale=2.0), randn(g, r, D), start, rows)
+    ref_states = (kv_state.clone(), score_state.clone())
+    ref = REGISTRY["compress_prefill"].ref(*args, *ref_states, False, fresh)
+    assert ref.size(1) == (start % r + S) // r == 2
+    with poisoned():
+        out = REGISTRY["compress_prefill"].impls["triton"](*args, kv_state, score_state, False, fresh)
+    check("compress_prefill", out, ref)
+    assert torch.equal(kv_state, ref_states[0]) and torch.equal(score_state, ref_states[1])
+
+
 def test_compress_prefill_refuses_a_fresh_chunk_past_zero():
     kv = torch.zeros(1, 4, 8, device=DEV)
     st = torch.zeros(1, 4, 8, device=DEV)

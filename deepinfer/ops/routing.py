@@ -17,6 +17,7 @@ Under a CUDA graph capture the GEMMs then read the one captured sort.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Callable
 
@@ -30,7 +31,14 @@ class _Scope:
         self.e, self.local, self.memo = e, local, {}
 
 
-_SCOPES: list[_Scope] = []
+class _Scopes(threading.local):
+    """Each thread's scopes, innermost last (a server thread's MoE does not see, or pop, another's)."""
+
+    def __init__(self):
+        self.stack: list[_Scope] = []
+
+
+_SCOPES = _Scopes()
 
 
 @contextmanager
@@ -38,16 +46,16 @@ def same_routing(e: torch.Tensor, every_row_local: bool = False):
     """The expert GEMMs issued inside read `e` [P] unchanged (module docstring). every_row_local: every id in e
     is a local expert (0 <= e < the GEMMs' E: all experts on this process, no padding rows), so no output row is
     left for a backend to zero."""
-    _SCOPES.append(_Scope(e, bool(every_row_local)))
+    _SCOPES.stack.append(_Scope(e, bool(every_row_local)))
     try:
         yield
     finally:
-        _SCOPES.pop()
+        _SCOPES.stack.pop()
 
 
 def routing_memo(e: torch.Tensor, key: tuple, make: Callable):
     """make() once per key inside the innermost `same_routing` scope over this very tensor e; elsewhere every call."""
-    s = _SCOPES[-1] if _SCOPES else None
+    s = _SCOPES.stack[-1] if _SCOPES.stack else None
     if s is None or s.e is not e:
         return make()
     if key not in s.memo:
@@ -58,5 +66,5 @@ def routing_memo(e: torch.Tensor, key: tuple, make: Callable):
 def every_row_local(e: torch.Tensor) -> bool:
     """Whether the innermost `same_routing` scope over this very tensor e vouches that every row has a local
     expert (False outside a scope: a backend then zeroes the rows it does not compute)."""
-    s = _SCOPES[-1] if _SCOPES else None
+    s = _SCOPES.stack[-1] if _SCOPES.stack else None
     return s is not None and s.e is e and s.local

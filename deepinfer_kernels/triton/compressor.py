@@ -128,7 +128,7 @@ def _compress_prefill_state_kernel(kv_ptr, sc_ptr, ape_ptr, rows_ptr, skv_ptr, s
     half = (u < OFF) & (n > 0)  # OFF: r with an overlap half, else 0
     keep = (u < OFF) & (n == 0)
     tail = (u >= OFF) & (u < OFF + rem)
-    win = tl.where(half, n - 1, n)
+    win = tl.where(half, n - 1, n).to(tl.int64)  # int64 offsets, as the pooling kernel's (S x row stride)
     t = tl.where(half, u, u - OFF)
     kv, sc = _prefill_slots(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, b, row, win[:, None], t[:, None],
                             c[None, :] + u[:, None] * 0, (half | tail)[:, None] & mc[None, :], part, r, C2, SLOTS_ST,
