@@ -50,26 +50,38 @@ def test_an_eager_step_never_calls_tritons_constexpr_helpers(monkeypatch, tiny_d
     assert all(torch.isfinite(t).all() for t in (a, b, c, d))
 
 
+def _calls(monkeypatch, name: str) -> list:
+    """The argument tuples (less the first) of every call of deepinfer_kernels.triton.moe_grouped.`name` from now on;
+    each call still runs."""
+    from deepinfer_kernels.triton import moe_grouped
+
+    seen, real = [], getattr(moe_grouped, name)
+    monkeypatch.setattr(moe_grouped, name, lambda *a: seen.append(a[1:]) or real(*a))
+    return seen
+
+
+def _fp8_experts(seed: int, E: int = 4, N: int = 128, K: int = 128, P: int = 24):
+    """A grouped GEMM's operands on DEV: P act_quant'ed rows [P, K], FP8 expert stacks [E, N, K] with their block
+    scales, and random routing e [P] over the E experts -> (a, a_s, e, w, w_s)."""
+    from deepinfer.ops.reference import act_quant
+    from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
+
+    g = torch.Generator().manual_seed(seed)
+    w, w_s = quant_fp8_block(torch.randn(E * N, K, generator=g) * 0.05)
+    w, w_s = w.view(E, N, K).to(DEV), e8m0_to_float(w_s).view(E, N // 128, K // 128).to(DEV)
+    a, a_s = (t.to(DEV) for t in act_quant(torch.randn(P, K, generator=g), 128))
+    return a, a_s, torch.randint(0, E, (P,), generator=g).to(DEV), w, w_s
+
+
 def test_a_layers_expert_gemms_sort_their_pairs_once(monkeypatch):
     """grouped_gemm past IDENT_MAX_P pairs sorts them (`align`, 3 launches). Inside `same_routing(e)` the GEMMs of
     that very tensor sort once; outside the scope, or for another tensor of the same values inside it, every
     call sorts. The outputs equal a fresh sort's."""
     from deepinfer.ops import REGISTRY
-    from deepinfer.ops.reference import act_quant
     from deepinfer.ops.routing import same_routing
-    from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
-    from deepinfer_kernels.triton import moe_grouped
 
-    dev = DEV
-    sorts = []
-    real = moe_grouped.align
-    monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
-    g = torch.Generator().manual_seed(7)
-    E, N, K, P = 4, 128, 128, 24
-    w, w_s = quant_fp8_block(torch.randn(E * N, K, generator=g) * 0.05)
-    w, w_s = w.view(E, N, K).to(dev), e8m0_to_float(w_s).view(E, N // 128, K // 128).to(dev)
-    a, a_s = (t.to(dev) for t in act_quant(torch.randn(P, K, generator=g), 128))
-    e = torch.randint(0, E, (P,), generator=g).to(dev)
+    sorts = _calls(monkeypatch, "align")
+    a, a_s, e, w, w_s = _fp8_experts(7)
     gg = REGISTRY["grouped_gemm"].impls["triton"]
     alone = gg(a, a_s, e, w, w_s)
     gg(a, a_s, e, w, w_s)
@@ -88,33 +100,22 @@ def test_rows_are_zeroed_unless_the_scope_vouches_every_one_is_local(monkeypatch
     launch; inside `same_routing(e, every_row_local=True)` it skips that launch. Without the vouching, -1 rows
     come out 0 (the output is poisoned with NaN first)."""
     from deepinfer.ops import REGISTRY
-    from deepinfer.ops.reference import act_quant
     from deepinfer.ops.routing import same_routing
-    from deepinfer.quant.formats import e8m0_to_float, quant_fp8_block
-    from deepinfer_kernels.triton import moe_grouped
 
-    dev = DEV
-    zeroed = []
-    real = moe_grouped._zero_dead_rows
-    monkeypatch.setattr(moe_grouped, "_zero_dead_rows", lambda *a: zeroed.append(1) or real(*a))
+    zeroed = _calls(monkeypatch, "_zero_dead_rows")
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
                         if k.get("dtype", torch.float32).is_floating_point else real_empty(*a, **k))
-    g = torch.Generator().manual_seed(8)
-    E, N, K, P = 4, 128, 128, 24
-    w, w_s = quant_fp8_block(torch.randn(E * N, K, generator=g) * 0.05)
-    w, w_s = w.view(E, N, K).to(dev), e8m0_to_float(w_s).view(E, N // 128, K // 128).to(dev)
-    a, a_s = (t.to(dev) for t in act_quant(torch.randn(P, K, generator=g), 128))
+    a, a_s, e, w, w_s = _fp8_experts(8)
     gg = REGISTRY["grouped_gemm"].impls["triton"]
-    e = torch.randint(0, E, (P,), generator=g).to(dev)
     with same_routing(e, every_row_local=True):
         local = gg(a, a_s, e, w, w_s)
-    assert zeroed == [] and torch.isfinite(local).all()
-    assert torch.equal(local, gg(a, a_s, e, w, w_s)) and zeroed == [1]
+    assert len(zeroed) == 0 and torch.isfinite(local).all()
+    assert torch.equal(local, gg(a, a_s, e, w, w_s)) and len(zeroed) == 1
     e[::5] = -1  # another rank's experts
     with same_routing(e):
         c = gg(a, a_s, e, w, w_s)
-    assert zeroed == [1, 1] and (c[e < 0] == 0).all() and torch.equal(c[e >= 0], local[e >= 0])
+    assert len(zeroed) == 2 and (c[e < 0] == 0).all() and torch.equal(c[e >= 0], local[e >= 0])
 
 
 @pytest.mark.slow
@@ -122,19 +123,12 @@ def test_a_moe_layer_sorts_once(monkeypatch, tiny_dir):
     """A 20-token Triton prefill of deepinfer-tiny (4 MoE layers, each a w1|w3 and a w2 grouped GEMM of 120 pairs):
     4 sorts, one a layer, where each GEMM sorted (8), and no zeroing of rows (8 launches before): every expert is
     local."""
-    from deepinfer_kernels.triton import moe_grouped
-
     ops.configure("triton")
     m = load_model(None, "official", "bfloat16", DEV, progress=False).model
     m.allocate(1, 24)
     ids = torch.randint(2, m.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
-    sorts = []
-    real = moe_grouped.align
-    monkeypatch.setattr(moe_grouped, "align", lambda *a: sorts.append(a[1:]) or real(*a))
-    zeroed = []
-    real_zero = moe_grouped._zero_dead_rows
-    monkeypatch.setattr(moe_grouped, "_zero_dead_rows", lambda *a: zeroed.append(1) or real_zero(*a))
+    sorts, zeroed = _calls(monkeypatch, "align"), _calls(monkeypatch, "_zero_dead_rows")
     logits, _ = m.prefill(ids, torch.tensor([0]))
     assert torch.isfinite(logits).all()
     assert len(sorts) == 4, sorts
-    assert zeroed == []  # all experts local: no row is left for a zeroing launch
+    assert len(zeroed) == 0  # all experts local: no row is left for a zeroing launch

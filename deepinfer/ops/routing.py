@@ -54,10 +54,12 @@ def same_routing(e: torch.Tensor, every_row_local: bool = False):
 
 
 def routing_memo(e: torch.Tensor, key: tuple, make: Callable):
-    """make() once per key inside the innermost `same_routing` scope over this very tensor e; elsewhere every call."""
+    """make() once per key and CUDA stream inside the innermost `same_routing` scope over this very tensor e (a
+    value made on one stream is that stream's); elsewhere every call, with nothing looked up."""
     s = _SCOPES.stack[-1] if _SCOPES.stack else None
     if s is None or s.e is not e:
         return make()
+    key = (*key, torch.cuda.current_stream(e.device) if e.is_cuda else None)
     if key not in s.memo:
         s.memo[key] = make()
     return s.memo[key]

@@ -56,6 +56,15 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _check_states(op: str, kv_state: torch.Tensor, score_state: torch.Tensor, slots: int, C2: int) -> None:
+    """The carried states as the kernels index them: contiguous float32 [R, slots, C2], both alike."""
+    if kv_state.shape[1:] != (slots, C2) or score_state.shape != kv_state.shape \
+            or kv_state.dtype != torch.float32 or score_state.dtype != torch.float32 \
+            or not (kv_state.is_contiguous() and score_state.is_contiguous()):
+        raise ValueError(f"{op}: states must be contiguous float32 [R, {slots}, {C2}], got "
+                         f"{tuple(kv_state.shape)} {kv_state.dtype} / {tuple(score_state.shape)} {score_state.dtype}")
+
+
 @triton.jit
 def _prefill_slots(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, b, row, win, t, ch, m, part, r, C2, SLOTS_ST,
                    KV_BS, KV_SS, SC_BS, SC_SS, OFF, FRESH: tl.constexpr):
@@ -158,11 +167,7 @@ def compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, s
     D = C2 // coff
     if fresh and start:
         raise ValueError(f"compress_prefill: a fresh chunk starts at position 0, not {start}")
-    if kv_state.shape[1:] != (coff * r, C2) or score_state.shape != kv_state.shape \
-            or kv_state.dtype != torch.float32 or score_state.dtype != torch.float32 \
-            or not (kv_state.is_contiguous() and score_state.is_contiguous()):
-        raise ValueError(f"compress_prefill: states must be contiguous float32 [R, {coff * r}, {C2}], got "
-                         f"{tuple(kv_state.shape)} {kv_state.dtype} / {tuple(score_state.shape)} {score_state.dtype}")
+    _check_states("compress_prefill", kv_state, score_state, coff * r, C2)
     part, off = start % r, r if overlap else 0
     L = part + S
     n = L // r
@@ -254,11 +259,7 @@ def compress_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     y = torch.empty(B, D, dtype=out_dtype, device=kv.device)
     if B == 0 or D == 0:
         return y
-    if kv_state.shape[1:] != (coff * r, C2) or score_state.shape != kv_state.shape \
-            or kv_state.dtype != torch.float32 or score_state.dtype != torch.float32 \
-            or not (kv_state.is_contiguous() and score_state.is_contiguous()):
-        raise ValueError(f"compress_decode: states must be contiguous float32 [R, {coff * r}, {C2}], got "
-                         f"{tuple(kv_state.shape)} {kv_state.dtype} / {tuple(score_state.shape)} {score_state.dtype}")
+    _check_states("compress_decode", kv_state, score_state, coff * r, C2)
     kv, score = unit_last_stride(kv.float()), unit_last_stride(score.float())
     BS = p2(r)
     BD = max(16, min(p2(D), 2048 // BS))

@@ -632,8 +632,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor | None, e: torch.Tensor, w: 
     else:
         BM = _block_m(P, E)
         # a MoE layer's GEMMs of the same pairs sort them once (`same_routing`: the caller vouches for e)
-        stream = torch.cuda.current_stream(e.device) if e.is_cuda else None
-        rows, bexp = routing_memo(e, ("align", E, BM, e.device, stream), lambda: align(e, E, BM))
+        rows, bexp = routing_memo(e, ("align", E, BM), lambda: align(e, E, BM))
     nb = bexp.numel()
     w = w.contiguous()
     if w.dtype == torch.float8_e4m3fn:
