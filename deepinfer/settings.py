@@ -54,6 +54,10 @@ SETTINGS = {s.name: s for s in (
             "promotion per 128-K block)", ("exact", "exact-wgmma", "auto", "cublas", "triton")),
     Setting("DEEPINFER_FP4_ASM", "flag", "1", "the FP4 expert GEMM's inline-PTX FP4 decode on sm_90 "
             "(0: the portable Triton decode)"),
+    Setting("DEEPINFER_FP4_ONE_DOT", "flag", "0", "experimental, untimed: the prefill FP4 expert GEMM (Triton) "
+            "multiplies each 128-K step as one dot of the decoded [64, 128] weight tile (low and high nibbles "
+            "joined in registers) with its same bits, so no wgmma wait splits the step, at <= 168 registers "
+            "(three programs an SM); 0: two chained dots, the shipped form"),
     Setting("DEEPINFER_TL_FP4", "choice", "bf16", "the TileLang backend's FP4 expert GEMM: bf16 (weights decoded "
             "to exact bf16 tiles, fp32 accumulation over the whole K in the tensor core), fold (the folded FP8 form at "
             "64- and 128-row blocks -- a 128-K block's four per-32 scales folded into one, e4m3 tiles, one FP8 MMA per "
@@ -82,8 +86,8 @@ instead of after every MMA as the official kernels. Both are read per call, so a
 configuration (`deepinfer bench --against SPEC,policy=fast`) takes effect there. Decode-sized calls are the same
 under either policy."""
 
-PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN",
-            "DEEPINFER_DECODE_FUSIONS")
+PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_FP4_ONE_DOT", "DEEPINFER_TL_FP4",
+            "DEEPINFER_TL_ATTN", "DEEPINFER_DECODE_FUSIONS")
 """Settings the kernels read at each call (not at import): the ones a configuration may set around its own calls."""
 
 

@@ -695,3 +695,41 @@ def test_fp4_decode_sub_steps_against_the_reference(ksub, P, E, N, K, topk, raw,
     assert not torch.isnan(got).any() and (got[P // 2] == 0).all()
     torch.testing.assert_close(got, d.ref(*args, out_dtype=torch.float32, topk=topk), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)  # compiled: the tensor core's fp32 adds regrouped
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_fp4_prefill_one_dot_form(raw, monkeypatch):
+    """DEEPINFER_FP4_ONE_DOT: prefill-sized blocks (BM >= 64, A in its split form) multiply each 128-K step as one
+    dot of the joined low / high nibble tile. The same products in the same K order: compiled, the same bits as
+    the two-dot form; interpreted (fp32 dots, summed otherwise), within fp32 rounding of it. Both within the
+    reference's tolerance; rows routed to -1 are 0. The launch recorded shows the form ran (ONE_DOT, A_BF16,
+    N_FAST), so a flag the wrapper ignored fails this."""
+    mg = _triton()
+    g = torch.Generator().manual_seed(11 + raw)
+    P, E, N, K = 300, 4, 128, 384  # 75 rows an expert: 64-row blocks, 3 K steps
+    x = torch.randn(P, K, generator=g) * torch.exp2(torch.randint(-4, 4, (P, 1), generator=g).float())
+    a, a_s = act_quant(x, 128)
+    w, w_s = _weights(g, "fp4", E, N, K)
+    if raw:
+        w_s = float_to_e8m0(w_s)
+    e = torch.randint(0, E, (P,), generator=g)
+    e[7] = -1
+    args = [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+    d = REGISTRY["grouped_gemm"]
+    two = d.impls["triton"](*args, out_dtype=torch.float32)
+    monkeypatch.setenv("DEEPINFER_FP4_ONE_DOT", "1")
+    got = d.impls["triton"](*args, out_dtype=torch.float32)
+    assert not torch.isnan(got).any() and (got[7] == 0).all()
+    torch.testing.assert_close(got, d.ref(*args, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
+    if COMPILED:
+        assert torch.equal(got, two)
+    else:
+        torch.testing.assert_close(got, two, rtol=2e-6, atol=1e-6)
+        import sys
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "tools"))
+        import triton_launches
+
+        monkeypatch.setitem(triton_launches.SCENARIOS, "one_dot",
+                            lambda: d.impls["triton"](*args, out_dtype=torch.float32))
+        (launch,) = [i for i in triton_launches.record(["one_dot"]) if i["kernel"] == "_gg_fp4_kernel"]
+        assert [launch["args"][k][1] for k in ("ONE_DOT", "A_BF16", "N_FAST")] == [True, True, True]

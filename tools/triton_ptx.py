@@ -114,6 +114,8 @@ CASES = {
     "gg_fp4": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES, _GG_FP4_CONSTS),
     # the same and the FP8 kernels reading one A row per token for its 6 pairs (grouped_gemm topk)
     "gg_fp4_topk": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES, {**_GG_FP4_CONSTS, "TOPK": 6}),
+    "gg_fp4_one_dot": lambda: _sig(moe_grouped._gg_fp4_kernel, _GG_FP4_TYPES,
+                                   {**_GG_FP4_CONSTS, "FOLD": True, "ONE_DOT": True}),
     "gg_fp8_topk": lambda: _sig(moe_grouped._gg_fp8_kernel, {
         "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
         "rows_ptr": "*i64", "bexp_ptr": "*i64", **_ints("P", "N", "K", "KS_A", "NS_W", "KS_W", "E")},
@@ -200,6 +202,7 @@ CASES = {
 
 OPTIONS = {  # launch options other than the default 4 warps / 3 stages, as the wrappers launch these
     "gg_fp4": {"num_warps": 4, "num_stages": 2}, "gg_fp4_topk": {"num_warps": 4, "num_stages": 2},  # _fp4_config
+    "gg_fp4_one_dot": {"num_warps": 4, "num_stages": 2, "maxnreg": moe_grouped.ONE_DOT_MAXNREG},
     "gg_fp8_tma": {"num_warps": 8, "num_stages": 4}, "gg_fp8_tma_topk": {"num_warps": 8, "num_stages": 4},
 }
 

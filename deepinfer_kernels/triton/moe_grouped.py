@@ -65,6 +65,7 @@ import triton.language as tl
 
 from deepinfer.ops.registry import implement
 from deepinfer.ops.routing import every_row_local, routing_memo
+from deepinfer import settings
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import moe_prefill
@@ -265,9 +266,12 @@ def _fp4_bf16(byte, scale, FOLD: tl.constexpr):
 
 @triton.jit
 def _decode_dots(acc, byte, sw, a_e, a_o, GS: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr,
-                 FOLD: tl.constexpr, DOT_BF16: tl.constexpr):
+                 FOLD: tl.constexpr, DOT_BF16: tl.constexpr, ONE_DOT: tl.constexpr = False):
     """acc [BN, BM] += the weight bytes [BN, 16 GS] (GS 32-groups: byte i = elements 2i, 2i + 1) decoded with their
-    group scales sw [BN, GS], against A's even and odd columns a_e, a_o [BM, 16 GS]: two dots chained into acc."""
+    group scales sw [BN, GS], against A's even and odd columns a_e, a_o [BM, 16 GS]: two dots chained into acc.
+    ONE_DOT: a_e is A's whole [BM, 32 GS] step in its split form (even columns, then odd) and a_o unused; the low
+    and high nibbles are joined into one [BN, 32 GS] tile in the same column order, so one dot takes the step: the
+    same products summed in the same K order, with no wgmma wait between two dots (`DEEPINFER_FP4_ONE_DOT`)."""
     BN: tl.constexpr = byte.shape[0]
     SW: tl.constexpr = 16 * GS
     if SCALE_E8M0:
@@ -282,7 +286,13 @@ def _decode_dots(acc, byte, sw, a_e, a_o, GS: tl.constexpr, SCALE_E8M0: tl.const
         sw = sw * 16384.0
         lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
         hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
-    if DOT_BF16:
+    if ONE_DOT:  # [BN, SW] x 2 -> [BN, 2 SW]: low nibbles in the first SW columns (registers only: no shuffle)
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN, 2 * SW])
+        if DOT_BF16:
+            acc = tl.dot(w.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
+    elif DOT_BF16:
         acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
         acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
     else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
@@ -351,7 +361,8 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
                    DOT_BF16: tl.constexpr, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr, IDENT: tl.constexpr,
                    EVEN: tl.constexpr, FOLD: tl.constexpr, A_BF16: tl.constexpr, N_FAST: tl.constexpr,
                    TOPK: tl.constexpr = 1, A_SWIGLU: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16, KSUB: tl.constexpr = 1):
+                   WEIGHT: tl.constexpr = False, Y_DTYPE: tl.constexpr = tl.bfloat16, KSUB: tl.constexpr = 1,
+                   ONE_DOT: tl.constexpr = False):
     # Program (block b, N tile, K split), computed transposed: acc[n, m] = W[n, :] . A[row m, :] ("swap AB").
     # The decoded weight tile is the MMA's M side (BN = 64/128 rows: Hopper's warpgroup MMA shape, the
     # operand taken from registers) and the block's BM tokens its N side (16..128). With the tokens as M
@@ -382,8 +393,10 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
     # clamped SwiGLU (LIMIT > 0), rounds it to Y_DTYPE and act_quants it as `swiglu_quant` does
     # (`swiglu_f32`, `quant_e4m3_rows`): the same bf16 operands as that op's split form, no launch between.
     # KSUB (A_BF16 and EVEN): each 128-K step decoded and multiplied in KSUB sub-steps (`DECODE_KSUB`).
+    # ONE_DOT (A_BF16, KSUB 1): A's step loaded as one [BM, 128] tile and multiplied in one dot (`_decode_dots`).
     pdl_wait()
     tl.static_assert(not (N_FAST and (SPLIT or IDENT)))
+    tl.static_assert(not ONE_DOT or (A_BF16 and KSUB == 1))
     tl.static_assert(not (A_SWIGLU and (A_BF16 or TOPK != 1)))
     tl.static_assert(KSUB == 1 or (A_BF16 and EVEN))
     if N_FAST:
@@ -425,7 +438,10 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
             kh = kb * 64 + jb
             k = kb * 128 + rk
             g = kb * 4 + g4
-            if A_BF16:  # K % 128 == 0: only the padded rows are masked
+            if ONE_DOT:  # the split form's step whole: even columns, then odd
+                a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + rk)[None, :], mask=mr[:, None], other=0.0)
+                a_o = a_e
+            elif A_BF16:  # K % 128 == 0: only the padded rows are masked
                 a_e = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + jb)[None, :], mask=mr[:, None], other=0.0)
                 a_o = tl.load(a_ptr + ar[:, None] * SA_R + (kb * 128 + 64 + jb)[None, :], mask=mr[:, None],
                               other=0.0)
@@ -447,7 +463,7 @@ def _gg_fp4_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, cnt_ptr, rows_ptr
                                other=0)
                 sw = tl.load(ws_base + rn[:, None] * KS_W + g[None, :], mask=mn[:, None] & (g[None, :] < KG),
                              other=0)
-            acc = _decode_dots(acc, byte, sw, a_e, a_o, 4, SCALE_E8M0, ASM, FOLD, DOT_BF16)
+            acc = _decode_dots(acc, byte, sw, a_e, a_o, 4, SCALE_E8M0, ASM, FOLD, DOT_BF16, ONE_DOT)
     msk = mn[:, None] & mr[None, :]
     c_ptrs = c_ptr + rows[None, :] * N + rn[:, None]
     if SPLIT:  # fp32 partial of this K split at the rows' original positions; the tile's last split sums
@@ -602,10 +618,22 @@ def _fp4_launch(a, a_s, w, w_s, c, rows, bexp, K: int, ks_a: int, sa_r: int, BM:
     grid = (cdiv(N, BN), nb, 1) if n_fast else (nb, cdiv(N, BN), splits)
     even = N % BN == 0 and K % 128 == 0
     ksub = DECODE_KSUB if a_bf16 and even and BM <= 32 else 1
+    one_dot = n_fast and settings.flag("DEEPINFER_FP4_ONE_DOT")  # read per call: an A/B in one bench run
+    regs = {"maxnreg": ONE_DOT_MAXNREG} if one_dot and not _INTERPRET else {}
     _gg_fp4_kernel[grid](
         a, a_s, w.view(torch.uint8), w_s, c, part, cnt, rows, bexp, c.size(0), E, N, K, ks_a, w_s.size(2), per, sa_r,
         BM=BM, BN=BN, SPLIT=splits > 1, DOT_BF16=not _INTERPRET, SCALE_E8M0=e8m0, ASM=asm, IDENT=ident, EVEN=even,
-        FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, KSUB=ksub, **meta, num_warps=nw, num_stages=ns, **pdl())
+        FOLD=fold, A_BF16=a_bf16, N_FAST=n_fast, KSUB=ksub, ONE_DOT=one_dot, **meta, num_warps=nw, num_stages=ns,
+        **regs, **pdl())
+
+
+ONE_DOT_MAXNREG = 168
+"""The register cap of the one-dot prefill form: compiled as a flash launch specialises it (sm_90a, 64 x 128 tiles,
+4 warps, Triton 3.6, the folded decode) it takes 175 registers uncapped, which leaves two 128-thread programs an SM
+where the two-dot form's 167 leave three; capped at 168 it has no spill (`tools/triton_sass.py`). The shipped form's
+one-step loop waits for its first dot's four wgmmas before the second dot's (WARPGROUP.DEPBAR 0 mid-step); the
+one-dot form issues the step's eight with at most 7 in flight and waits at the next step. Whether that pays is for
+the GPU to say (`bench --against triton:DEEPINFER_FP4_ONE_DOT=1`)."""
 
 
 @implement("grouped_gemm", "triton")
