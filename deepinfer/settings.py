@@ -58,6 +58,10 @@ SETTINGS = {s.name: s for s in (
             "multiplies each 128-K step as one dot of the decoded [64, 128] weight tile (low and high nibbles "
             "joined in registers) with its same bits, so no wgmma wait splits the step, at <= 168 registers "
             "(three programs an SM); 0: two chained dots, the shipped form"),
+    Setting("DEEPINFER_ATTN_PREFILL_BK", "choice", "32", "experimental, untimed: kv slots per step of the Triton "
+            "sparse attention at prefill (>= 256 query tokens, bf16 operands): 32 (the shipped tiles), or 64, "
+            "the official kernel's block, so its running max and bf16 P round as the official one's (fewer "
+            "instructions a slot, 88 B of spill at 64 heads x 512 dims offline)", ("32", "64")),
     Setting("DEEPINFER_TL_FP4", "choice", "bf16", "the TileLang backend's FP4 expert GEMM: bf16 (weights decoded "
             "to exact bf16 tiles, fp32 accumulation over the whole K in the tensor core), fold (the folded FP8 form at "
             "64- and 128-row blocks -- a 128-K block's four per-32 scales folded into one, e4m3 tiles, one FP8 MMA per "
@@ -86,8 +90,8 @@ instead of after every MMA as the official kernels. Both are read per call, so a
 configuration (`deepinfer bench --against SPEC,policy=fast`) takes effect there. Decode-sized calls are the same
 under either policy."""
 
-PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_FP4_ONE_DOT", "DEEPINFER_TL_FP4",
-            "DEEPINFER_TL_ATTN", "DEEPINFER_DECODE_FUSIONS")
+PER_CALL = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_FP4_ONE_DOT", "DEEPINFER_ATTN_PREFILL_BK",
+            "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN", "DEEPINFER_DECODE_FUSIONS")
 """Settings the kernels read at each call (not at import): the ones a configuration may set around its own calls."""
 
 

@@ -803,6 +803,39 @@ def test_sparse_attn_fp8_reads_the_packed_layout(seed, B, S, H, D, rd, K, dtype,
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
 
 
+def test_sparse_attn_prefill_bk64_rounds_p_per_official_block(monkeypatch):
+    """DEEPINFER_ATTN_PREFILL_BK=64: prefill tiles (>= 256 query tokens) take the slots in the official kernel's
+    64-slot blocks, so each P is rounded against the same running max as the reference's. Slot k holds the
+    one-hot row e_k, so output dim k is P_k / l with no sum in between, and each head's largest logit lies in its
+    block's second half: the 32-slot tiles round the first half's P against that half's own max and miss the
+    reference on ~30 % of those outputs; the 64-slot tiles only where l's fp32 sum order shows (fp16 operands:
+    the interpreter rounds fp16 to nearest, where it truncates bf16). The default is the 32-slot form."""
+    g = gen(0)
+    B, S, H, D, rd, K = 1, 256, 16, 128, 64, 64
+    kv = torch.zeros(B, K, D)
+    kv[0, torch.arange(K), torch.arange(K)] = 1.0
+    packed = REGISTRY["kv_pack"].ref(kv.half(), rd).to(DEV)
+    q = torch.zeros(B, S, H, D)
+    q[..., :K] = torch.rand(B, S, H, K, generator=g) * 6 - 3
+    q[..., K // 2 + 5] += 4.0
+    q = q.half().to(DEV)
+    idx = torch.arange(K).expand(B, S, K).contiguous().to(DEV)
+    args = (q, packed, randn(g, H).to(DEV), idx, 1.0, rd)
+    ref = REGISTRY["sparse_attn_fp8"].ref(*args)
+    impl = REGISTRY["sparse_attn_fp8"].impls["triton"]
+    default = impl(*args)
+    off = {}
+    for bk in ("32", "64"):
+        monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_BK", bk)
+        out = impl(*args)
+        assert not torch.isnan(out).any()
+        check("sparse_attn_fp8", out, ref)
+        off[bk] = (out[..., :K // 2] != ref[..., :K // 2]).sum().item() / out[..., :K // 2].numel()
+        if bk == "32":
+            assert torch.equal(out, default)
+    assert off["32"] > 0.1 and off["64"] < 1e-3, off
+
+
 def _fp8_cache_slots_rope(g, B, S, H, N, D, rd, K, dtype) -> tuple:
     """A decode attention's other operands: N FP8-layout cache rows per batch row (magnitudes 2^-8..1), K slots
     per query (-1 holes), the step's (cos, sin) [B, S, rd/2], a sink per head -> (packed, idx, cos, sin, sink)."""

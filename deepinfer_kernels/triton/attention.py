@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import settings
 from deepinfer.ops.registry import implement
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 from deepinfer.quant.kv_layout import kv_packed_width, kv_rope_offset
@@ -211,14 +212,26 @@ def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int
     `tokens` query tokens (module docstring). fp32_dots (fp32 operands -- `exact` numerics -- on a GPU):
     the fp32 Q and kv tiles staged for the dots need smaller tiles, 32 heads x 16 rows at D 512 (133 KB of
     shared memory in the FP8 layout, offline sm_90 compile; 64 x 32 needs 271 KB, over sm_90's 227).
-    The interpreter has no such limit and runs the bf16 tiles, so the CPU tests cover their shape."""
+    The interpreter has no such limit and runs the bf16 tiles, so the CPU tests cover their shape.
+
+    DEEPINFER_ATTN_PREFILL_BK=64 (experimental, untimed; read per call): prefill tiles of 64 kv slots, not 32.
+    DeepSeek's `sparse_attn_kernel` and the reference take the slots in blocks of 64 (`SPARSE_ATTN_BLOCK`): the
+    running max, and so each bf16 P, is per block, and 32-slot steps round P against another max where a block's
+    larger logits lie in its second half. Compiled as a flash prefill launch specialises it (sm_90a, 64 heads x
+    512 dims, 8 warps, 2 stages, Triton 3.6), a 64-slot step takes 1294 SASS, 22 % fewer a slot than two 32-slot
+    steps (831 each: the [64, 512] fp32 accumulator's rescale is paid once a step), at 255 registers and 88 B of
+    spill (`tools/triton_sass.py`). Whether that pays is for the GPU to say (`bench --against
+    triton:DEEPINFER_ATTN_PREFILL_BK=64`)."""
     if fp32_dots:
         BH = max(16, min(p2(H), 64, 16384 // BD))
         BK = 16 if BD >= 256 else 32
     else:
         BH = max(16, min(p2(H), 64, 32768 // BD))
         BK = 32 if BD <= 512 else 16
+        if tokens >= 256 and BK == 32 and settings.choice("DEEPINFER_ATTN_PREFILL_BK") == "64":
+            BK = 64  # the official kernel's block (above)
     return BH, BK, 8 if BH * BD >= 8192 else 4, 2 if tokens >= 256 else 3
+
 
 
 LATENCY_TILES = (16, 32, 4)

@@ -11,7 +11,8 @@
 #         with its cache write, the compressor's prompt windows, the wrappers' host helpers and the MoE's one sort)
 #   bench: flash-slice:4 prefill 4096 eager and as a CUDA graph, decode B=1 and 8, with --profile: every op of
 #         one prefill by device time, the eager decode step's kernels; against DEEPINFER_FP4_ONE_DOT=1 (the prefill
-#         FP4 expert GEMM's one-dot step) and DEEPINFER_FP8_GEMM=exact-wgmma (the
+#         FP4 expert GEMM's one-dot step), DEEPINFER_ATTN_PREFILL_BK=64 (64-slot prefill attention tiles) and
+#         DEEPINFER_FP8_GEMM=exact-wgmma (the
 #         exact FP8 GEMM on f16 wgmma), with its drift from the default's logits ($OUT/bench.json)
 #   fp4sweep: the FP4 expert GEMM at batch 1 and 64 under other launch configs than the shipped one, graph-timed
 #         (tools/device/fp4_decode_sweep.py, $OUT/fp4_decode_sweep.json); then the prefill FP8 GEMM's exact forms
@@ -147,7 +148,7 @@ for phase in "$@"; do
   elif [ "$phase" = bench ]; then
     timeout -k 15 "$left" python -m deepinfer bench --preset $PRESET --batch 1,8 --prompt-len $PLEN --gen-len $GEN \
       --backend $BK --device $DEV --prefill-graphs --profile --against $BK:DEEPINFER_FP8_GEMM=exact-wgmma \
-      --against $BK:DEEPINFER_FP4_ONE_DOT=1 --json \
+      --against $BK:DEEPINFER_FP4_ONE_DOT=1 --against $BK:DEEPINFER_ATTN_PREFILL_BK=64 --json \
       > "$OUT/bench.json" 2> "$OUT/$phase.log"
     rc=$?
     summary="$(python tools/device/summarize.py bench "$OUT/bench.json") || $(python tools/device/summarize.py \
@@ -158,7 +159,7 @@ for phase in "$@"; do
     if [ "$phase" = kernels ]; then
       files=(tests/test_moe_grouped.py tests/test_triton_kernels.py tests/test_ops_reference.py
              tests/test_swiglu_grouped_gemm.py tests/test_triton_host.py)
-      kflags=(-k "${KERNELS_K:-sub_steps or topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope or compress_prefill or constexpr or sort or zeroed or one_dot}")
+      kflags=(-k "${KERNELS_K:-sub_steps or topk or hadamard or act_quant_fp8_gemm or grouped_gemm or fp8_gemm or q_norm or hc_post or moe_post_into or moe_combine_post or rms_norm_rope or compress_prefill or constexpr or sort or zeroed or one_dot or bk64}")
     fi
     [ "$phase" = house ] && files=(tests/test_prefill_graphs.py tests/test_decode_order.py tests/test_graphs.py
                                    tests/test_branch.py tests/test_compose.py tests/test_graft.py
