@@ -8,6 +8,7 @@ A malformed value is an error naming the variable, never a silent default.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from dataclasses import dataclass
 
@@ -206,6 +207,27 @@ def path(name: str) -> str:
 def triton_interpreted() -> bool:
     """Is this process running Triton kernels in the CPU interpreter (TRITON_INTERPRET set and non-zero)?"""
     return flag("TRITON_INTERPRET")
+
+
+def check_environment() -> list[str]:
+    """Every DEEPINFER_* variable in the environment, checked when a command starts rather than when (or whether)
+    a kernel reads it: a setting's value that its reader would refuse (a flag not 0 / 1, a choice outside its
+    choices, a fusions list naming no fused op) raises that reader's ValueError, naming the variable. An unknown
+    DEEPINFER_* name is not an error (an old script's variable does no harm) but would be ignored in silence, a
+    typo included: it comes back as a warning line, with the closest setting's name where one is close."""
+    warnings = []
+    for name in sorted(n for n in os.environ if n.startswith("DEEPINFER_")):
+        s = SETTINGS.get(name)
+        if s is None:
+            # matched without the shared prefix, which alone would make every name look close
+            close = difflib.get_close_matches(name[10:], [n[10:] for n in SETTINGS if n.startswith("DEEPINFER_")], 1)
+            warnings.append(f"{name} is not a deepinfer setting and is ignored"
+                            + (f" (did you mean DEEPINFER_{close[0]}?)" if close else ""))
+        elif s.kind == "flag":
+            flag(name)
+        elif s.kind in ("choice", "fusions"):
+            check(name, os.environ[name])
+    return warnings
 
 
 def snapshot() -> str:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import typer
 
+from deepinfer import settings
 from deepinfer_cli import generate
+from deepinfer_cli.errors import fail
 from deepinfer_cli.usage import OneLineUsageGroup
 
 EXAMPLES = """[bold]Examples[/bold]
@@ -49,6 +52,15 @@ app = typer.Typer(
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
     if debug:
         os.environ["DEEPINFER_DEBUG"] = "1"
+    # a bad DEEPINFER_* value is refused before any work (a kernel may read it only minutes into a run, or
+    # never on this backend); an unknown name is said once
+    try:
+        for line in settings.check_environment():
+            print(f"warning: {line}", file=sys.stderr)
+    except ValueError as e:
+        if debug:
+            raise
+        raise fail(str(e), "the README's Settings table lists each variable's values") from None
 
 
 generate.register(app)

@@ -92,3 +92,50 @@ def test_applied_sets_per_call_settings_and_puts_them_back(monkeypatch):
     with pytest.raises(ValueError, match="DEEPINFER_POLICY='slow'"):
         with settings.applied({"DEEPINFER_POLICY": "slow"}):
             pass
+
+
+def _clean_deepinfer_env(monkeypatch):
+    for n in [n for n in os.environ if n.startswith("DEEPINFER_") and n != "DEEPINFER_HOME"]:
+        monkeypatch.delenv(n)
+
+
+@pytest.mark.parametrize("name,value", [("DEEPINFER_STRICT", "maybe"), ("DEEPINFER_ATTN_PREFILL_BK", "48"),
+                                        ("DEEPINFER_FP4_ONE_DOT", "yes please"),
+                                        ("DEEPINFER_DECODE_FUSIONS", "-nope")])
+def test_a_bad_value_is_refused_when_the_environment_is_checked(monkeypatch, name, value):
+    _clean_deepinfer_env(monkeypatch)
+    assert settings.check_environment() == []
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        settings.check_environment()
+
+
+def test_an_unknown_name_is_a_warning_with_the_closest_setting(monkeypatch):
+    _clean_deepinfer_env(monkeypatch)
+    monkeypatch.setenv("DEEPINFER_FP4_ONEDOT", "1")
+    monkeypatch.setenv("DEEPINFER_ZZZ", "1")
+    monkeypatch.setenv("DEEPINFER_POLICY", "FAST")  # a good value: nothing to say
+    assert settings.check_environment() == [
+        "DEEPINFER_FP4_ONEDOT is not a deepinfer setting and is ignored (did you mean DEEPINFER_FP4_ONE_DOT?)",
+        "DEEPINFER_ZZZ is not a deepinfer setting and is ignored"]
+
+
+def test_the_cli_checks_the_environment_before_any_work(monkeypatch):
+    """A value a kernel would refuse only when (or if) it reads it -- the torch reference never reads the Triton
+    attention's tile setting -- is one line and exit 2 before the command runs; an unknown name is a warning."""
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.app import app
+
+    _clean_deepinfer_env(monkeypatch)
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_BK", "48")
+    r = CliRunner().invoke(app, ["generate", "北京是", "-n", "1", "--dtype", "float32"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert lines == ["error: DEEPINFER_ATTN_PREFILL_BK='48': choose one of 32, 64 (hint: the README's Settings "
+                     "table lists each variable's values)"], r.output
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_BK", "64")
+    monkeypatch.setenv("DEEPINFER_FP4_ONEDOT", "1")
+    r = CliRunner().invoke(app, ["generate", "北京是", "-n", "1", "--dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "warning: DEEPINFER_FP4_ONEDOT is not a deepinfer setting" in r.output
