@@ -9,7 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+from backend_device import device_for
 from launch_spy import LaunchSpy
+
+# --smoke runs the kernels on CPU tensors (the tools' own `TRITON_INTERPRET=1 ... --smoke` form): the interpreter's
+# path, which a CUDA host, where Triton compiles, cannot take (the sweeps' full forms are device runs)
+pytestmark = pytest.mark.skipif(device_for("triton") != "cpu",
+                                reason="the sweeps' --smoke forms run Triton's interpreter on CPU tensors")
 
 _SPEC = importlib.util.spec_from_file_location(
     "fp4_decode_sweep", Path(__file__).parent.parent / "tools/device/fp4_decode_sweep.py")

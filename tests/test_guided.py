@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from backend_device import device_for
 from typer.testing import CliRunner
 
 from deepinfer.engine import guided
@@ -78,7 +79,8 @@ def test_bitmask_triton_matches_reference(V, dtype):
     m[1] = 0
     m[2] = m[2] & 0x11111111  # sparse
     ref = REGISTRY["apply_token_bitmask"].ref(x, m)
-    got = REGISTRY["apply_token_bitmask"].impls["triton"](x, m)
+    dev = device_for("triton")  # interpreted on a CPU, compiled on a CUDA host; compared on the CPU
+    got = REGISTRY["apply_token_bitmask"].impls["triton"](x.to(dev), m.to(dev)).cpu()
     assert got.dtype == dtype and got.shape == x.shape
     assert not bool(torch.isnan(got).any())
     assert torch.equal(got, ref)
@@ -105,12 +107,14 @@ def test_triton_sample_and_logprobs_on_masked_logits():
     top_p = torch.tensor([1.0, 0.9, 1.0, 1.0, 0.8, 1.0])
     seeds = torch.arange(B) * 11
     pos = torch.arange(B) + 100
-    ref = REGISTRY["sample"].ref(masked, temp, top_k, top_p, seeds, pos)
-    got = REGISTRY["sample"].impls["triton"](masked, temp, top_k, top_p, seeds, pos)
+    dev = device_for("triton")  # interpreted on a CPU, compiled on a CUDA host (both sides there); compared on the CPU
+    md, params = masked.to(dev), [t.to(dev) for t in (temp, top_k, top_p, seeds, pos)]
+    ref = REGISTRY["sample"].ref(md, *params).cpu()
+    got = REGISTRY["sample"].impls["triton"](md, *params).cpu()
     assert torch.equal(got, ref)
     assert bool(torch.isfinite(masked[torch.arange(B), got]).all()) and int(got[2]) == 163
-    lp_ref = REGISTRY["logprobs"].ref(masked)
-    lp = REGISTRY["logprobs"].impls["triton"](masked)
+    lp_ref = REGISTRY["logprobs"].ref(md).cpu()
+    lp = REGISTRY["logprobs"].impls["triton"](md).cpu()
     assert not bool(torch.isnan(lp).any())
     assert torch.equal(torch.isneginf(lp), torch.isneginf(masked))
     fin = torch.isfinite(lp_ref)

@@ -6,6 +6,7 @@ import json
 
 import h5py
 import pytest
+from backend_device import device_for
 from typer.testing import CliRunner
 
 from deepinfer.ops.registry import REGISTRY, BackendError, Dispatcher, op_map_str, parse_op_map
@@ -54,9 +55,12 @@ def test_a_fused_op_left_out_of_the_map_follows_its_mapped_parts(monkeypatch):
     d = Dispatcher().configure("torch", False, {"fp8_gemm": "triton"})
     x = torch.randn(3, 256)
     w, ws = (torch.randn(128, 256) * 30).to(torch.float8_e4m3fn), torch.ones(1, 2)
+    want = REGISTRY["act_quant_fp8_gemm"].ref(x, w, ws, torch.float32)  # on the CPU
+    dev = device_for("triton")  # Triton's fp8_gemm: interpreted on a CPU, compiled on a CUDA host
+    x, w, ws = x.to(dev), w.to(dev), ws.to(dev)
     y = d.resolve("act_quant_fp8_gemm")(x, w, ws, torch.float32)
     assert seen == [1] and d.fallbacks == {}
-    torch.testing.assert_close(y, REGISTRY["act_quant_fp8_gemm"].ref(x, w, ws, torch.float32), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-4)
     assert Dispatcher().configure("torch", False, {"act_quant_fp8_gemm": "torch", "fp8_gemm": "triton"}).resolve(
         "act_quant_fp8_gemm") is REGISTRY["act_quant_fp8_gemm"].ref
     assert Dispatcher().configure("triton", False, {"sparse_attn": "torch"}).resolve(
@@ -137,10 +141,13 @@ def test_cli_mapped_kernel_backend_needs_cuda_or_the_interpreter(monkeypatch):
 
 
 def test_dump_records_the_map(monkeypatch, tmp_path, tiny_dir):
-    """Under the interpreter (fp32) a dump with rms_norm on Triton runs and its fingerprint holds the map."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """A dump with rms_norm on Triton (fp32: under the interpreter on a CPU, compiled on a CUDA host's GPU) runs and
+    its fingerprint holds the map."""
+    dev = device_for("triton")
+    if dev == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "d.h5"
-    r = CliRunner().invoke(app, ["dump", "北京", "--steps", "1", "--dtype", "float32", "--device", "cpu",
+    r = CliRunner().invoke(app, ["dump", "北京", "--steps", "1", "--dtype", "float32", "--device", dev,
                                  "--op", "rms_norm=triton", "--out", str(out)])
     assert r.exit_code == 0, r.output
     with h5py.File(out) as f:

@@ -2,9 +2,12 @@
 writes, and the refusals of a map measured elsewhere. Timings are injected here (CPU); on a GPU they are
 `ab.bench`'s."""
 
+import re
+
 import pytest
 import torch
 import yaml
+from backend_device import device_for
 from typer.testing import CliRunner
 
 from deepinfer.debug import tune as tune_mod
@@ -16,6 +19,9 @@ from deepinfer.ops.registry import REGISTRY, Dispatcher, op_map_str, parse_op_ma
 from deepinfer_cli.app import app
 
 OPS = "rms_norm$|act_quant$"
+# where the Triton candidates run: tuning calls each candidate on its cases, and a compiled Triton kernel (a CUDA
+# host) cannot read CPU tensors
+DEV = device_for("triton")
 
 
 def _timer(table):
@@ -29,7 +35,7 @@ def _timer(table):
 def test_fastest_correct_per_phase_and_the_baseline_on_ties():
     t = {("rms_norm", "torch"): 1.0, ("rms_norm", "triton"): 2.0, ("act_quant", "torch"): 3.0,
          ("act_quant", "triton"): 3.0}
-    res = tune("triton", ["torch", "triton"], OPS, "tiny", 0, "cpu", timer=_timer(t))
+    res = tune("triton", ["torch", "triton"], OPS, "tiny", 0, DEV, timer=_timer(t))
     # per case: tiny rms_norm has 2 cases per phase, act_quant 1: the sums decide
     assert res["ops"] == {"rms_norm": "torch", "act_quant": "triton"}  # a tie keeps the baseline
     rms = [c for c in res["choices"] if c.op == "rms_norm"]
@@ -46,7 +52,7 @@ def test_a_phase_split(monkeypatch):
         calls.append((op, b, rows))
         return (1.0 if b == "triton" else 2.0) if rows < 10 else (2.0 if b == "triton" else 1.0)
 
-    res = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", timer=timer)
+    res = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, DEV, timer=timer)
     assert res["ops"] == {"act_quant": {"decode": "triton", "prefill": "torch"}}, calls
 
 
@@ -87,7 +93,7 @@ def test_bad_arguments():
 def test_map_file_round_trip_and_refusals(tmp_path, monkeypatch):
     t = {("rms_norm", "torch"): 1.0, ("rms_norm", "triton"): 2.0, ("act_quant", "torch"): 5.0,
          ("act_quant", "triton"): 3.0}
-    res = tune("triton", ["torch", "triton"], OPS, "tiny", 0, "cpu", timer=_timer(t))
+    res = tune("triton", ["torch", "triton"], OPS, "tiny", 0, DEV, timer=_timer(t))
     path = tmp_path / "m.yaml"
     write_map(str(path), res, "deepinfer tune -o m.yaml")
     assert load_op_map(str(path)) == {"rms_norm": "torch", "act_quant": "triton"}
@@ -102,8 +108,12 @@ def test_map_file_round_trip_and_refusals(tmp_path, monkeypatch):
         p = tmp_path / f"{name}.yaml"
         p.write_text(yaml.safe_dump(d))
         return str(p)
-    with pytest.raises(ValueError, match="tuned on 'NVIDIA H100 80GB HBM3', this machine has 'cpu'"):
-        load_op_map(variant("gpu", device="NVIDIA H100 80GB HBM3"))
+    from deepinfer.ops.op_map_file import device_name
+
+    here = device_name()  # "cpu", or this CUDA host's GPU: a map from another device is refused
+    there = "NVIDIA H100 80GB HBM3" if here != "NVIDIA H100 80GB HBM3" else "NVIDIA H200"
+    with pytest.raises(ValueError, match=re.escape(f"tuned on '{there}', this machine has '{here}'")):
+        load_op_map(variant("gpu", device=there))
     with pytest.raises(ValueError, match="another backend set: triton 3.0.0 there"):
         load_op_map(variant("ver", backends={**doc["backends"], "triton": "3.0.0"}))
     with pytest.raises(ValueError, match="policy 'fast'; this run's is 'official'"):
@@ -211,11 +221,11 @@ def test_official_policy_keeps_per_128k_promotion_out(monkeypatch):
     eligible under `official`, and is under `fast`; every candidate's drift against the reference is recorded."""
     _triton_promotes_per_128k(monkeypatch, "act_quant")
     t = {("act_quant", "torch"): 5.0, ("act_quant", "triton"): 1.0}
-    off = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "official", timer=_timer(t))
+    off = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, DEV, "official", timer=_timer(t))
     c = next(c for c in off["choices"] if c.op == "act_quant")
     assert not c.candidates["triton"].eligible and "per 128-K block" in c.candidates["triton"].reason
     assert off["ops"]["act_quant"] == "torch" and c.candidates["triton"].drift is not None
-    fast = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "fast", timer=_timer(t))
+    fast = tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, DEV, "fast", timer=_timer(t))
     c = next(c for c in fast["choices"] if c.op == "act_quant")
     assert c.candidates["triton"].eligible and fast["ops"]["act_quant"] == "triton"
     assert c.candidates["torch"].drift == 0.0 and c.candidates["triton"].to_dict()["drift"] is not None
@@ -226,7 +236,7 @@ def test_a_fused_op_inherits_its_parts_per_128k_promotion(monkeypatch):
     `per_128k_ops` fact names only fp8_gemm), the fused op is kept out under `official` too."""
     _triton_promotes_per_128k(monkeypatch, "fp8_gemm")
     t = {("act_quant_fp8_gemm", "torch"): 5.0, ("act_quant_fp8_gemm", "triton"): 1.0}
-    off = tune("triton", ["torch", "triton"], "act_quant_fp8_gemm$", "tiny", 0, "cpu", "official", timer=_timer(t))
+    off = tune("triton", ["torch", "triton"], "act_quant_fp8_gemm$", "tiny", 0, DEV, "official", timer=_timer(t))
     c = next(c for c in off["choices"] if c.op == "act_quant_fp8_gemm")
     assert not c.candidates["triton"].eligible and "per 128-K block" in c.candidates["triton"].reason
     assert off["ops"]["act_quant_fp8_gemm"] == "torch"
@@ -243,11 +253,11 @@ def test_tune_measures_under_its_policy(monkeypatch):
     seen = []
     progress = lambda op, ph, b: seen.append((settings.choice("DEEPINFER_FP8_GEMM"),  # noqa: E731
                                              "fp8_gemm" in facts(torch.device("cpu"))["per_128k_ops"]))
-    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "fast", timer=lambda *a: 1.0,
+    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, DEV, "fast", timer=lambda *a: 1.0,
          progress=progress)
     assert seen and set(seen) == {("auto", True)}
     seen.clear()
-    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, "cpu", "official", timer=lambda *a: 1.0,
+    tune("triton", ["torch", "triton"], "act_quant$", "tiny", 0, DEV, "official", timer=lambda *a: 1.0,
          progress=progress)
     assert set(seen) == {("exact", False)}
     assert "DEEPINFER_POLICY" not in __import__("os").environ and settings.choice("DEEPINFER_FP8_GEMM") == "exact"
