@@ -220,7 +220,8 @@ def check_environment() -> list[str]:
         s = SETTINGS.get(name)
         if s is None:
             # matched without the shared prefix, which alone would make every name look close
-            close = difflib.get_close_matches(name[10:], [n[10:] for n in SETTINGS if n.startswith("DEEPINFER_")], 1)
+            p = len("DEEPINFER_")
+            close = difflib.get_close_matches(name[p:], [n[p:] for n in SETTINGS if n.startswith("DEEPINFER_")], 1)
             warnings.append(f"{name} is not a deepinfer setting and is ignored"
                             + (f" (did you mean DEEPINFER_{close[0]}?)" if close else ""))
         elif s.kind == "flag":

@@ -669,6 +669,31 @@ def test_moe_passes_token_rows_with_topk_beyond_one_token(monkeypatch):
     assert torch.equal(logits, want)
 
 
+def _fp4_routed_case(g, T, P, E, N, K, raw, dead) -> list:
+    """[a, a_s, e, w, w_s] on DEV for a routed FP4 grouped GEMM: T token rows of per-row magnitudes 2^-4..2^3
+    act_quanted, E experts' FP4 weights [N, K] (scales as raw ue8m0 bytes or floats), P pairs with pair `dead`
+    routed to no expert (-1)."""
+    x = torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())
+    a, a_s = act_quant(x, 128)
+    w, w_s = _weights(g, "fp4", E, N, K)
+    if raw:
+        w_s = float_to_e8m0(w_s)
+    e = torch.randint(0, E, (P,), generator=g)
+    e[dead] = -1
+    return [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+
+
+def _tool(name: str):
+    """A module of tools/ (imported by path: tools/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("ksub", [2, 4])
 @pytest.mark.parametrize("P,E,N,K,topk,raw", [(6, 8, 256, 1024, 6, True),    # batch 1: one token's row, K split
                                               (6, 8, 128, 512, 1, False),    # one row a pair
@@ -678,16 +703,7 @@ def test_fp4_decode_sub_steps_against_the_reference(ksub, P, E, N, K, topk, raw,
     exact products as one step, summed in fp32 in another grouping: within the reference's tolerance of it and of
     the one-step form; rows routed to -1 are 0."""
     mg = _triton()
-    g = torch.Generator().manual_seed(P * 31 + K + ksub)
-    T = P // topk
-    x = torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())
-    a, a_s = act_quant(x, 128)
-    w, w_s = _weights(g, "fp4", E, N, K)
-    if raw:
-        w_s = float_to_e8m0(w_s)
-    e = torch.randint(0, E, (P,), generator=g)
-    e[P // 2] = -1
-    args = [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+    args = _fp4_routed_case(torch.Generator().manual_seed(P * 31 + K + ksub), P // topk, P, E, N, K, raw, P // 2)
     d = REGISTRY["grouped_gemm"]
     one = d.impls["triton"](*args, out_dtype=torch.float32, topk=topk)
     monkeypatch.setattr(mg, "DECODE_KSUB", ksub)
@@ -704,17 +720,9 @@ def test_fp4_prefill_one_dot_form(raw, monkeypatch):
     the two-dot form; interpreted (fp32 dots, summed otherwise), within fp32 rounding of it. Both within the
     reference's tolerance; rows routed to -1 are 0. The launch recorded shows the form ran (ONE_DOT, A_BF16,
     N_FAST), so a flag the wrapper ignored fails this."""
-    mg = _triton()
-    g = torch.Generator().manual_seed(11 + raw)
+    _triton()
     P, E, N, K = 300, 4, 128, 384  # 75 rows an expert: 64-row blocks, 3 K steps
-    x = torch.randn(P, K, generator=g) * torch.exp2(torch.randint(-4, 4, (P, 1), generator=g).float())
-    a, a_s = act_quant(x, 128)
-    w, w_s = _weights(g, "fp4", E, N, K)
-    if raw:
-        w_s = float_to_e8m0(w_s)
-    e = torch.randint(0, E, (P,), generator=g)
-    e[7] = -1
-    args = [t.to(DEV) for t in (a, a_s, e, w, w_s)]
+    args = _fp4_routed_case(torch.Generator().manual_seed(11 + raw), P, P, E, N, K, raw, 7)
     d = REGISTRY["grouped_gemm"]
     two = d.impls["triton"](*args, out_dtype=torch.float32)
     monkeypatch.setenv("DEEPINFER_FP4_ONE_DOT", "1")
@@ -725,9 +733,7 @@ def test_fp4_prefill_one_dot_form(raw, monkeypatch):
         assert torch.equal(got, two)
     else:
         torch.testing.assert_close(got, two, rtol=2e-6, atol=1e-6)
-        import sys
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "tools"))
-        import triton_launches
+        triton_launches = _tool("triton_launches")
 
         monkeypatch.setitem(triton_launches.SCENARIOS, "one_dot",
                             lambda: d.impls["triton"](*args, out_dtype=torch.float32))

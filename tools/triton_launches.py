@@ -256,13 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.src) as f:
             items = json.load(f)
     else:
-        path = a.json or tempfile.mktemp(suffix=".json")
-        env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_BACKEND": "torch",
-               "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--record-only", "--json", path,
-                        "--scenarios", a.scenarios], check=True, env=env)
-        with open(path) as f:
-            items = json.load(f)
+        with tempfile.TemporaryDirectory() as d:
+            path = a.json or os.path.join(d, "launches.json")
+            env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_BACKEND": "torch",
+                   "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--record-only", "--json", path,
+                            "--scenarios", a.scenarios], check=True, env=env)
+            with open(path) as f:
+                items = json.load(f)
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
 

@@ -233,7 +233,6 @@ def _tiles(H: int, BD: int, tokens: int, fp32_dots: bool) -> tuple[int, int, int
     return BH, BK, 8 if BH * BD >= 8192 else 4, 2 if tokens >= 256 else 3
 
 
-
 LATENCY_TILES = (16, 32, 4)
 """(BH, BK, num_warps) for decode calls with few query tokens and slots (`_plan`)."""
 LATENCY_TOKENS = 16

@@ -63,9 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import settings
 from deepinfer.ops.registry import implement
 from deepinfer.ops.routing import every_row_local, routing_memo
-from deepinfer import settings
 from deepinfer.settings import fusion  # DEEPINFER_DECODE_FUSIONS, read per call
 
 from . import moe_prefill
@@ -287,18 +287,20 @@ def _decode_dots(acc, byte, sw, a_e, a_o, GS: tl.constexpr, SCALE_E8M0: tl.const
         lo = tl.reshape(tl.reshape(e2m1_x2p14(byte & 0xF), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
         hi = tl.reshape(tl.reshape(e2m1_x2p14(byte >> 4), [BN, GS, 16]) * sw[:, :, None], [BN, SW])
     if ONE_DOT:  # [BN, SW] x 2 -> [BN, 2 SW]: low nibbles in the first SW columns (registers only: no shuffle)
-        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN, 2 * SW])
-        if DOT_BF16:
-            acc = tl.dot(w.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
-        else:
-            acc = tl.dot(w.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
-    elif DOT_BF16:
-        acc = tl.dot(lo.to(tl.bfloat16), tl.trans(a_e.to(tl.bfloat16)), acc)
-        acc = tl.dot(hi.to(tl.bfloat16), tl.trans(a_o.to(tl.bfloat16)), acc)
-    else:  # the interpreter's bf16 dot is wrong; fp32 "ieee" computes the same exact products
-        acc = tl.dot(lo.to(tl.float32), tl.trans(a_e.to(tl.float32)), acc, input_precision="ieee")
-        acc = tl.dot(hi.to(tl.float32), tl.trans(a_o.to(tl.float32)), acc, input_precision="ieee")
+        acc = _exact_dot(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN, 2 * SW]), a_e, acc, DOT_BF16)
+    else:
+        acc = _exact_dot(lo, a_e, acc, DOT_BF16)
+        acc = _exact_dot(hi, a_o, acc, DOT_BF16)
     return acc
+
+
+@triton.jit
+def _exact_dot(w, a, acc, DOT_BF16: tl.constexpr):
+    """acc [BN, BM] += w [BN, K] . a [BM, K]ᵀ, every operand exact in bf16: a bf16 dot, or (the interpreter, whose
+    bf16 dot is wrong) an fp32 "ieee" one of the same exact products."""
+    if DOT_BF16:
+        return tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+    return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -491,8 +493,6 @@ def _asm_ok(device: torch.device) -> bool:
     """The packed PTX FP4 decode: compiled (not the interpreter), NVIDIA (PTX: not a ROCm build), sm_90+
     (mul.rn.bf16x2), and not switched off with DEEPINFER_FP4_ASM=0 (then the Triton-expression decode
     runs: same values)."""
-    from deepinfer import settings
-
     return not _INTERPRET and settings.flag("DEEPINFER_FP4_ASM") and sm90_nvidia(device)
 
 
