@@ -45,6 +45,19 @@ def test_pass_through_where_graphs_cannot_run(capsys):
     assert not r0.valid_for(m, True) and prefill_runner(m, True) is not r0
 
 
+def test_generate_asked_for_prefill_graphs_where_they_cannot_run_says_so(capsys):
+    """Asked for prefill graphs on a CPU (or with eager decode), generate prefills eagerly and says why once."""
+    m = _tiny()
+    ids = _ids(12, 3, m.cfg.vocab_size)[0].tolist()
+    p = SamplingParams(max_new_tokens=3, temperature=0.0)
+    on = generate(m, [ids, ids[:7]], p, eos_id=-1, graphs=False, prefill_graphs=True)
+    err = capsys.readouterr().err
+    assert err.count("prefill graphs need CUDA") == 1 and "the device is cpu" in err and "eagerly" in err
+    off = generate(m, [ids, ids[:7]], p, eos_id=-1, graphs=False, prefill_graphs=False)
+    assert "prefill graphs" not in capsys.readouterr().err
+    assert [c.token_ids for c in on.completions] == [c.token_ids for c in off.completions]
+
+
 def test_eager_reasons_are_said_once(capsys):
     m = _tiny()
     m.allocate(3, 64)

@@ -9,6 +9,7 @@ prompt. Sampling and logprobs go through the op registry (`sample`, `logprobs`).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -152,7 +153,13 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist)) + speculate
     if prefill_graphs is None:
         prefill_graphs = settings.flag("DEEPINFER_PREFILL_GRAPHS")
-    prefill_graphs = bool(prefill_graphs and graphs and model.device.type == "cuda")
+    if prefill_graphs and not (graphs and model.device.type == "cuda"):
+        why = f"the device is {model.device.type}" if model.device.type != "cuda" else \
+            "the decode step runs eagerly (--eager, or the torch reference)"
+        print(f"deepinfer: prefill graphs need CUDA and decode graphs (a kernel backend, no --eager); {why}, so "
+              "prompts prefill eagerly", file=sys.stderr)
+        prefill_graphs = False
+    prefill_graphs = bool(prefill_graphs)
     prefill_chunk = plan_memory(model, prompts, slots + 1, max_len, prefill_chunk, prefill_graphs)
     if model.rows < slots + 1 or model.max_seq_len < max_len:  # + 1: the runner's spare (padding) row
         model.allocate(max(slots + 1, model.rows), max(max_len, model.max_seq_len))
