@@ -143,21 +143,30 @@ def _print(report: dict, con: Console) -> None:
         t = Table(title=f"prefill 1 x {pops['prompt_len']} ({pops['total_ms']:.1f} ms device{host}): every op by "
                         f"time, compute ops' rate vs measured fp8 {fp8 / 1e12 if fp8 else float('nan'):.0f} / bf16 "
                         f"{report['matmul_flops'] / 1e12:.0f} TFLOP/s")
-        for c in ("op", "calls", "ms", "share", "TFLOP/s", "of ceiling"):
+        for c in ("op", "calls", "ms", "share", "TFLOP/s", "of ceiling", "MB", "x bytes"):
             t.add_column(c, justify="left" if c == "op" else "right")
+
+        def mb(x):  # the bytes its tensors hold, and its time over one pass of them at the copy bandwidth
+            xb = x.get("x_bytes")
+            return (f"{x['bytes'] / 1e6:.0f}" if "bytes" in x else "-", f"{xb:.1f}x" if xb else "-")
+
         for r in pops["ops"]:
             compute = r.get("compute", True)
             t.add_row(r["op"], str(r["calls"]), f"{r['ms']:.2f}", f"{r['ms'] / pops['total_ms']:.1%}",
                       f"{r['tflops']:.0f}" if compute else "-",
-                      f"{r['of_ceiling']:.0%} {r['ceiling']}" if compute and r["of_ceiling"] else "-")
+                      f"{r['of_ceiling']:.0%} {r['ceiling']}" if compute and r["of_ceiling"] else "-", *mb(r))
             for x in r.get("shapes", []) if compute and len(r.get("shapes", [])) > 1 else []:
                 t.add_row(f"[dim]  {x['shape']}[/dim]", str(x["calls"]), f"{x['ms']:.2f}",
                           f"{x['ms'] / pops['total_ms']:.1%}", f"{x['tflops']:.0f}",
-                          f"{x['of_ceiling']:.0%}" if x["of_ceiling"] else "-")
+                          f"{x['of_ceiling']:.0%}" if x["of_ceiling"] else "-", *mb(x))
         if "outside_ops_ms" in pops:
             t.add_row("[dim](between ops: torch glue)[/dim]", "", f"{pops['outside_ops_ms']:.2f}",
-                      f"{pops['outside_ops_ms'] / pops['total_ms']:.1%}", "", "")
+                      f"{pops['outside_ops_ms'] / pops['total_ms']:.1%}", "", "", "", "")
         con.print(t)
+        if any(r.get("x_bytes") for r in pops["ops"]):
+            con.print("[dim]x bytes: an op's time over the time to move the bytes its tensors hold once at the copy "
+                      "bandwidth; for an op that reads all of its inputs, at least its times-floor (one that gathers "
+                      "from a cache counts the whole cache)[/dim]")
         if pops.get("host_caught_up"):
             con.print(f"[yellow]prefill profile: the host issued the timed pass in {pops['timed_issue_ms']:.1f} ms, "
                       f"past its {pops['head_start_ms']:.1f} ms head start: op times include launch gaps[/yellow]")

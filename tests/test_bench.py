@@ -280,6 +280,39 @@ def test_op_flops_count_useful_work_only():
     assert op_shape("swiglu_grouped_gemm", (h, 10.0, None, e, w2, None)) == "6x32x256 E4"
 
 
+def test_op_bytes_count_each_view_once_and_the_results():
+    """op_bytes: every distinct tensor view of the arguments (nested, keyword) once, then the results not among
+    them; a strided view counts the elements it addresses. summarize turns them into x_bytes per op."""
+    from deepinfer.bench.oprates import op_bytes, summarize
+
+    x = torch.randn(64, 32)  # 8192 B
+    w = torch.randn(16, 32, dtype=torch.bfloat16)  # 1024 B
+    y = torch.empty(64, 16)  # 4096 B
+    assert op_bytes((x, w), {}, y) == 8192 + 1024 + 4096
+    assert op_bytes((x, x, [w, (w,)]), {"bias": None}, None) == 8192 + 1024  # the same views count once
+    assert op_bytes((x,), {"out": y}, y) == 8192 + 4096  # a result written into an argument: once
+    assert op_bytes((x[:, ::2],), {}, x[:8]) == 64 * 16 * 4 + 8 * 32 * 4  # two views of x: each its elements
+    assert op_bytes((x, 3.0, "s"), {}, (y, 7)) == 8192 + 4096
+
+    class Ev:  # host-side events: each call took 2 ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    calls = [("rms_norm", Ev(0.0), Ev(2.0), (), {}, 10**9), ("rms_norm", Ev(5.0), Ev(7.0), (), {}, 10**9)]
+    orig = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a: None
+    try:
+        (r,) = summarize(calls, None, 1e15, bandwidth=2e12)  # 2 GB at 2 TB/s: 1 ms for 4 ms measured
+        (r0,) = summarize(calls, None, 1e15)
+    finally:
+        torch.cuda.synchronize = orig
+    assert r["bytes"] == 2 * 10**9 and r["x_bytes"] == pytest.approx(4.0) and not r["compute"]
+    assert r0["x_bytes"] is None  # no bandwidth: no ratio
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_op_rates_time_a_real_gemm():
@@ -529,7 +562,8 @@ def test_the_prefill_profile_table_lists_every_op_and_the_gaps():
     gg = {"op": "grouped_gemm", "calls": 8, "ms": 16.9, "flops": 5e12, "tflops": 296.0, "of_ceiling": 0.2,
           "ceiling": "fp8", "compute": True, "shapes": []}
     hp = {"op": "hc_post", "calls": 8, "ms": 1.04, "flops": 0.0, "tflops": 0.0, "of_ceiling": 0.0, "ceiling": "bf16",
-          "compute": False, "shapes": [{"shape": "", "calls": 8, "ms": 1.04, "tflops": 0.0, "of_ceiling": 0.0}] * 2}
+          "compute": False, "bytes": 2.1e9, "x_bytes": 3.46,
+          "shapes": [{"shape": "", "calls": 8, "ms": 1.04, "tflops": 0.0, "of_ceiling": 0.0}] * 2}
     r["prefill_ops"] = {"prompt_len": 4096, "total_ms": 20.0, "host_issue_ms": 30.0, "head_start_ms": 45.0,
                         "timed_issue_ms": 50.0, "host_caught_up": True, "ops": [gg, hp], "outside_ops_ms": 2.06}
     buf = io.StringIO()
@@ -538,7 +572,9 @@ def test_the_prefill_profile_table_lists_every_op_and_the_gaps():
     lines = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if ln.count("│") > 3}
     assert "296" in lines["grouped_gemm"] and "20% fp8" in lines["grouped_gemm"]
     cells = [c.strip() for c in lines["hc_post"].split("│")[1:-1]]
-    assert cells == ["hc_post", "8", "1.04", "5.2%", "-", "-"]  # timed only: no rate
+    assert cells == ["hc_post", "8", "1.04", "5.2%", "-", "-", "2100", "3.5x"]  # timed only: no rate
+    assert [c.strip() for c in lines["grouped_gemm"].split("│")[1:-1]][-2:] == ["-", "-"]  # no bytes recorded
+    assert "x bytes: an op's time over the time to move" in " ".join(out.split())
     assert "" not in lines  # no per-shape rows under hc_post (their shape cells would be empty)
     assert "2.06" in lines["(between ops: torch glue)"] and "10.3%" in lines["(between ops: torch glue)"]
     assert "50.0 ms, past its 45.0 ms head start" in " ".join(out.split())

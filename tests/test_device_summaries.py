@@ -97,6 +97,9 @@ def test_prefill_profile_clause_names_the_top_ops_the_rest_and_the_gaps():
     r = {"prefill_ops": {"total_ms": 20.0, "ops": ops, "outside_ops_ms": 1.35}}
     assert summarize.prefill_ops(r, top=2) == ("; prefill profile 20.0 ms: grouped_gemm 16.90 (20% fp8), hc_post 1.00, "
                                                "2 other ops 0.75, between ops 1.35")
+    ops[1]["x_bytes"] = 4.25  # hc_post took 4.25x the time of one pass over its tensors' bytes
+    assert summarize.prefill_ops(r, top=2) == ("; prefill profile 20.0 ms: grouped_gemm 16.90 (20% fp8), hc_post 1.00 "
+                                               "(4.2x bytes), 2 other ops 0.75, between ops 1.35")
     r["prefill_ops"]["host_caught_up"] = True
     assert "(host caught up: includes launch gaps)" in summarize.prefill_ops(r)
     assert summarize.prefill_ops({}) == ""

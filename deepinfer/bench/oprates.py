@@ -74,6 +74,41 @@ def op_shape(name: str, args: tuple) -> str:
     return ""
 
 
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def op_bytes(args: tuple, kwargs: dict, out) -> int:
+    """Bytes one call's tensors hold: each distinct argument view once (the same view passed twice counts once),
+    then each result that is not one of them, at numel x element size (a strided view counts the elements it
+    addresses, not the memory it spans). Read from the tensors' metadata only (no device sync).
+
+    The time to move these bytes once at the copy bandwidth is what a single pass over the op's operands takes.
+    It bounds the op's own bytes floor from above where the op reads all of its inputs (elementwise ops, norms,
+    the mHC mixes), so the op's time over it is then at most its times-floor: a row at 4x is at least 4x its
+    floor. An op that reads a few rows of a large argument (a cache it gathers from or writes a few slots of)
+    counts the whole argument and looks faster than it is; one that reads and rewrites a buffer in place
+    counts it once."""
+    seen: set = set()
+    total = 0
+    for t in _tensors(args) + _tensors(kwargs) + _tensors(out):
+        k = _view_key(t)
+        if k not in seen:
+            seen.add(k)
+            total += t.numel() * t.element_size()
+    return total
+
+
 OPS = ("fp8_gemm", "fp4_gemm", "grouped_gemm", "fp8_grouped_linear", "linear", "sparse_attn", "sparse_attn_fp8",
        "indexer_scores", "act_quant_fp8_gemm", "swiglu_grouped_gemm")
 
@@ -117,8 +152,9 @@ def op_rates(names: tuple[str, ...] | None = OPS):
                 e.record()
             finally:
                 depth[0] -= 1
-            # only the compute ops' arguments are read (FLOPs, shape): the others' are not kept alive to the end
-            calls.append((name, s, e, args, kwargs) if name in OPS else (name, s, e, (), {}))
+            # only the compute ops' arguments are kept (FLOPs, shape): the others' are not kept alive to the end
+            nbytes = op_bytes(args, kwargs, out)
+            calls.append((name, s, e, args, kwargs, nbytes) if name in OPS else (name, s, e, (), {}, nbytes))
             return out
         return timed
 
@@ -131,20 +167,23 @@ def op_rates(names: tuple[str, ...] | None = OPS):
             ops._cache[keys[n]] = fn
 
 
-def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dict]:
+def summarize(calls: list, fp8_rate: float | None, bf16_rate: float, bandwidth: float | None = None) -> list[dict]:
     """Per op: calls, ms, TFLOP/s and the ratio to the measured ceiling of its kind (`FP8_CEILING_OPS`), and
-    the same per problem size under "shapes" (which GEMM of a layer falls short)."""
+    the same per problem size under "shapes" (which GEMM of a layer falls short). "bytes": what its calls'
+    tensors hold (`op_bytes`); with the copy `bandwidth` (bytes/s), "x_bytes": its time over the time to move
+    those bytes once (for an op that reads all its inputs, at least its times-floor)."""
     torch.cuda.synchronize()
     rows: dict[str, dict] = {}
-    for name, s, e, args, kwargs in calls:
+    for name, s, e, args, kwargs, nbytes in calls:
         ms, flops = s.elapsed_time(e), op_flops(name, args, kwargs)
-        r = rows.setdefault(name, {"op": name, "calls": 0, "ms": 0.0, "flops": 0.0, "shapes": {}})
+        r = rows.setdefault(name, {"op": name, "calls": 0, "ms": 0.0, "flops": 0.0, "bytes": 0, "shapes": {}})
         sh = r["shapes"].setdefault(op_shape(name, args), {"shape": op_shape(name, args), "calls": 0, "ms": 0.0,
-                                                           "flops": 0.0})
+                                                           "flops": 0.0, "bytes": 0})
         for x in (r, sh):
             x["calls"] += 1
             x["ms"] += ms
             x["flops"] += flops
+            x["bytes"] += nbytes
     out = []
     for r in sorted(rows.values(), key=lambda r: -r["ms"]):
         fp8 = r["op"] in FP8_CEILING_OPS and fp8_rate
@@ -153,6 +192,7 @@ def summarize(calls: list, fp8_rate: float | None, bf16_rate: float) -> list[dic
         for x in [r] + r["shapes"]:
             x["tflops"] = x["flops"] / (x["ms"] * 1e-3) / 1e12 if x["ms"] > 0 else 0.0
             x["of_ceiling"] = x["tflops"] * 1e12 / ceiling if ceiling else None
+            x["x_bytes"] = x["ms"] * 1e-3 / (x["bytes"] / bandwidth) if bandwidth and x["bytes"] else None
         r["ceiling"] = "fp8" if fp8 else "bf16"
         r["compute"] = r["op"] in OPS  # an op with a FLOP count and a rate; the others are timed only
         out.append(r)
@@ -175,9 +215,9 @@ HEAD_START = 1.5
 
 
 def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rate: float | None,
-                    bf16_rate: float) -> dict:
+                    bf16_rate: float, bandwidth: float | None = None) -> dict:
     """One warm P-token prefill with every op timed: {"total_ms", "ops": summarize(...) (each row's "compute": an op
-    with a FLOP count), "compute_ms" / "other_ops_ms" (the two kinds' sums), "outside_ops_ms" (the pass's time
+    with a FLOP count; with the copy `bandwidth`, its "x_bytes"), "compute_ms" / "other_ops_ms" (the two kinds' sums), "outside_ops_ms" (the pass's time
     outside every op: torch glue between them), "host_issue_ms", "head_start_ms", "timed_issue_ms" (the host's
     issue of the timed pass, events included) and "host_caught_up" (it took longer than the head start: the GPU
     waited on the host, so the op times include launch gaps)}. The pass runs on one stream (no runner's lanes),
@@ -209,9 +249,9 @@ def profile_prefill(model, cfg, P: int, device: torch.device, seed: int, fp8_rat
         model.prefill(ids, rows=row)
         t1.record()
         timed_issue_ms = (time.perf_counter() - t) * 1e3
-    rows = summarize(calls, fp8_rate, bf16_rate)
+    rows = summarize(calls, fp8_rate, bf16_rate, bandwidth)
     total = t0.elapsed_time(t1)
-    return {"prompt_len": P, "total_ms": total, "ops": rows, "host_issue_ms": host_ms, "head_start_ms": head_ms,
+    return {"prompt_len": P, "total_ms": total, "ops": rows, "bandwidth_Bps": bandwidth, "host_issue_ms": host_ms, "head_start_ms": head_ms,
             "timed_issue_ms": timed_issue_ms, "host_caught_up": timed_issue_ms > head_ms,
             "compute_ms": sum(r["ms"] for r in rows if r["compute"]),
             "other_ops_ms": sum(r["ms"] for r in rows if not r["compute"]),

@@ -456,7 +456,8 @@ def _run_bench(opts: BenchOptions, log, partial: dict) -> dict:
             from deepinfer.bench.oprates import profile_prefill
 
             log(f"timing every op of one {opts.prompt_len}-token prefill ...")
-            report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate)
+            report["prefill_ops"] = profile_prefill(model, cfg, opts.prompt_len, device, opts.seed, fp8_rate, rate,
+                                                    bw)
     report["fallbacks"] = sorted(ops.fallbacks)
     report["fp8_prefill_gemm"] = _fp8_prefill_gemm(device)
     if device.type == "cuda":

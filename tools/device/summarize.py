@@ -68,8 +68,12 @@ def prefill_ops(r: dict, top: int = 8) -> str:
         return ""
     rows = p["ops"][:top]
     rest = sum(x["ms"] for x in p["ops"][top:])
-    parts = [f"{x['op']} {x['ms']:.2f}" + (f" ({x['of_ceiling']:.0%} {x['ceiling']})"
-                                          if x.get("compute", True) and x.get("of_ceiling") else "") for x in rows]
+    def how(x):  # a compute op's share of its ceiling, any other op's time over one pass of its bytes
+        if x.get("compute", True) and x.get("of_ceiling"):
+            return f" ({x['of_ceiling']:.0%} {x['ceiling']})"
+        return f" ({x['x_bytes']:.1f}x bytes)" if x.get("x_bytes") else ""
+
+    parts = [f"{x['op']} {x['ms']:.2f}{how(x)}" for x in rows]
     gaps = " (host caught up: includes launch gaps)" if p.get("host_caught_up") else ""
     return (f"; prefill profile {p['total_ms']:.1f} ms{gaps}: " + ", ".join(parts)
             + f", {len(p['ops']) - len(rows)} other ops {rest:.2f}, between ops {p.get('outside_ops_ms', NAN):.2f}")
