@@ -103,6 +103,20 @@ def test_batch_of_different_lengths_matches_single_runs():
         assert torch.allclose(torch.tensor(single.logprobs), torch.tensor(c.logprobs), atol=atol)
 
 
+def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_work():
+    """A token id outside 0..V-1 is named with its prompt and position; nothing is allocated first (on a GPU such an
+    id would read past the embedding and the hash layers' tid2eid without an error)."""
+    lm = load_model(None, numerics="official", dtype="float32", progress=False)
+    V, rows = lm.model.cfg.vocab_size, lm.model.rows
+    p = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match=rf"prompt 1: token id {V} at position 2 is outside the vocabulary \(0..{V - 1}\)"):
+        generate(lm.model, [[0, 5], [0, 6, V, 7]], p, eos_id=1)
+    with pytest.raises(ValueError, match=r"prompt 0: token id -3 at position 1 is outside"):
+        generate(lm.model, [[0, -3]], p, eos_id=1)
+    assert lm.model.rows == rows  # refused before the caches were sized
+    assert len(generate(lm.model, [[0, V - 1]], p, eos_id=1).completions[0].token_ids) == 2  # the last id is in
+
+
 def test_sampling_seeded_and_logprobs_real():
     lm = load_model(None, progress=False)
     pr = [[0, 6127, 389]]

@@ -140,6 +140,13 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         p.check(model.cfg.vocab_size)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: the prompt needs at least one token")
+    V = model.cfg.vocab_size
+    for i, pr in enumerate(prompts):  # on a GPU an id out of range reads past the embedding and tid2eid in silence
+        if 0 <= min(pr) and max(pr) < V:
+            continue
+        bad = next(t for t in pr if not 0 <= int(t) < V)
+        raise ValueError(f"prompt {i}: token id {int(bad)} at position {list(pr).index(bad)} is outside the "
+                         f"vocabulary (0..{V - 1})")
     slots = min(B, 64) if max_batch is None else max_batch
     if slots < 1:
         raise ValueError(f"--max-batch {slots}: must be at least 1")

@@ -394,7 +394,8 @@ def compress_prefill(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, s
 
     kv, score [B, S, coff·d] float32: the chunk's wkv / wgate projections at positions start .. start+S-1
     (coff = 2 if `overlap`; rows may be strided views, e.g. the two halves of one fused projection);
-    ape [r, coff·d] the window-position bias (a token at position p scores + ape[p % r]); rows [B] state rows;
+    ape [r, coff·d] the window-position bias (a token at position p scores + ape[p % r]); rows [B] state rows,
+    distinct (kernels update each row's state in place, one program per row and channel block);
     kv_state, score_state [R, coff·r, coff·d] float32: row rows[b] holds what precedes `start` (with `overlap`,
     slots 0..r-1 the previous window's, then from slot r the current window's first start % r tokens; else those
     from slot 0; empty slots kv 0 and score -inf). fresh: start is 0 and the rows' state is neither read nor
