@@ -19,9 +19,17 @@ class OutputPathError(ValueError):
     """An output path that cannot be written; the message names the option and the path."""
 
 
+def real_path(path: str) -> str:
+    """The file a write to `path` lands in: absolute, `~` expanded, every symlink resolved. The rename that
+    completes an atomic write replaces this file, never a symlink on the way to it (`-o /dev/stdout` with stdout
+    sent to a file must fill that file, not turn the /dev/stdout link into a regular file)."""
+    return os.path.realpath(os.path.abspath(os.path.expanduser(str(path))))
+
+
 def temp_path(path: str) -> str:
-    """The temporary name `path` is written under before the rename: `.<name>.tmp-<pid>` in its directory."""
-    d, base = os.path.split(os.path.abspath(path))
+    """The temporary name `path` is written under before the rename: `.<name>.tmp-<pid>` beside the file it
+    resolves to (`real_path`)."""
+    d, base = os.path.split(real_path(path))
     return os.path.join(d, f".{base}.tmp-{os.getpid()}")
 
 
@@ -56,28 +64,37 @@ def clean_stale_temps(path: str) -> list[str]:
 
 
 def check_output(path: str, what: str, create_parents: bool = False, inputs: tuple = ()) -> str:
-    """Refuse, before any work, a path that cannot take a new regular file -> the absolute path.
+    """Refuse, before any work, a path that cannot take a new regular file -> the file it resolves to
+    (`real_path`: a symlink's target is what gets replaced, and is what is checked).
 
     Accepted: an existing regular file (it will be replaced) or a new name in an existing, writable
     directory. Refused: a directory, or a name ending in a path separator (a directory meant, even where none
     exists yet), a device node, FIFO or socket (`-o /dev/full` must never replace the device), a missing parent
     directory (created only with `create_parents`), a directory this process cannot create files in (tried for
-    real: root passes `os.access` on a read-only filesystem), and one of the command's own `inputs` (`dump -o
-    ref.h5 --follow ref.h5` would replace the file it reads). `what` names the option in the message, e.g.
+    real: root passes `os.access` on a read-only filesystem), one of the command's own `inputs` (`dump -o
+    ref.h5 --follow ref.h5` would replace the file it reads), and an existing file inside an input directory
+    (`dump -o MODEL/config.json --model MODEL` would break the checkpoint). `what` names the option in the message, e.g.
     "--out".
     """
     if not path or not str(path).strip():
         raise OutputPathError(f"{what}: the path is empty")
     if str(path).endswith((os.sep, "/")) or os.path.basename(str(path)) in (".", ".."):
         raise OutputPathError(f"{what} {path}: names a directory; give a file name")
-    p = os.path.abspath(os.path.expanduser(path))
+    a = os.path.abspath(os.path.expanduser(path))
+    if os.path.islink(a) and not os.path.exists(a):
+        raise OutputPathError(f"{what} {path}: a symlink to nothing ({os.readlink(a)}); give a file name")
+    p = real_path(a)
     for src in inputs:
-        if src and _same_file(p, os.path.abspath(os.path.expanduser(str(src)))):
+        if src and _same_file(p, real_path(str(src))):
             raise OutputPathError(f"{what} {path}: is also an input of this command ({src}); write elsewhere")
+        if src and os.path.isdir(real_path(str(src))) and os.path.lexists(p) \
+                and os.path.commonpath([p, real_path(str(src))]) == real_path(str(src)):
+            raise OutputPathError(f"{what} {path}: would replace a file of {src}, an input of this command (a "
+                                  "checkpoint's files are read, never written); write elsewhere")
     if os.path.lexists(p):
         try:
             st = os.stat(p)
-        except OSError as e:  # a dangling symlink
+        except OSError as e:
             raise OutputPathError(f"{what} {path}: cannot use it ({e.strerror})") from None
         if stat.S_ISDIR(st.st_mode):
             raise OutputPathError(f"{what} {path}: is a directory; give a file name")
@@ -138,8 +155,8 @@ def check_output_dir(path: str, what: str) -> str:
 
 def atomic_write(path: str, data: str | bytes, append: bool = False) -> None:
     """Write `data` to `path` through a temporary file and a rename; `append` keeps the old content first
-    (the whole file is rewritten, so a crash never leaves half a row)."""
-    p = os.path.abspath(path)
+    (the whole file is rewritten, so a crash never leaves half a row). A symlink's target is written."""
+    p = real_path(path)
     tmp = temp_path(p)
     old = b""
     if append and os.path.isfile(p):

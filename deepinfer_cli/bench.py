@@ -365,7 +365,8 @@ def bench_cmd(
     if model and preset:
         raise OptionError("--model and --preset are exclusive")
     if record_to:
-        check_output(record_to, "--record")
+        record_to = check_output(record_to, "--record", inputs=(model,))
+        _check_record_file(record_to)
     opts = BenchOptions(preset=None if model else (preset or "tiny"), model=model, batches=_parse_batches(batch),
                         prompt_len=prompt_len, gen_len=gen_len, backend=backend, strict=strict, op_map=op_map,
                         numerics=numerics,
@@ -375,7 +376,16 @@ def bench_cmd(
     err = Console(stderr=True)
     with _cut_off_on_sigterm():
         report = run_bench(opts, log=(lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
-    if record_to and not report.get("cut_off"):  # a cut-off run is no row for the perf log
+    if report.get("cut_off"):  # what finished, as JSON either way (the tables expect every section)
+        print(json.dumps(report, default=str))
+        print(f"deepinfer bench: stopped by SIGTERM; the JSON above holds what finished ({report['cut_off']})"
+              + (f"; no row recorded in {record_to}" if record_to else ""), file=sys.stderr)
+        raise typer.Exit(128 + signal.SIGTERM)  # a cut-off run is no row for the perf log
+    if as_json:  # the results first: a failure to record the row loses nothing
+        print(json.dumps(report, default=str))
+    else:
+        _print(report, console())
+    if record_to:
         argv = ["deepinfer", "bench"] + (["--model", model] if model else ["--preset", opts.preset])
         argv += ["--batch", batch, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
         argv += ["--backend", backend] if backend else []
@@ -386,17 +396,21 @@ def bench_cmd(
         for a in against or ():
             argv += ["--against", a]
         record(record_to, report, shlex.join(argv))
-    if report.get("cut_off"):  # what finished, as JSON either way (the tables expect every section)
-        print(json.dumps(report, default=str))
-        print(f"deepinfer bench: stopped by SIGTERM; the JSON above holds what finished ({report['cut_off']})"
-              + (f"; no row recorded in {record_to}" if record_to else ""), file=sys.stderr)
-        raise typer.Exit(128 + signal.SIGTERM)
-    if as_json:
-        print(json.dumps(report, default=str))
-        return
-    _print(report, console())
-    if record_to:
         print(f"recorded a row in {record_to}", file=sys.stderr)
+
+
+def _check_record_file(path: str) -> None:
+    """An existing --record file must be text this command can append a row to: checked before the run."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            f.read()
+    except UnicodeDecodeError as e:
+        raise OptionError(f"--record {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "give a markdown file") from None
+    except OSError as e:
+        raise OptionError(f"--record {path}: cannot read it ({e.strerror})") from None
 
 
 @contextlib.contextmanager

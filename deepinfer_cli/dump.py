@@ -103,7 +103,7 @@ def dump_cmd(
     if steps < 0:
         raise UserError(f"--steps {steps}: must be >= 0")
     if out is not None:  # checked before any work; the default path's dumps/ is created when missing
-        check_output(out, "--out", inputs=(follow,))
+        check_output(out, "--out", inputs=(follow, model))
     torch.manual_seed(seed)
     if engine == "transformers":
         return _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dtype, device, seed)

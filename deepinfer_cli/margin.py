@@ -75,7 +75,7 @@ def margin_cmd(
         raise UserError(f"a prompt ({prompt!r}) and --from-dumps: the dumps carry their own prompt; give one or "
                         "the other")
     if plot_path:
-        check_output(plot_path, "--plot", inputs=tuple(dumps or ()))
+        check_output(plot_path, "--plot", inputs=tuple(dumps or ()) + (model,))
     token_text = None
     if dumps:
         res, _ = from_dumps(dumps[0], dumps[1], k, tol, band)

@@ -121,6 +121,46 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, tiny_dir):
     assert "--plot" in _one_line(r) and ref.read_bytes() == before
 
 
+def test_an_output_that_would_replace_a_checkpoint_file_is_refused(tmp_path, tiny_dir):
+    """`dump -o MODEL/config.json --model MODEL` wrote HDF5 over the checkpoint's config (sweep of 2026-12-08)."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_dir, model)
+    cfg = (model / "config.json").read_bytes()
+    r = runner.invoke(app, ["dump", "北京是", "--steps", "1", "--model", str(model), "-o", str(model / "config.json")])
+    assert "would replace a file of" in _one_line(r) and (model / "config.json").read_bytes() == cfg
+    link = tmp_path / "cfg-link.json"  # through a symlink too
+    link.symlink_to(model / "config.json")
+    r = runner.invoke(app, ["dump", "北京是", "--steps", "1", "--model", str(model), "-o", str(link)])
+    assert "would replace a file of" in _one_line(r) and (model / "config.json").read_bytes() == cfg
+    r = runner.invoke(app, ["dump", "北京是", "--steps", "1", "--model", str(model), "-o", str(model / "new.h5")])
+    assert r.exit_code == 0, r.output  # a new file beside the checkpoint replaces nothing
+
+
+def test_bench_refuses_a_record_file_it_cannot_append_to_before_the_run(tmp_path):
+    rec = tmp_path / "rec.h5"
+    rec.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+    r = runner.invoke(app, ["bench", "--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "1",
+                            "--device", "cpu", "--record", str(rec)])
+    line = _one_line(r)
+    assert "--record" in line and "not UTF-8 text (byte 0x89 at offset 0)" in line
+    assert "building the model" not in r.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prompt-len", "99999999"], "exceed the model's context of 1048576"),
+    (["--batch", "1,1000000"], r"--batch 1000000 at --prompt-len 4: the model"),
+])
+def test_bench_refuses_a_run_that_cannot_fit_before_building(args, says):
+    import re
+
+    r = runner.invoke(app, ["bench", "--preset", "tiny", "--prompt-len", "4", "--gen-len", "1", "--device", "cpu",
+                            *args])
+    assert re.search(says, _one_line(r)), r.output
+    assert "building the model" not in r.output
+
+
 def test_margin_refuses_a_prompt_beside_dumps(tmp_path, tiny_dir):
     ref = tmp_path / "ref.h5"
     assert runner.invoke(app, ["dump", "北京是", "--steps", "1", "-o", str(ref)]).exit_code == 0

@@ -192,6 +192,37 @@ def test_stale_temp_files_are_cleaned(tmp_path):
     assert not stale.exists() and alive.exists() and (tmp_path / "x.h5").is_file()
 
 
+def test_an_output_through_a_symlink_replaces_the_target_not_the_link(tmp_path):
+    """`--plot /dev/stdout` with stdout sent to a file once turned the /dev/stdout link into a regular file: a
+    write through a symlink lands in (and atomically replaces) the file it resolves to; the link stays a link.
+    A link to nothing, or to a directory or device, is refused as its target would be."""
+    from deepinfer.debug.h5schema import read_dump, write_dump
+    from deepinfer.outpath import OutputPathError, atomic_write, check_output
+
+    real = tmp_path / "real.txt"
+    real.write_text("old")
+    link = tmp_path / "link.txt"
+    link.symlink_to(real)
+    assert check_output(str(link), "--out") == str(real)
+    atomic_write(str(link), "new")
+    assert link.is_symlink() and real.read_text() == "new"
+    h5, h5link = tmp_path / "d.h5", tmp_path / "dl.h5"
+    h5.write_bytes(b"")
+    h5link.symlink_to(h5)
+    write_dump(h5link, {"t": torch.ones(3)})
+    assert h5link.is_symlink() and read_dump(str(h5))[1]["t"].tolist() == [1.0, 1.0, 1.0]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["d.h5", "dl.h5", "link.txt", "real.txt"]  # no temp left
+    (tmp_path / "nothing").symlink_to(tmp_path / "missing" / "x")
+    with pytest.raises(OutputPathError, match="a symlink to nothing"):
+        check_output(str(tmp_path / "nothing"), "--out")
+    (tmp_path / "dirlink").symlink_to(tmp_path)
+    with pytest.raises(OutputPathError, match="is a directory"):
+        check_output(str(tmp_path / "dirlink"), "--out")
+    (tmp_path / "null").symlink_to("/dev/null")
+    with pytest.raises(OutputPathError, match="not a regular file"):
+        check_output(str(tmp_path / "null"), "--out")
+
+
 def test_atomic_record_append(tmp_path):
     from deepinfer.outpath import atomic_write
 

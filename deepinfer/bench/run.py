@@ -317,6 +317,27 @@ def run_bench(opts: BenchOptions, log=lambda msg: None) -> dict:
         return partial["report"]
 
 
+def _check_run_fits(cfg: ModelConfig, opts: BenchOptions, batches: list[int], numerics, device) -> None:
+    """Refuse (OptionError, with the numbers) a run past the model's context, or whose weights plus the caches of
+    its largest batch cannot fit in the memory `device` has free, before anything is built or measured."""
+    from deepinfer.bench.workload import WARMUP_STEPS
+    from deepinfer.engine.loader import OptionError
+    from deepinfer.engine.memory import available_bytes, cache_bytes, fmt_bytes, model_build_bytes
+
+    positions = opts.prompt_len + WARMUP_STEPS + max(opts.gen_len, opts.speculate + 1) + 4  # decode's allocation
+    if positions > cfg.max_position_embeddings:
+        raise OptionError(f"--prompt-len {opts.prompt_len} and --gen-len {opts.gen_len}: {positions} positions with "
+                          f"the warm-up exceed the model's context of {cfg.max_position_embeddings}")
+    B = max(batches)
+    loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype, None)
+    caches = cache_bytes(cfg, B + 1, positions, numerics.dtype, numerics.official)
+    have = available_bytes(device)
+    if loaded + own + caches > 0.9 * have:
+        raise OptionError(f"--batch {B} at --prompt-len {opts.prompt_len}: the model ({fmt_bytes(loaded + own)}) and "
+                          f"the caches of {B + 1} rows of {positions} positions ({fmt_bytes(caches)}) need "
+                          f"{fmt_bytes(loaded + own + caches)}, but {fmt_bytes(have)} is available on {device}")
+
+
 def _run_bench(opts: BenchOptions, log, partial: dict) -> dict:
     from deepinfer.engine.loader import OptionError, resolve_device, resolve_numerics
 
@@ -342,10 +363,10 @@ def _run_bench(opts: BenchOptions, log, partial: dict) -> dict:
     mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     graphs = _graphs(device, opts, ops.backend)
-    if not opts.model:  # a bad --preset is refused before the first progress line
+    if not opts.model:  # a bad --preset, or a run it cannot hold, is refused before the first progress line
         from deepinfer.presets import preset_config
 
-        preset_config(opts.preset or "tiny")
+        _check_run_fits(preset_config(opts.preset or "tiny"), opts, batches, numerics, device)
     log(f"building the model on {device} ...")
     cfg, model, state, source, t_weights = build(opts, device, numerics)
     if opts.speculate:

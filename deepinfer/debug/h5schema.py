@@ -24,7 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from deepinfer.outpath import check_output, temp_path
+from deepinfer.outpath import check_output, real_path, temp_path
 
 FORMAT = "deepinfer-dump"
 FORMAT_VERSION = 1
@@ -107,7 +107,7 @@ class DumpWriter:
     """`with DumpWriter(path, attrs) as w: w.add(name, tensor, **attrs)`; the file appears at the end."""
 
     def __init__(self, path: str | os.PathLike, attrs: dict | None = None, compression: int = 4):
-        self.path = os.fspath(path)
+        self.path = real_path(os.fspath(path))  # a symlink's target is replaced, not the link
         self.attrs = dict(attrs or {})
         self.compression = compression
         self.tmp = temp_path(self.path)
