@@ -117,6 +117,28 @@ def test_compare_bad_tolerances(short_dump, opt):
     assert opt[0] in line
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"rules": [{"match": 5}]}', '"match" must be a regex string, not 5'),
+    ('{"rules": 5}', '"rules" must be a list of rules, not int'),
+    ('{"rulez": [{"match": "x", "rtol": 1}]}', "a JSON object holds one key, \"rules\" (a list); found 'rulez'"),
+    ("logits skip=ture\n", "skip='ture' is not a valid value"),
+])
+def test_a_tolerances_file_that_says_nothing_usable_is_refused(short_dump, tmp_path, text, says):
+    """A rules file whose rules would be dropped or misread (a misspelt key, a misspelt flag read as false) or that
+    crashed compare (exit 3) is bad input: one line, exit 2 (sweep of 2026-12-08)."""
+    f = tmp_path / ("t.json" if text.startswith("{") else "t.txt")
+    f.write_text(text)
+    line = _one_line_error(runner.invoke(app, ["compare", str(short_dump), str(short_dump), "--tolerances", str(f)]))
+    assert says in line, line
+
+
+def test_a_tolerances_flag_reads_its_words():
+    from deepinfer.debug.compare import Tolerances
+
+    flag = Tolerances.KEYS["skip"]
+    assert [flag(v) for v in ("1", "TRUE", "yes", True, "0", "false", "No", False)] == [True] * 4 + [False] * 4
+
+
 # ------------------------------------------------------------------------- one line, exit 2
 @pytest.mark.parametrize("args,words", [
     (["generate", "x", "-n", "2", "--logprobs", "200000"], "--logprobs"),

@@ -84,8 +84,20 @@ class Tolerances:
             `#` starts a comment.
     """
 
+    @staticmethod
+    def _flag(v) -> bool:
+        """skip's value: a JSON bool or 1/0/true/false/yes/no; anything else (`skip=ture`) is an error, not false."""
+        if isinstance(v, bool):
+            return v
+        t = str(v).lower()
+        if t in ("1", "true", "yes"):
+            return True
+        if t in ("0", "false", "no"):
+            return False
+        raise ValueError(v)
+
     KEYS = {"rtol": float, "atol": float, "stat": str, "quantile": float, "min_overlap": float,
-            "skip": lambda v: str(v).lower() in ("1", "true", "yes")}
+            "skip": _flag.__func__}
 
     def __init__(self, default: Tol | None = None, rules: list[Rule] | None = None):
         self.default, self.rules = default or Tol(), rules or []
@@ -98,6 +110,8 @@ class Tolerances:
 
     @classmethod
     def _rule(cls, pattern: str, values: dict, where: str) -> Rule:
+        if not isinstance(pattern, str):
+            raise ValueError(f"{where}: \"match\" must be a regex string, not {pattern!r}")
         try:
             pat = re.compile(pattern)
         except re.error as e:
@@ -131,7 +145,16 @@ class Tolerances:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--tolerances {path}: not valid JSON ({e})") from None
-            items = data.get("rules", []) if isinstance(data, dict) else data
+            if isinstance(data, dict):
+                extra = sorted(set(data) - {"rules"})
+                if extra or "rules" not in data:
+                    raise ValueError(f"--tolerances {path}: a JSON object holds one key, \"rules\" (a list); found "
+                                     f"{', '.join(map(repr, extra)) or 'no rules'}")
+                items = data["rules"]
+            else:
+                items = data
+            if not isinstance(items, list):
+                raise ValueError(f"--tolerances {path}: \"rules\" must be a list of rules, not {type(items).__name__}")
             for i, item in enumerate(items):
                 if not isinstance(item, dict) or "match" not in item:
                     raise ValueError(f"--tolerances {path}: rule {i} needs a \"match\" regex")
