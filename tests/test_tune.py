@@ -90,6 +90,16 @@ def test_bad_arguments():
         tune("triton", ["nope"], OPS, "tiny", 0, "cpu")
 
 
+def test_a_named_candidate_that_cannot_run_here_is_refused(monkeypatch):
+    """`tune --candidates torch,triton` on a CPU without the interpreter tabled Triton's every op as failing (an
+    AssertionError per op) and wrote a map; a candidate the user names must run on the device (sweep 2026-12-08)."""
+    from deepinfer import settings
+
+    monkeypatch.setattr(settings, "triton_interpreted", lambda: False)
+    with pytest.raises(ValueError, match="--candidates triton needs a CUDA device"):
+        tune("torch", ["torch", "triton"], OPS, "tiny", 0, "cpu")
+
+
 def test_map_file_round_trip_and_refusals(tmp_path, monkeypatch):
     t = {("rms_norm", "torch"): 1.0, ("rms_norm", "triton"): 2.0, ("act_quant", "torch"): 5.0,
          ("act_quant", "triton"): 3.0}

@@ -30,7 +30,8 @@ import torch
 from deepinfer import settings
 from deepinfer.debug import ab, ab_cases
 from deepinfer.ops import ops
-from deepinfer.ops.registry import BACKENDS, PHASES, REGISTRY, _ensure_reference, backend_available, by_design
+from deepinfer.ops.registry import (BACKENDS, PHASES, REGISTRY, BackendError, _ensure_reference, backend_available,
+                                     by_design, check_runs_on)
 
 POLICIES = ("official", "fast")
 
@@ -99,6 +100,11 @@ def tune(baseline: str = "triton", candidates: list[str] | None = None, ops_rege
     dims = ab_cases.SHAPES[shapes]
     if dims.big and not on_cuda:
         raise ValueError(f"--shapes {shapes}: V4 shapes need a CUDA device (device is {dev})")
+    for b in cands if candidates else ():  # named by the user: one that cannot run here is refused, not tabled
+        try:
+            check_runs_on(b, dev, None, "--candidates")
+        except BackendError as e:
+            raise ValueError(str(e)) from None
     timer = timer or ab.bench
     # the policy's own defaults while measuring (settings.FAST_DEFAULTS): under fast, Triton's prefill fp8_gemm is
     # the per-128 one a fast run will call, so the map is chosen among the kernels that run under it
