@@ -86,6 +86,12 @@ class ModelConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
+        for k, v in (("num_hidden_layers", self.n_layers), ("vocab_size", self.vocab_size)):
+            if v < 1:  # before the schedules, whose lengths follow from it: the root cause named first
+                raise ConfigError(f"{k} = {v}: must be at least 1")
+        for k, v in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id)):
+            if not 0 <= v < self.vocab_size:  # an eos outside the vocabulary never stops a generation
+                raise ConfigError(f"{k} = {v}: must be a token id, 0..{self.vocab_size - 1} (vocab_size)")
         n_attn = self.n_layers + self.n_mtp_layers
         if len(self.attn_kinds) != n_attn or len(self.compress_ratios) != n_attn:
             raise ConfigError(

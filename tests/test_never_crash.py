@@ -438,6 +438,10 @@ def test_tilelang_help_says_what_it_covers():
     ({"model_type": "llama"}, "model_type 'llama'"),
     ({"num_attention_heads": 0}, "num_attention_heads = 0"),
     ({"num_experts_per_tok": 99}, "num_experts_per_tok = 99"),
+    ({"eos_token_id": 999999999}, "eos_token_id = 999999999: must be a token id"),
+    ({"eos_token_id": -5}, "eos_token_id = -5: must be a token id"),
+    ({"bos_token_id": 999999999}, "bos_token_id = 999999999: must be a token id"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers = -1: must be at least 1"),
 ])
 def test_config_errors_name_the_key(tmp_path, tiny_dir, change, words):
     import shutil
