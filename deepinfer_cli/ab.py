@@ -72,6 +72,12 @@ def ab_cmd(
         raise UserError("--dump and --compare are exclusive")
     if against and compare:
         raise UserError("--against and --compare are exclusive (a replay runs one backend on saved cases)")
+    if compare:  # a replay takes the saved cases' shapes, seed and reference outputs: these would be ignored
+        given = [o for o, on in (("--shapes", shapes != "all"), ("--seed", seed is not None), ("--ref", ref != "torch"))
+                 if on]
+        if given:
+            raise UserError(f"{', '.join(given)} with --compare: a replay runs the cases saved in {compare} as they "
+                            "were dumped (their shapes, inputs and reference outputs); leave them out")
     from deepinfer.ops.registry import BACKENDS
 
     if against and against not in BACKENDS:

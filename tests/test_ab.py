@@ -168,6 +168,13 @@ def test_dump_compare_round_trip_and_tamper(tmp_path):
     assert r.exit_code == 1
     bad = [c for c in _json(r)["cases"] if c["status"] != "pass"]
     assert [c["case"] for c in bad] == ["rms_norm__tiny__decode__hidden"]
+    # a replay's filter that matches no saved op, or options a replay cannot honour: one line, exit 2 (sweep
+    # 2026-12-08: `--ops zzz` reported 0 cases as a pass; --shapes / --seed were ignored)
+    r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(d), "--ops", "zzz"])
+    assert r.exit_code == 2 and "matches none of the ops of the cases saved" in r.stderr and "rms_norm" in r.stderr
+    for extra in (["--shapes", "pro"], ["--seed", "5"], ["--ref", "triton"]):
+        r = runner.invoke(app, ["ab", "--backend", "torch", "--compare", str(d), *extra])
+        assert r.exit_code == 2 and f"{extra[0]} with --compare" in r.stderr, r.output
 
 
 def test_compare_missing_dir_is_one_line(tmp_path):

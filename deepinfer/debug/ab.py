@@ -645,7 +645,11 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
     files = sorted(f for f in os.listdir(directory) if f.endswith(".h5"))
     if not files:
         raise ValueError(f"--compare {directory}: no .h5 case files (write them with `deepinfer ab --dump DIR`)")
-    rx = re.compile(ops_regex) if ops_regex else None
+    try:
+        rx = re.compile(ops_regex) if ops_regex else None
+    except re.error as e:
+        raise ValueError(f"--ops {ops_regex!r}: not a regular expression ({e})") from None
+    seen_ops: set[str] = set()
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     load_backend(backend)
     interp = settings.triton_interpreted() and backend == "triton"
@@ -674,6 +678,7 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
             results.append(CaseResult(f, "?", "?", "?", "error", reason=str(e)))
             continue
         op = desc["op"]
+        seen_ops.add(op)
         if rx and not rx.search(op):
             continue
         cr = CaseResult(op, desc["shapes"], desc["phase"], desc["variant"], "pending")
@@ -705,6 +710,10 @@ def compare_dir(directory: str, backend: str, ops_regex: str | None = None, do_b
             progress(cr)
         _run_case(cr, fn, args, kwargs, ref_out, do_bench, torch.device(dev).type == "cuda")
         results.append(cr)
+    if rx and not results:  # a filter that matches nothing compared nothing: not a pass
+        ops_saved = sorted(seen_ops)
+        raise ValueError(f"--ops {ops_regex!r}: matches none of the ops of the cases saved in {directory} "
+                         f"({', '.join(ops_saved[:12])}{' ...' if len(ops_saved) > 12 else ''})")
     seed = next(iter(seeds)) if len(seeds) == 1 else None
     return ABReport(backend, None, seed, dev, interp, results, source=directory)
 
