@@ -98,6 +98,13 @@ def dump_cmd(
     """
     if engine not in ("deepinfer", "transformers"):
         raise UserError(f"--engine {engine!r}: deepinfer | transformers")
+    if engine == "transformers":  # its own modules in exact numerics: our kernel options would be ignored
+        given = [o for o, on in (("--backend", backend), ("--op", op_map), ("--strict", strict),
+                                 ("--flaggems", flaggems), (f"--numerics {numerics}", numerics not in ("official", "exact")))
+                 if on]
+        if given:
+            raise UserError(f"{', '.join(given)} with --engine transformers: transformers runs its own modules in exact "
+                            "numerics; these apply to --engine deepinfer")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     if steps < 0:

@@ -58,6 +58,10 @@ def verify_cmd(
         return _verify_official(prompt, official_dir, model, backend, op_map, steps, device, as_json)
     if official_dir is not None:
         raise ValueError("--official-dir is for --against official")
+    if backend or op_map:  # verify() compares the torch reference's exact numerics with transformers
+        raise ValueError(f"{'--backend' if backend else '--op'} with --against transformers: this check runs our "
+                         "exact numerics on the torch reference against transformers; kernels are verified with "
+                         "--against official (or `deepinfer ab` op by op)")
     from deepinfer.hf.model import require_transformers
 
     require_transformers()

@@ -57,6 +57,22 @@ def test_bad_input():
     assert r.exit_code == 2 and "--against" in r.output
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["verify", "--backend", "triton"], "--backend with --against transformers"),
+    (["verify", "--op", "bogus=nope"], "--op with --against transformers"),
+    (["dump", "x", "--engine", "transformers", "--backend", "triton", "--op", "rms_norm=torch"],
+     "--backend, --op with --engine transformers"),
+    (["dump", "x", "--engine", "transformers", "--numerics", "official@efc85512"],
+     "--numerics official@efc85512 with --engine transformers"),
+])
+def test_options_the_transformers_side_would_ignore_are_refused(argv, says):
+    """Kernel options on a run of transformers' modules were ignored and the verdict or dump reported as if they
+    applied (sweep of 2026-12-08): one line, exit 2, before any model work."""
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2 and says in r.output, r.output
+    assert len([ln for ln in r.output.strip().splitlines() if ln.strip()]) == 1
+
+
 def test_dump_engine_transformers_compares_with_ours(tmp_path, tiny_dir):
     """`dump --engine transformers` writes our schema: `compare` pairs it with our exact float32 dump."""
     from deepinfer.debug.compare import compare_dumps
