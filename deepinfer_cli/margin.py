@@ -74,6 +74,12 @@ def margin_cmd(
     if dumps and prompt is not None:
         raise UserError(f"a prompt ({prompt!r}) and --from-dumps: the dumps carry their own prompt; give one or "
                         "the other")
+    if dumps:  # the dumps fix the prompt, the steps and both configurations: these would be ignored
+        given = [o for o, on in (("--model", model is not None), ("--steps", steps != 16), ("--ref", ref != DEFAULT_REF),
+                                 ("--test", test != DEFAULT_TEST), ("--no-noise", not noise), ("--chat", chat)) if on]
+        if given:
+            raise UserError(f"{', '.join(given)} with --from-dumps: the two dumps already hold their prompt, steps and "
+                            "configurations (dump --steps makes them); leave them out")
     if plot_path:
         check_output(plot_path, "--plot", inputs=tuple(dumps or ()) + (model,))
     token_text = None

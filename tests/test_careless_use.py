@@ -166,6 +166,13 @@ def test_margin_refuses_a_prompt_beside_dumps(tmp_path, tiny_dir):
     assert runner.invoke(app, ["dump", "北京是", "--steps", "1", "-o", str(ref)]).exit_code == 0
     r = runner.invoke(app, ["margin", "北京是", "--from-dumps", str(ref), str(ref)])
     assert "--from-dumps" in _one_line(r)
+    # options the dumps already fix were ignored (sweep of 2026-12-08)
+    for extra, name in ((["--steps", "5"], "--steps"), (["--ref", "numerics=exact"], "--ref"),
+                        (["--test", "dtype=float32"], "--test"), (["--no-noise"], "--no-noise"), (["--chat"], "--chat"),
+                        (["--model", "preset:tiny"], "--model")):
+        r = runner.invoke(app, ["margin", "--from-dumps", str(ref), str(ref), *extra])
+        assert f"{name} with --from-dumps" in _one_line(r)
+    assert runner.invoke(app, ["margin", "--from-dumps", str(ref), str(ref), "--json"]).exit_code == 0
 
 
 # ------------------------------------------------------------------ values and files
