@@ -253,3 +253,20 @@ def test_verify_makes_no_folder_for_a_missing_device(tmp_path, tiny_dir):
     pytest.importorskip("transformers")
     line = _one_line(runner.invoke(app, ["verify", "--out-dir", str(tmp_path / "v"), "--device", "cuda:7"]))
     assert "cuda:7" in line and not (tmp_path / "v").exists()
+
+
+def test_a_backend_from_the_environment_is_named_as_such(monkeypatch, tiny_dir):
+    """DEEPINFER_BACKEND=triton on a CPU was refused as `--backend triton`, an option the user never gave (sweep of
+    2026-12-08); DEEPINFER_OPS likewise."""
+    from deepinfer import settings
+
+    monkeypatch.setattr(settings, "triton_interpreted", lambda: False)
+    monkeypatch.setenv("DEEPINFER_BACKEND", "triton")
+    line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1", "--device", "cpu"]))
+    assert line.startswith("error: DEEPINFER_BACKEND triton needs a CUDA device"), line
+    line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1", "--device", "cpu", "--backend", "triton"]))
+    assert line.startswith("error: --backend triton needs a CUDA device"), line
+    monkeypatch.delenv("DEEPINFER_BACKEND")
+    monkeypatch.setenv("DEEPINFER_OPS", "rms_norm=triton")
+    line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1", "--device", "cpu"]))
+    assert line.startswith("error: DEEPINFER_OPS backend triton needs a CUDA device"), line

@@ -377,9 +377,12 @@ class Dispatcher:
     def configure(self, backend: str | None = None, strict: bool | None = None,
                   op_map: dict[str, str] | str | None = None) -> "Dispatcher":
         """Choose the backend, strictness and per-op map (None: `DEEPINFER_OPS`; a string is parsed as `--op`)."""
-        backend = backend or default_backend()
         from deepinfer import settings
 
+        # where each came from, for the messages that refuse them (a user who set DEEPINFER_BACKEND gave no --backend)
+        self.backend_source = "--backend" if backend or not settings.choice("DEEPINFER_BACKEND") else "DEEPINFER_BACKEND"
+        self.op_map_source = "DEEPINFER_OPS" if op_map is None and settings.path("DEEPINFER_OPS") else "--op"
+        backend = backend or default_backend()
         strict = settings.flag("DEEPINFER_STRICT") if strict is None else strict
         if op_map is None:
             op_map = parse_op_map(settings.path("DEEPINFER_OPS"), "DEEPINFER_OPS")
@@ -422,7 +425,8 @@ class Dispatcher:
         """`check_runs_on` for every backend of this configuration (`what`: the option to name, default
         `--backend` for the backend and `--op backend` for the per-op map's)."""
         for b in self.backends():
-            check_runs_on(b, device, dtype, what or ("--backend" if b == self.backend else "--op backend"))
+            check_runs_on(b, device, dtype, what or (getattr(self, "backend_source", "--backend") if b == self.backend
+                                                     else f"{getattr(self, 'op_map_source', '--op')} backend"))
 
     def describe(self) -> str:
         """`triton` or `triton; grouped_gemm=tilelang,...`: what fingerprints and bench rows record."""
