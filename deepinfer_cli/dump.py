@@ -58,9 +58,19 @@ def check_dump_fits(lm, prompt_len: int, steps: int, layers) -> None:
                         f"{fmt_bytes(have)} of memory available; dump a shorter prompt")
 
 
-def _follow_tokens(path: str, steps: int) -> list[int]:
-    """The tokens another dump fed: the greedy pick after the prompt and each step's input."""
+def _follow_tokens(path: str, steps: int, prompt: str, mode: str, fingerprint: str) -> list[int]:
+    """The tokens another dump fed: the greedy pick after the prompt and each step's input. The dump must be of
+    the same prompt (and layout) and model config: its tokens continue that prompt, not this one."""
     with DumpReader(path) as r:
+        theirs = {"prompt": r.attrs.get("prompt"), "prompt layout": r.attrs.get("prompt_mode"),
+                  "model config": r.attrs.get("config_fingerprint")}
+        ours = {"prompt": prompt, "prompt layout": mode, "model config": fingerprint}
+        for k, v in theirs.items():
+            if v is not None and str(v) != str(ours[k]):
+                shown = (lambda x: repr(str(x)[:40])) if k == "prompt" else str
+                raise UserError(f"--follow {path}: its {k} is {shown(v)}, this run's is {shown(ours[k])}; teacher "
+                                "forcing feeds the tokens that continued its prompt, so follow a dump of the same "
+                                "prompt and model")
         toks = [int(r.tensor(f"step{k}.input_ids").reshape(-1)[0]) for k in range(1, steps + 1)
                 if f"step{k}.input_ids" in r]
     if len(toks) < steps:
@@ -118,7 +128,7 @@ def dump_cmd(
     sel = parse_layers(layer, layers, lm.cfg.n_layers)
     ids = lm.tokenizer.encode_prompt(text, "chat" if chat else "raw")
     check_dump_fits(lm, len(ids), steps, sel)
-    forced = _follow_tokens(follow, steps) if follow else None
+    forced = _follow_tokens(follow, steps, text, "chat" if chat else "raw", lm.cfg.fingerprint()) if follow else None
     # forced[i] is what the reference fed to decode step i+1, i.e. its token i
     run = run_dump(lm.model, ids, steps, sel, force_tokens=forced)
     path = out or default_path(lm.cfg.name, common.ops.backend, lm.model.numerics.name, dtype)
@@ -151,9 +161,9 @@ def _dump_transformers(text, chat, model, layer, layers, out, steps, follow, dty
     transformers = require_transformers()
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    forced = _follow_tokens(follow, steps) if follow else None
     dev = resolve_device(device)
     cfg, state, d, _ = load_checkpoint(model, dev)
+    forced = _follow_tokens(follow, steps, text, "chat" if chat else "raw", cfg.fingerprint()) if follow else None
     sel = parse_layers(layer, layers, cfg.n_layers)
     ids = V4Tokenizer.from_model_dir(d).encode_prompt(text, "chat" if chat else "raw")
     hf = build_hf_peer(cfg, state, dev, dtype=DTYPES[dtype])

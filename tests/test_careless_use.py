@@ -161,6 +161,20 @@ def test_bench_refuses_a_run_that_cannot_fit_before_building(args, says):
     assert "building the model" not in r.output
 
 
+def test_follow_refuses_a_dump_of_another_prompt(tmp_path, tiny_dir):
+    """`dump OTHER --follow ref.h5` teacher-forced another prompt's continuation (sweep of 2026-12-08); `compare`
+    would then refuse the pair. The prompt, its layout and the model config must match the followed dump's."""
+    ref = tmp_path / "ref.h5"
+    assert runner.invoke(app, ["dump", "北京是", "--steps", "2", "-o", str(ref)]).exit_code == 0
+    r = runner.invoke(app, ["dump", "上海是", "--steps", "2", "--follow", str(ref), "-o", str(tmp_path / "t.h5")])
+    assert "its prompt is '北京是', this run's is '上海是'" in _one_line(r)
+    r = runner.invoke(app, ["dump", "北京是", "--chat", "--steps", "2", "--follow", str(ref), "-o", str(tmp_path / "t.h5")])
+    assert "its prompt layout is raw, this run's is chat" in _one_line(r)
+    assert sorted(os.listdir(tmp_path)) == ["ref.h5"]
+    r = runner.invoke(app, ["dump", "北京是", "--steps", "2", "--follow", str(ref), "-o", str(tmp_path / "t.h5")])
+    assert r.exit_code == 0, r.output
+
+
 def test_margin_refuses_a_prompt_beside_dumps(tmp_path, tiny_dir):
     ref = tmp_path / "ref.h5"
     assert runner.invoke(app, ["dump", "北京是", "--steps", "1", "-o", str(ref)]).exit_code == 0
