@@ -430,3 +430,11 @@ def test_probe_include_of_an_unknown_name_is_one_line_with_close_matches(monkeyp
     r = runner.invoke(app, ["probe", "flaggems", "--include", "softmaxx"])
     assert r.exit_code == 2 and "softmaxx (close: softmax, _softmax)" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_screen_options_without_the_screen_are_refused():
+    """`probe flaggems --out a.yaml --steps -5 --budget -1` ran the plain probe with every screen option ignored
+    (sweep of 2026-12-08): one line naming them, exit 2."""
+    r = runner.invoke(app, ["probe", "flaggems", "--out", "/tmp/never.yaml", "--steps", "-5", "--budget", "-1"])
+    assert r.exit_code == 2 and "--out, --steps, --budget: options of `probe flaggems --screen`" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not os.path.exists("/tmp/never.yaml")
