@@ -93,6 +93,10 @@ def generate_cmd(
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           seed=seed, stop=tuple(stop), logprobs=logprobs, guide=constraint)
     base.check()
+    if temperature == 0 and (top_k or top_p != 1):  # greedy decoding takes the argmax: the filters change nothing
+        unused = " and ".join(o for o, on in (("--top-k", top_k), ("--top-p", top_p != 1)) if on)
+        print(f"deepinfer: {unused} have no effect at --temperature 0 (greedy decoding); give --temperature > 0 to "
+              "sample", file=sys.stderr)
     mode = "chat" if chat else "think" if think else "raw"
     if input_file is not None:
         if prompt is not None:

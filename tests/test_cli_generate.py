@@ -26,6 +26,15 @@ def test_generate_table_output(tiny_dir):
     assert "tokens/s" in r.stdout and "margin" in r.stdout
 
 
+def test_sampling_filters_at_temperature_zero_are_said_to_do_nothing(tiny_dir):
+    """--top-k / --top-p with greedy decoding were ignored in silence (sweep of 2026-12-08): one stderr line."""
+    r = runner.invoke(app, ["generate", "北京是", "-n", "2", "--top-k", "5", "--top-p", "0.5", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "--top-k and --top-p have no effect at --temperature 0" in r.stderr
+    r = runner.invoke(app, ["generate", "北京是", "-n", "2", "--top-k", "5", "-t", "0.7", "--json"])
+    assert r.exit_code == 0 and "no effect" not in r.stderr
+
+
 def test_generate_chat_layout_and_stdin(tiny_dir):
     r = runner.invoke(app, ["generate", "-", "--chat", "-n", "1", "--json"], input="你好\n")
     assert r.exit_code == 0, r.output
