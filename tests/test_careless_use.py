@@ -241,7 +241,8 @@ def test_a_directory_or_a_file_where_the_other_is_meant(tmp_path, tiny_dir):
 
 @pytest.mark.parametrize("cmd", ["margin", "bisect"])
 @pytest.mark.parametrize("opt, spec, says", [("--test", "device=cuda:7", "--test device=cuda:7: "),
-                                             ("--ref", "backend=nope", "--ref backend=nope: unknown backend 'nope'")])
+                                             ("--ref", "backend=nope", "--ref backend=nope: unknown backend 'nope'"),
+                                             ("--test", "dtype=int8", "--test 'dtype=int8': dtype=int8: choose one of")])
 def test_a_spec_error_names_its_option(cmd, opt, spec, says, tiny_dir):
     if "cuda" in spec and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")

@@ -35,6 +35,15 @@ def test_sampling_filters_at_temperature_zero_are_said_to_do_nothing(tiny_dir):
     assert r.exit_code == 0 and "no effect" not in r.stderr
 
 
+def test_a_rows_own_budget_past_the_context_names_the_request(tmp_path, tiny_dir):
+    """An --input-file row's max_new_tokens beyond the context was refused as `--max-new-tokens`, an option the user
+    gave as 2 (sweep of 2026-12-08): the request is named."""
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "max_new_tokens": 1000000000}\n')
+    r = runner.invoke(app, ["generate", "--input-file", str(f), "-n", "2"])
+    assert r.exit_code == 2 and "request 2 of 2: its 2 prompt tokens plus its max_new_tokens 1000000000" in r.output
+
+
 def test_generate_chat_layout_and_stdin(tiny_dir):
     r = runner.invoke(app, ["generate", "-", "--chat", "-n", "1", "--json"], input="你好\n")
     assert r.exit_code == 0, r.output

@@ -53,6 +53,10 @@ def parse_spec(spec: str, what: str = "--ref") -> dict:
             raise ValueError(f"{what} {spec!r}: expected key=value pairs with keys {', '.join(SPEC_KEYS)}, "
                              "op.NAME")
         out[k] = v
+    from deepinfer.model.weights import DTYPES
+
+    if out["dtype"] not in DTYPES:  # named as the SPEC's key: the user gave no --dtype
+        raise ValueError(f"{what} {spec!r}: dtype={out['dtype']}: choose one of {', '.join(DTYPES)}")
     if out["kv"] is not None and out["kv"] not in KV_FORMATS:
         raise ValueError(f"{what} {spec!r}: kv={out['kv']}: choose {' or '.join(KV_FORMATS)}")
     from deepinfer.quant.requant import EXPERT_FORMS

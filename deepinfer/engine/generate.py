@@ -158,6 +158,11 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
                              "the token bitmask to drafts and verify yet")
     # + speculate: a verify step runs K positions past the last token it may keep
     max_len = max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, plist)) + speculate
+    ctx = model.cfg.max_position_embeddings
+    if max_len > ctx and len({p.max_new_tokens for p in plist}) > 1:  # per-request budgets: name the request
+        i = max(range(B), key=lambda j: len(prompts[j]) + plist[j].max_new_tokens)
+        raise MemoryRefused(f"request {i + 1} of {B}: its {len(prompts[i])} prompt tokens plus its max_new_tokens "
+                            f"{plist[i].max_new_tokens} make {max_len} positions, more than the model's context of {ctx}")
     if prefill_graphs is None:
         prefill_graphs = settings.flag("DEEPINFER_PREFILL_GRAPHS")
     if prefill_graphs and not (graphs and model.device.type == "cuda"):
