@@ -231,6 +231,24 @@ def check_environment() -> list[str]:
     return warnings
 
 
+KERNEL_SETTINGS = ("DEEPINFER_POLICY", "DEEPINFER_FP8_GEMM", "DEEPINFER_FP4_ASM", "DEEPINFER_FP4_ONE_DOT",
+                   "DEEPINFER_ATTN_PREFILL_BK", "DEEPINFER_TL_FP4", "DEEPINFER_TL_ATTN", "DEEPINFER_DECODE_FUSIONS",
+                   "DEEPINFER_PDL", "DEEPINFER_BRANCHES")
+"""Settings that choose among kernels, streams and launch modes: on the torch reference on a CPU they change
+nothing (the reference computes the same numbers under either policy)."""
+
+
+def unused_on_the_reference() -> list[str]:
+    """The KERNEL_SETTINGS set in the environment to other than their defaults, as "NAME=value": what a run of
+    only the torch reference on a CPU would ignore (`deepinfer_cli.common.setup` says so in one line)."""
+    out = []
+    for name in KERNEL_SETTINGS:
+        v = os.environ.get(name)
+        if v is not None and v.strip() and v.strip().lower() != SETTINGS[name].default:
+            out.append(f"{name}={v.strip()}")
+    return out
+
+
 def snapshot() -> str:
     """The settings this process has set in its environment, "NAME=value" joined by spaces (dump fingerprints:
     what produced these numbers)."""

@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from deepinfer import settings
 from deepinfer.engine.loader import LoadedModel, load_model, resolve_device
 from deepinfer.ops import ops
 from deepinfer_cli.errors import UserError
@@ -65,6 +66,10 @@ def setup(model: str | None, backend: str | None, strict: bool, numerics: str, d
     ops.configure(backend or None, strict if strict else None, op_map)
     ops.check_device(dev, dtype)
     enable_flaggems(parse_names(flaggems), dev)
+    unused = settings.unused_on_the_reference() if dev.type == "cpu" and ops.backends() == ["torch"] else []
+    if unused and not flaggems:
+        print(f"deepinfer: {', '.join(unused)}: kernel settings; this run is the torch reference on a CPU, where they "
+              "change nothing", file=sys.stderr)
     return load_model(model, numerics, dtype, str(dev), progress=progress, kv=kv, experts=experts)
 
 

@@ -285,3 +285,16 @@ def test_a_backend_from_the_environment_is_named_as_such(monkeypatch, tiny_dir):
     monkeypatch.setenv("DEEPINFER_OPS", "rms_norm=triton")
     line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1", "--device", "cpu"]))
     assert line.startswith("error: DEEPINFER_OPS backend triton needs a CUDA device"), line
+
+
+def test_kernel_settings_on_the_cpu_reference_are_said_to_change_nothing(monkeypatch, tiny_dir):
+    """DEEPINFER_FP8_GEMM=cublas or DEEPINFER_POLICY=fast with generate on a CPU were unused in silence (sweep of
+    2026-12-08): one stderr line names them; a setting at its default is not named."""
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", "cublas")
+    monkeypatch.setenv("DEEPINFER_POLICY", "fast")
+    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    r = runner.invoke(app, ["generate", "北京是", "-n", "1", "--device", "cpu", "--backend", "torch", "--json"])
+    assert r.exit_code == 0, r.output
+    assert ("deepinfer: DEEPINFER_POLICY=fast, DEEPINFER_FP8_GEMM=cublas: kernel settings; this run is the torch "
+            "reference on a CPU, where they change nothing") in r.stderr
+    assert "DEEPINFER_PDL" not in r.stderr
