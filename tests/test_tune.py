@@ -95,6 +95,8 @@ def test_a_named_candidate_that_cannot_run_here_is_refused(monkeypatch):
     AssertionError per op) and wrote a map; a candidate the user names must run on the device (sweep 2026-12-08)."""
     from deepinfer import settings
 
+    # imported first, interpreted as the session is: its module-level INTERPRET must not see the patch below
+    pytest.importorskip("deepinfer_kernels.triton")
     monkeypatch.setattr(settings, "triton_interpreted", lambda: False)
     with pytest.raises(ValueError, match="--candidates triton needs a CUDA device"):
         tune("torch", ["torch", "triton"], OPS, "tiny", 0, "cpu")
