@@ -328,6 +328,7 @@ def _check_run_fits(cfg: ModelConfig, opts: BenchOptions, batches: list[int], nu
     if positions > cfg.max_position_embeddings:
         raise OptionError(f"--prompt-len {opts.prompt_len} and --gen-len {opts.gen_len}: {positions} positions with "
                           f"the warm-up exceed the model's context of {cfg.max_position_embeddings}")
+    check_model_fits(cfg, numerics, device, f"--preset {opts.preset or 'tiny'}")  # the model alone, named so first
     B = max(batches)
     loaded, own = model_build_bytes(cfg, numerics.official, numerics.dtype, None)
     caches = cache_bytes(cfg, B + 1, positions, numerics.dtype, numerics.official)
