@@ -26,8 +26,38 @@ except ImportError:
             pass
 
 
+def repeated_options(command, args: list[str]) -> list[str]:
+    """The options of `command` that `args` give more than once although they take one value (not `multiple`, not a
+    count): Click keeps the last in silence, so `--op @map.yaml --op rms_norm=torch` dropped the map. A flag's
+    on and off names (`--noise` / `--no-noise`) are one option. Tokens after `--` are arguments."""
+    seen: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for p in getattr(command, "params", []):
+        if getattr(p, "param_type_name", "") != "option" or getattr(p, "multiple", False) or getattr(p, "count", False):
+            continue
+        for o in list(p.opts) + list(getattr(p, "secondary_opts", [])):
+            names[o] = p.opts[0]
+    for tok in args:
+        if tok == "--":
+            break
+        name = tok.split("=", 1)[0] if tok.startswith("--") else tok
+        if name in names:
+            seen[names[name]] = seen.get(names[name], 0) + 1
+    return [o for o, n in seen.items() if n > 1]
+
+
 class OneLineUsageGroup(TyperGroup):
-    """The app's top-level group (`typer.Typer(cls=...)`): Click's `main` with one-line usage errors."""
+    """The app's top-level group (`typer.Typer(cls=...)`): Click's `main` with one-line usage errors, and an option
+    given twice refused (`repeated_options`)."""
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        twice = repeated_options(cmd, rest) if cmd is not None else []
+        if twice:
+            sub = cmd.context_class(cmd, info_name=name, parent=ctx)  # names `deepinfer CMD --help`; parses nothing
+            raise UsageError(f"{', '.join(twice)} given more than once; each takes one value (the last would "
+                             "silently win)", ctx=sub)
+        return name, cmd, rest
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:  # a caller that handles Click's exceptions itself

@@ -27,6 +27,9 @@ def _one_line(r, code: int = 2) -> str:
 
 # ------------------------------------------------------------------ usage errors: one line, not a box
 @pytest.mark.parametrize("args, says", [
+    (["generate", "x", "-n", "2", "--max-new-tokens", "3"], "--max-new-tokens given more than once"),
+    (["generate", "x", "--op", "@m.yaml", "--op=rms_norm=torch"], "--op given more than once"),
+    (["margin", "x", "--noise", "--no-noise"], "--noise given more than once"),
     (["show"], "Missing argument"),
     (["probe", "bogus"], "No such command 'bogus'"),
     (["stack", "abc"], "'pids'"),
@@ -150,13 +153,12 @@ def test_bench_refuses_a_record_file_it_cannot_append_to_before_the_run(tmp_path
 
 @pytest.mark.parametrize("args, says", [
     (["--prompt-len", "99999999"], "exceed the model's context of 1048576"),
-    (["--batch", "1,1000000"], r"--batch 1000000 at --prompt-len 4: the model"),
+    (["--prompt-len", "4", "--batch", "1,1000000"], r"--batch 1000000 at --prompt-len 4: the model"),
 ])
 def test_bench_refuses_a_run_that_cannot_fit_before_building(args, says):
     import re
 
-    r = runner.invoke(app, ["bench", "--preset", "tiny", "--prompt-len", "4", "--gen-len", "1", "--device", "cpu",
-                            *args])
+    r = runner.invoke(app, ["bench", "--preset", "tiny", "--gen-len", "1", "--device", "cpu", *args])
     assert re.search(says, _one_line(r)), r.output
     assert "building the model" not in r.output
 
@@ -275,6 +277,8 @@ def test_a_backend_from_the_environment_is_named_as_such(monkeypatch, tiny_dir):
     2026-12-08); DEEPINFER_OPS likewise."""
     from deepinfer import settings
 
+    # imported first, interpreted as the session is: its module-level INTERPRET must not see the patch below
+    pytest.importorskip("deepinfer_kernels.triton")
     monkeypatch.setattr(settings, "triton_interpreted", lambda: False)
     monkeypatch.setenv("DEEPINFER_BACKEND", "triton")
     line = _one_line(runner.invoke(app, ["generate", "x", "-n", "1", "--device", "cpu"]))
