@@ -13,7 +13,7 @@ from rich.table import Table
 from deepinfer import settings
 from deepinfer.outpath import check_output_dir
 from deepinfer_cli.console import console
-from deepinfer_cli.errors import UserError, handle_errors
+from deepinfer_cli.errors import UserError, handle_errors, refuse_given
 
 
 def _prepare_interpreter(backend: str, compare: bool) -> str | None:
@@ -73,11 +73,9 @@ def ab_cmd(
     if against and compare:
         raise UserError("--against and --compare are exclusive (a replay runs one backend on saved cases)")
     if compare:  # a replay takes the saved cases' shapes, seed and reference outputs: these would be ignored
-        given = [o for o, on in (("--shapes", shapes != "all"), ("--seed", seed is not None), ("--ref", ref != "torch"))
-                 if on]
-        if given:
-            raise UserError(f"{', '.join(given)} with --compare: a replay runs the cases saved in {compare} as they "
-                            "were dumped (their shapes, inputs and reference outputs); leave them out")
+        refuse_given((("--shapes", shapes != "all"), ("--seed", seed is not None), ("--ref", ref != "torch")),
+                     f" with --compare: a replay runs the cases saved in {compare} as they were dumped (their shapes, "
+                     "inputs and reference outputs); leave them out")
     from deepinfer.ops.registry import BACKENDS
 
     if against and against not in BACKENDS:

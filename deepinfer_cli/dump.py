@@ -17,7 +17,7 @@ from deepinfer.debug.h5schema import DumpReader
 from deepinfer.ops.registry import op_map_str
 from deepinfer.outpath import check_output
 from deepinfer_cli import common
-from deepinfer_cli.errors import UserError, handle_errors
+from deepinfer_cli.errors import UserError, handle_errors, refuse_given
 
 
 def default_path(model: str, backend: str, numerics: str, dtype: str) -> str:
@@ -109,12 +109,10 @@ def dump_cmd(
     if engine not in ("deepinfer", "transformers"):
         raise UserError(f"--engine {engine!r}: deepinfer | transformers")
     if engine == "transformers":  # its own modules in exact numerics: our kernel options would be ignored
-        given = [o for o, on in (("--backend", backend), ("--op", op_map), ("--strict", strict),
-                                 ("--flaggems", flaggems), (f"--numerics {numerics}", numerics not in ("official", "exact")))
-                 if on]
-        if given:
-            raise UserError(f"{', '.join(given)} with --engine transformers: transformers runs its own modules in exact "
-                            "numerics; these apply to --engine deepinfer")
+        refuse_given((("--backend", backend), ("--op", op_map), ("--strict", strict), ("--flaggems", flaggems),
+                      (f"--numerics {numerics}", numerics not in ("official", "exact"))),
+                     " with --engine transformers: transformers runs its own modules in exact numerics; these apply "
+                     "to --engine deepinfer")
     text = common.read_prompt(prompt)
     common.check_prompt(text, "chat" if chat else "raw")
     if steps < 0:

@@ -36,6 +36,14 @@ class UserError(Exception):
     """Raised by commands for bad input; printed as one line, exit code 2."""
 
 
+def refuse_given(options, why: str) -> None:
+    """Raise UserError when any of `options` ((name, given?) pairs: options this run would ignore) was given, naming
+    them, then `why` (e.g. " with --compare: ...")."""
+    given = [name for name, on in options if on]
+    if given:
+        raise UserError(f"{', '.join(given)}{why}")
+
+
 def fail(message: str, hint: str | None = None) -> "typer.Exit":
     line = f"error: {message}"
     if hint:

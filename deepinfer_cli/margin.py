@@ -14,7 +14,7 @@ from deepinfer.debug.margin import (DEFAULT_REF, DEFAULT_TEST, DEFAULT_TOL, Marg
 from deepinfer.outpath import check_output
 from deepinfer_cli import common
 from deepinfer_cli.console import console
-from deepinfer_cli.errors import UserError, handle_errors
+from deepinfer_cli.errors import UserError, handle_errors, refuse_given
 
 
 def render(res: MarginResult, con: Console, token_text=None) -> None:
@@ -75,11 +75,10 @@ def margin_cmd(
         raise UserError(f"a prompt ({prompt!r}) and --from-dumps: the dumps carry their own prompt; give one or "
                         "the other")
     if dumps:  # the dumps fix the prompt, the steps and both configurations: these would be ignored
-        given = [o for o, on in (("--model", model is not None), ("--steps", steps != 16), ("--ref", ref != DEFAULT_REF),
-                                 ("--test", test != DEFAULT_TEST), ("--no-noise", not noise), ("--chat", chat)) if on]
-        if given:
-            raise UserError(f"{', '.join(given)} with --from-dumps: the two dumps already hold their prompt, steps and "
-                            "configurations (dump --steps makes them); leave them out")
+        refuse_given((("--model", model is not None), ("--steps", steps != 16), ("--ref", ref != DEFAULT_REF),
+                      ("--test", test != DEFAULT_TEST), ("--no-noise", not noise), ("--chat", chat)),
+                     " with --from-dumps: the two dumps already hold their prompt, steps and configurations (dump "
+                     "--steps makes them); leave them out")
     if plot_path:
         check_output(plot_path, "--plot", inputs=tuple(dumps or ()) + (model,))
     token_text = None

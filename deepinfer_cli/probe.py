@@ -174,13 +174,12 @@ def flaggems_cmd(include: str = typer.Option(None, "--include", help="Comma-sepa
                        log=(lambda m: None) if as_json else (lambda m: err.print(m, highlight=False)))
         _emit(d, as_json, _render_screen)
         return
-    given = [o for o, on in (("--model", model is not None), ("--out", out is not None), ("--backend", backend is not None),
-                             ("--device", device is not None), ("--steps", steps != 3), ("--budget", budget != 120.0),
-                             ("--per-op", per_op != 3), ("--deadline", deadline is not None)) if on]
-    if given:  # options of the screen: without it they would be ignored
-        from deepinfer_cli.errors import UserError
+    from deepinfer_cli.errors import refuse_given
 
-        raise UserError(f"{', '.join(given)}: options of `probe flaggems --screen`; add --screen or leave them out")
+    refuse_given((("--model", model is not None), ("--out", out is not None), ("--backend", backend is not None),
+                  ("--device", device is not None), ("--steps", steps != 3), ("--budget", budget != 120.0),
+                  ("--per-op", per_op != 3), ("--deadline", deadline is not None)),
+                 ": options of `probe flaggems --screen`; add --screen or leave them out")  # ignored without it
     from deepinfer.debug.probes import probe_flaggems
 
     names = [n.strip() for n in include.split(",") if n.strip()] if include else None
