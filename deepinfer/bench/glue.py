@@ -29,6 +29,8 @@ def _tensors(x) -> list[torch.Tensor]:
         return [x]
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
     return []
 
 

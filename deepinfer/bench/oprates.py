@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer.bench.glue import _tensors
 from deepinfer.ops import ops
 
 
@@ -72,16 +73,6 @@ def op_shape(name: str, args: tuple) -> str:
         q, k = args[0], args[1]
         return f"{q.numel() // (q.size(-1) * q.size(-2))}t {q.size(-2)}h D{q.size(-1)} T{k.size(-2)}"
     return ""
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
 
 
 def _view_key(t: torch.Tensor) -> tuple:
